@@ -1,0 +1,35 @@
+# Two commands: `make demo` and `make test`. Each bootstraps .venv/ when it is missing or stale
+# (requirements.txt or pyproject.toml changed) and installs nothing on a second run.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCHREC := torchrec==1.8.0
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-all demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip "setuptools>=64"
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps $(TORCHREC)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m persistent_delta.demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) demo-out bench-out

@@ -1,0 +1,240 @@
+"""The log's on-disk format: keys, record values and small metadata values.
+
+Design note
+-----------
+Keys are fixed-width big-endian integers so that LMDB's byte order is numeric order:
+
+    record key = table_id (u32) | batch_idx (u64) | seq (u32)        -- 16 bytes
+
+``seq`` orders the records that share (table, batch_idx), in append order. A cursor positioned
+at ``record_key(t, b, 0)`` therefore walks table ``t`` from batch ``b`` upwards, in call order.
+
+A record value is a small msgpack header followed by raw tensor bytes, so decoding is a
+``torch.frombuffer`` view, not a copy (msgpack would copy ``bin`` fields):
+
+    u32 header_len | u32 crc32c | header (msgpack) | pad | ids bytes | pad | states bytes
+
+``crc32c`` covers everything after the first 8 bytes; every reader checks it, so a flipped
+byte is reported as :class:`CorruptRecordError` instead of being returned as data. Tensor
+payloads start at 8-byte aligned offsets within the value. The header holds the record kind,
+the dtypes and the shapes; an unknown kind or dtype raises, it is never skipped.
+
+The format version (``FORMAT_VERSION``) is stored in the log's meta DB and checked on open.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
+
+import crc32c
+import msgpack
+import torch
+
+from persistent_delta.errors import CorruptRecordError, InvalidInputError
+
+# Version 1: the layout described in the module docstring.
+FORMAT_VERSION = 1
+
+# Record kinds. A reader that meets a kind it does not know raises CorruptRecordError.
+KIND_LOOKUP = 0  # ids (+ states) recorded from a batch, or a compacted range of them
+KIND_SNAPSHOT = 1  # ids + current row values written by a publish
+_KNOWN_KINDS = (KIND_LOOKUP, KIND_SNAPSHOT)
+
+_KEY = struct.Struct(">IQI")
+_TABLE_PREFIX = struct.Struct(">I")
+_PREFIX = struct.Struct(">II")
+KEY_SIZE = _KEY.size
+MAX_BATCH_IDX = (1 << 64) - 1
+MAX_SEQ = (1 << 32) - 1
+
+# torch.frombuffer warns on read-only buffers (LMDB maps are read-only). The views we build are
+# never written to and never outlive their transaction (see log.py), so the warning is noise.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+_DTYPES: Dict[str, torch.dtype] = {
+    name: dt
+    for name, dt in (
+        ("bool", torch.bool),
+        ("uint8", torch.uint8),
+        ("int8", torch.int8),
+        ("int16", torch.int16),
+        ("int32", torch.int32),
+        ("int64", torch.int64),
+        ("uint16", torch.uint16),
+        ("uint32", torch.uint32),
+        ("uint64", torch.uint64),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("float32", torch.float32),
+        ("float64", torch.float64),
+        ("complex64", torch.complex64),
+        ("complex128", torch.complex128),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("float8_e5m2", torch.float8_e5m2),
+    )
+}
+_DTYPE_NAMES: Dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+INTEGER_ID_DTYPES = frozenset(
+    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+     torch.uint16, torch.uint32, torch.uint64)
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stored name of ``dtype``; raises :class:`InvalidInputError` for unsupported ones."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidInputError(f"dtype {dtype} cannot be stored in a delta log") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype stored as ``name``; raises :class:`CorruptRecordError` when unknown."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CorruptRecordError(f"unknown dtype {name!r} in a stored record") from None
+
+
+# ---------------------------------------------------------------------------------- keys
+
+
+def record_key(table_id: int, batch_idx: int, seq: int) -> bytes:
+    """The 16-byte key of record ``seq`` of ``(table_id, batch_idx)``."""
+    return _KEY.pack(table_id, batch_idx, seq)
+
+
+def decode_record_key(key: Union[bytes, memoryview]) -> Tuple[int, int, int]:
+    """``(table_id, batch_idx, seq)`` of a record key."""
+    if len(key) != KEY_SIZE:
+        raise CorruptRecordError(f"record key of {len(key)} bytes, expected {KEY_SIZE}")
+    t, b, s = _KEY.unpack(bytes(key))
+    return int(t), int(b), int(s)
+
+
+def table_prefix(table_id: int) -> bytes:
+    """The 4-byte prefix shared by every record key of ``table_id``."""
+    return _TABLE_PREFIX.pack(table_id)
+
+
+# ------------------------------------------------------------------------------- records
+
+
+@dataclass
+class DecodedRecord:
+    """A decoded record value. ``ids``/``states`` may be views into LMDB's map: valid only
+    inside the read transaction that produced the buffer (copy them to keep them)."""
+
+    kind: int
+    ids: torch.Tensor
+    states: Optional[torch.Tensor]
+    nbytes: int
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _pad(n: int) -> int:
+    return (-n) % 8
+
+
+_ZEROS = bytes(8)
+
+
+def encode_record(ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP) -> bytes:
+    """Encode one record value. ``ids`` is 1-D; ``states`` (optional) has ``len(ids)`` rows."""
+    ids_buf = _raw_bytes(ids)
+    header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
+    states_buf: Optional[memoryview] = None
+    if states is not None:
+        states_buf = _raw_bytes(states)
+        header["s"] = [dtype_name(states.dtype), [int(d) for d in states.shape]]
+    head = msgpack.packb(header)
+    # Offsets are relative to the value start; payloads start 8-byte aligned.
+    pos = _PREFIX.size + len(head)
+    pad1 = _pad(pos)
+    pos += pad1 + len(ids_buf)
+    pad2 = _pad(pos) if states_buf is not None else 0
+    parts: List[Union[bytes, memoryview]] = [head, _ZEROS[:pad1], ids_buf]
+    if states_buf is not None:
+        parts += [_ZEROS[:pad2], states_buf]
+    crc = 0
+    for p in parts:
+        crc = crc32c.crc32c(p, value=crc)
+    return b"".join([_PREFIX.pack(len(head), crc), *parts])
+
+
+def decode_record(buf: Union[bytes, memoryview], verify: bool = True) -> DecodedRecord:
+    """Decode a record value into tensor views over ``buf`` (no copy).
+
+    Raises:
+        CorruptRecordError: checksum mismatch, truncated value, unknown kind or dtype.
+    """
+    mv = memoryview(buf)
+    n = len(mv)
+    if n < _PREFIX.size:
+        raise CorruptRecordError(f"record value of {n} bytes is truncated")
+    head_len, crc = _PREFIX.unpack_from(mv, 0)
+    if verify and crc32c.crc32c(mv[_PREFIX.size:]) != crc:
+        raise CorruptRecordError("record checksum mismatch (the stored bytes were altered)")
+    try:
+        header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
+        kind = int(header["k"])
+        ids_dtype_name, n_ids = header["i"]
+        states_meta = header.get("s")
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means a damaged record
+        raise CorruptRecordError(f"record header cannot be decoded: {exc}") from exc
+    if kind not in _KNOWN_KINDS:
+        raise CorruptRecordError(f"unknown record kind {kind} (written by a newer version?)")
+    pos = _PREFIX.size + head_len
+    pos += _pad(pos)
+    ids_dtype = dtype_from_name(ids_dtype_name)
+    ids_len = int(n_ids) * ids_dtype.itemsize
+    if pos + ids_len > n:
+        raise CorruptRecordError("record value shorter than its header says")
+    ids = _view(mv, ids_dtype, int(n_ids), pos)
+    pos += ids_len
+    states: Optional[torch.Tensor] = None
+    if states_meta is not None:
+        pos += _pad(pos)
+        s_dtype = dtype_from_name(states_meta[0])
+        shape = [int(d) for d in states_meta[1]]
+        count = 1
+        for d in shape:
+            count *= d
+        if pos + count * s_dtype.itemsize > n:
+            raise CorruptRecordError("record value shorter than its header says")
+        states = _view(mv, s_dtype, count, pos).reshape(shape)
+    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n)
+
+
+def _view(mv: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(mv, dtype=dtype, count=count, offset=offset)
+
+
+# ------------------------------------------------------------------------- small values
+
+
+def pack(obj: object) -> bytes:
+    """msgpack-encode a small metadata value."""
+    return msgpack.packb(obj)  # type: ignore[no-any-return]
+
+
+def unpack(buf: Union[bytes, memoryview], what: str = "metadata value") -> object:
+    """msgpack-decode a small metadata value; raises :class:`CorruptRecordError` on damage."""
+    try:
+        return msgpack.unpackb(bytes(buf))
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptRecordError(f"{what} cannot be decoded: {exc}") from exc

@@ -1,0 +1,68 @@
+"""Exceptions raised by persistent_delta.
+
+Every failure a caller can act on has its own subclass of :class:`PersistentDeltaError`; the
+message says what happened, why, and how to fix it. Library errors (py-lmdb, msgpack) are
+wrapped with ``raise ... from exc`` so the original cause stays visible.
+"""
+
+from __future__ import annotations
+
+
+class PersistentDeltaError(Exception):
+    """Base class of every error raised on purpose by persistent_delta."""
+
+
+class InvalidInputError(PersistentDeltaError, ValueError):
+    """An argument is malformed: float or negative ids, states whose rows differ from the ids,
+    a negative or decreasing ``batch_idx``, an invalid consumer name, a bad range."""
+
+
+class LogClosedError(PersistentDeltaError):
+    """The store, log or tracker was used after ``close()``."""
+
+
+class LogLockedError(PersistentDeltaError):
+    """Another process (or another open handle in this process) holds the log's writer lock."""
+
+
+class NotALogError(PersistentDeltaError):
+    """The directory does not hold a persistent_delta log (and creating one was not asked for)."""
+
+
+class FormatMismatchError(PersistentDeltaError):
+    """The log was written with another format version, and cannot be read by this one."""
+
+
+class ConfigMismatchError(PersistentDeltaError):
+    """The log was written with another update mode, tracking mode or table set."""
+
+
+class ForkedProcessError(PersistentDeltaError):
+    """An LMDB environment opened in one process was used from a forked child."""
+
+
+class CorruptRecordError(PersistentDeltaError):
+    """A stored record failed its checksum or could not be decoded."""
+
+
+class LogFullError(PersistentDeltaError):
+    """The disk is full (or the map cannot grow further); nothing committed was lost."""
+
+
+class ReadOnlyLogError(PersistentDeltaError):
+    """A write was attempted on a log opened read-only, or the directory is not writable."""
+
+
+class UnknownConsumerError(PersistentDeltaError, KeyError):
+    """The consumer name is not registered in the log."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class OffsetOutOfRangeError(PersistentDeltaError):
+    """A consumer position lies below the log start (its data was deleted) or past its end."""
+
+
+class WriterError(PersistentDeltaError):
+    """The background writer failed; the original error is chained as ``__cause__``."""

@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from persistent_delta import codec
+from persistent_delta.errors import CorruptRecordError, InvalidInputError
+
+
+@pytest.mark.parametrize(
+    "ids_dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.uint32, torch.uint64]
+)
+@pytest.mark.parametrize(
+    "states",
+    [
+        None,
+        torch.arange(12, dtype=torch.float32).reshape(6, 2),
+        torch.randn(6, 3, 2).to(torch.bfloat16),
+        torch.arange(6, dtype=torch.float64),
+        torch.tensor([True, False, True, True, False, False]),
+        torch.randn(6, 4).to(torch.float16),
+    ],
+)
+def test_roundtrip_keeps_dtype_and_shape(ids_dtype, states):
+    ids = torch.tensor([5, 1, 0, 9, 3, 7]).to(ids_dtype)
+    buf = codec.encode_record(ids, states)
+    rec = codec.decode_record(buf)
+    assert rec.kind == codec.KIND_LOOKUP
+    assert rec.ids.dtype == ids_dtype and torch.equal(rec.ids, ids)
+    if states is None:
+        assert rec.states is None
+    else:
+        assert rec.states.dtype == states.dtype and rec.states.shape == states.shape
+        assert torch.equal(rec.states, states)
+
+
+def test_empty_and_noncontiguous():
+    ids = torch.arange(20)[::2]
+    states = torch.randn(4, 10).t()  # non-contiguous, shape (10, 4)
+    rec = codec.decode_record(codec.encode_record(ids, states))
+    assert torch.equal(rec.ids, ids) and torch.equal(rec.states, states)
+    empty = codec.decode_record(codec.encode_record(torch.empty(0, dtype=torch.int64), torch.empty(0, 8)))
+    assert empty.ids.numel() == 0 and empty.states.shape == (0, 8)
+
+
+def test_payload_is_aligned_and_zero_copy():
+    buf = bytearray(codec.encode_record(torch.arange(3, dtype=torch.int64), torch.ones(3, 5, dtype=torch.float64)))
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    rec = codec.decode_record(buf)
+    # Views into the buffer (no copy), each starting 8-byte aligned relative to the value start.
+    assert (rec.ids.data_ptr() - base) % 8 == 0 and 0 < rec.ids.data_ptr() - base < len(buf)
+    assert (rec.states.data_ptr() - base) % 8 == 0 and 0 < rec.states.data_ptr() - base < len(buf)
+    assert rec.ids.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("pos", [0, 9, 20, -1, -5])
+def test_flipped_byte_is_detected(pos):
+    buf = bytearray(codec.encode_record(torch.arange(10), torch.randn(10, 4)))
+    buf[pos] ^= 0x40
+    with pytest.raises(CorruptRecordError):
+        codec.decode_record(bytes(buf))
+
+
+def test_truncated_value_is_detected():
+    buf = codec.encode_record(torch.arange(10), torch.randn(10, 4))
+    with pytest.raises(CorruptRecordError):
+        codec.decode_record(buf[:-8])
+    with pytest.raises(CorruptRecordError):
+        codec.decode_record(buf[:5])
+
+
+def test_unknown_kind_raises():
+    buf = codec.encode_record(torch.arange(3), None, kind=7)
+    with pytest.raises(CorruptRecordError, match="unknown record kind"):
+        codec.decode_record(buf)
+
+
+def test_unsupported_dtype_is_invalid_input():
+    with pytest.raises(InvalidInputError):
+        codec.dtype_name(torch.quint8)
+
+
+def test_keys_sort_numerically():
+    keys = [(0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 256, 0), (0, 2**40, 3), (1, 0, 0), (2**31, 5, 2**32 - 1)]
+    encoded = [codec.record_key(*k) for k in keys]
+    assert sorted(encoded) == encoded
+    assert [codec.decode_record_key(k) for k in encoded] == keys
+    assert all(len(k) == codec.KEY_SIZE for k in encoded)
+    assert codec.record_key(3, 9, 1).startswith(codec.table_prefix(3))
