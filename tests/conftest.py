@@ -2,44 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from typing import List
-
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_python(code: str, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a real separate process) with the repo importable."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def popen_python(code: str, *args: str) -> subprocess.Popen:
-    """Start ``code`` in a separate interpreter, stdout/stderr piped (for kill tests)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
 
 
 @pytest.fixture
 def log_dir(tmp_path) -> str:
     return str(tmp_path / "log")
-
-
-def lines(text: str) -> List[str]:
-    return [ln for ln in text.splitlines() if ln.strip()]

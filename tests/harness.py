@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -49,7 +50,6 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 SPARSE_FQN = "sparse"  # attribute name of the EC/EBC inside the model
@@ -158,7 +158,8 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     opt_cls, opt_kw = _OPTIMIZERS[optimizer]
     torch.manual_seed(seed)
     model = SparseDenseModel(kind, num_tables, rows, dim)
-    apply_optimizer_in_backward(opt_cls, model.sparse.parameters(), opt_kw)
+    # TorchRec's sharder adds keys to the kwargs dict it finds on the param: pass a copy.
+    _apply_optimizer_in_backward(opt_cls, model.sparse.parameters(), dict(opt_kw))
     module_plan = construct_module_sharding_plan(
         model.sparse,
         {f"table_{t}": _plan_generator(sharding, t, world_size) for t in range(num_tables)},

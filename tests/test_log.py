@@ -1,0 +1,184 @@
+"""DeltaLog: process rules (one writer, many readers, fork), crash atomicity, map growth."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta import ForkedProcessError, LmdbDeltaStore, LogLockedError
+from persistent_delta.config import LogOptions
+from persistent_delta.log import DeltaLog
+
+from procs import popen_python, run_python
+
+
+def test_second_writer_process_refused_while_reader_reads(log_dir):
+    with LmdbDeltaStore(log_dir) as store:
+        store.append(0, "t", torch.tensor([1, 2]))
+        store.flush()
+        # A reader process reads while this process writes ...
+        reader = run_python(
+            """
+            import sys
+            from persistent_delta import LmdbDeltaStore
+            with LmdbDeltaStore(sys.argv[1], readonly=True) as ro:
+                print(ro.get_unique()["t"].ids.tolist())
+            """,
+            log_dir,
+        )
+        assert reader.stdout.strip() == "[1, 2]"
+        # ... and a second writer process is refused, with our pid in the message.
+        writer = run_python(
+            """
+            import sys
+            from persistent_delta import LmdbDeltaStore, LogLockedError
+            try:
+                LmdbDeltaStore(sys.argv[1])
+            except LogLockedError as e:
+                print("REFUSED", e)
+            """,
+            log_dir,
+        )
+        assert writer.stdout.startswith("REFUSED") and f"pid {os.getpid()}" in writer.stdout
+        # a second writer handle in this process is refused too
+        with pytest.raises(LogLockedError):
+            LmdbDeltaStore(log_dir)
+        store.append(1, "t", torch.tensor([3]))
+    # once closed, another process may write
+    run_python(
+        """
+        import sys, torch
+        from persistent_delta import LmdbDeltaStore
+        with LmdbDeltaStore(sys.argv[1]) as s:
+            s.append(2, "t", torch.tensor([4]))
+        """,
+        log_dir,
+    )
+    with LmdbDeltaStore(log_dir) as store:
+        assert store.get_unique()["t"].ids.tolist() == [1, 2, 3, 4]
+
+
+def test_writer_lock_released_when_writer_is_killed(log_dir):
+    proc = popen_python(
+        """
+        import sys, time, torch
+        from persistent_delta import LmdbDeltaStore
+        s = LmdbDeltaStore(sys.argv[1])
+        s.append(0, "t", torch.tensor([1]))
+        print("READY", flush=True)
+        time.sleep(60)
+        """,
+        log_dir,
+    )
+    assert proc.stdout.readline().strip() == "READY"
+    with pytest.raises(LogLockedError, match=f"pid {proc.pid}"):
+        LmdbDeltaStore(log_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with LmdbDeltaStore(log_dir) as store:
+        assert store.get_unique()["t"].ids.tolist() == [1]
+
+
+def test_sigkill_mid_append_leaves_log_as_of_last_commit(log_dir):
+    """A writer appends large multi-record groups in a loop and reports each commit; killed at a
+    random instant, the log holds every reported group, whole, and nothing torn."""
+    proc = popen_python(
+        """
+        import sys, torch
+        from persistent_delta import LmdbDeltaStore
+        from persistent_delta.store import AppendRecord
+        s = LmdbDeltaStore(sys.argv[1], __import__("torchrec").distributed.model_tracker.types.UpdateMode.FIRST)
+        b = 0
+        while True:
+            recs = [AppendRecord(b, f"t{k}", torch.full((20000,), b, dtype=torch.int64) + torch.arange(20000),
+                                 torch.full((20000, 16), float(b))) for k in range(4)]
+            s.append_many(recs)
+            print(b, flush=True)
+            b += 1
+        """,
+        log_dir,
+    )
+    committed = -1
+    deadline = time.time() + 60
+    while committed < 15 and time.time() < deadline:
+        committed = int(proc.stdout.readline())
+    time.sleep(0.05 + (os.getpid() % 7) * 0.01)
+    proc.send_signal(signal.SIGKILL)
+    rest = proc.stdout.read().split()
+    proc.wait()
+    if rest:
+        committed = int(rest[-1])
+    assert committed >= 15
+    with LmdbDeltaStore(log_dir, UpdateMode.FIRST) as store:
+        lookups = store.per_fqn_lookups
+        assert sorted(lookups) == ["t0", "t1", "t2", "t3"]
+        batches = [[lk.batch_idx for lk in lookups[f"t{k}"]] for k in range(4)]
+        # every table has the same batches (groups are atomic), contiguous from 0
+        assert all(b == batches[0] for b in batches)
+        assert batches[0] == list(range(len(batches[0])))
+        # all reported commits are there; at most one more (committed, not yet printed)
+        assert committed + 1 <= len(batches[0]) <= committed + 2
+        for k in range(4):
+            for lk in lookups[f"t{k}"]:
+                assert lk.ids.numel() == 20000 and bool((lk.states == float(lk.batch_idx)).all())
+
+
+def test_map_grows_by_itself(log_dir):
+    opts = LogOptions(map_size=256 << 10)  # 256 KiB: full after a few records
+    with LmdbDeltaStore(log_dir, UpdateMode.LAST, options=opts) as store:
+        for b in range(40):
+            store.append(b, "t", torch.arange(1000) + b, torch.randn(1000, 16))
+        assert store.log.stat()["map_size"] > 256 << 10
+        assert len(store.per_fqn_lookups["t"]) == 40
+    # reopening with the small default does not shrink the map below the data
+    with LmdbDeltaStore(log_dir, UpdateMode.LAST, options=opts) as store:
+        assert len(store.per_fqn_lookups["t"]) == 40
+
+
+def test_reader_process_follows_map_growth(log_dir):
+    """A reader process opened before the writer grows the map keeps reading correctly."""
+    opts = LogOptions(map_size=256 << 10)
+    expected = 1 + 59 * 2000
+    with LmdbDeltaStore(log_dir, options=opts) as store:
+        store.append(0, "t", torch.tensor([0]))
+        reader = popen_python(
+            """
+            import sys, time
+            from persistent_delta import LmdbDeltaStore
+            with LmdbDeltaStore(sys.argv[1], readonly=True) as ro:
+                print("OPEN", len(ro.get_unique()["t"].ids), flush=True)
+                deadline = time.time() + 60
+                n = 0
+                while n < int(sys.argv[2]) and time.time() < deadline:
+                    n = len(ro.get_unique()["t"].ids)
+                    time.sleep(0.02)
+                print("SEEN", n, flush=True)
+            """,
+            log_dir, str(expected),
+        )
+        assert reader.stdout.readline().split() == ["OPEN", "1"]
+        for b in range(1, 60):
+            store.append(b, "t", torch.arange(2000) + b * 2000)
+        assert store.log.stat()["map_size"] > 256 << 10
+        out, err = reader.communicate(timeout=90)
+        assert reader.returncode == 0, err
+        assert out.split() == ["SEEN", str(expected)]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_cannot_use_parent_handle(log_dir):
+    with DeltaLog(log_dir) as log:
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 1
+            try:
+                log.read(lambda r: r.consumers())
+            except ForkedProcessError:
+                code = 0
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert log.read(lambda r: r.consumers()) == {}  # parent still fine
