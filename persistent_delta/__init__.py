@@ -23,6 +23,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.log import DeltaLog
 from persistent_delta.store import LmdbDeltaStore
+from persistent_delta.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,7 @@ __all__ = [
     "ReadOnlyLogError",
     "UnknownConsumerError",
     "WriterError",
+    "PersistentDeltaTracker",
+    "PersistentTrackerConfig",
+    "attach",
 ]

@@ -23,19 +23,25 @@ Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torch import nn
-from torch.distributed.optim import _apply_optimizer_in_backward
+from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
+from torch.multiprocessing.spawn import ProcessException, start_processes
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -43,12 +49,13 @@ from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
     column_wise,
     construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -124,7 +131,7 @@ class SparseDenseModel(nn.Module):
         return loss
 
 
-def _plan_generator(sharding: str, table_idx: int, world_size: int) -> Callable[..., Any]:
+def _plan_generator(sharding: str, table_idx: int, world_size: int) -> ParameterShardingGenerator:
     if sharding == "row_wise":
         return row_wise()
     if sharding == "table_wise":
@@ -134,7 +141,7 @@ def _plan_generator(sharding: str, table_idx: int, world_size: int) -> Callable[
         if sharding == "column_wise":
             return gen
 
-        def _twcw(*a: Any, **kw: Any) -> Any:
+        def _twcw(*a: Any, **kw: Any) -> ParameterSharding:
             return replace(gen(*a, **kw), sharding_type=ShardingType.TABLE_COLUMN_WISE.value)
 
         return _twcw
@@ -166,6 +173,7 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
         local_size=world_size, world_size=world_size, device_type="cpu")
     pg = dist.GroupMember.WORLD
     assert pg is not None, "run inside run_spawn (needs an initialised process group)"
+    assert dist.get_rank() == rank and dist.get_world_size() == world_size
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
         plan=ShardingPlan({SPARSE_FQN: module_plan}))
@@ -256,17 +264,22 @@ def table_shard_info(dmp: nn.Module) -> Dict[str, Dict[str, Any]]:
     return info
 
 
-def _find(dmp: nn.Module, fqn: str) -> Tuple[nn.Module, int]:
+def get_tbe(dmp: nn.Module, fqn: str) -> Tuple[SplitTableBatchedEmbeddingBagsCodegen, int]:
+    """The FBGEMM TBE holding this rank's shard of ``fqn`` and the table's index in it
+    (``emb._emb_module`` of the ``BatchedFusedEmbedding[Bag]`` in the lookup)."""
     for f, _s, emb, i, _t in _iter_local_tables(dmp):
         if f == fqn:
-            return emb, i
+            tbe = emb._emb_module
+            assert isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen), type(tbe)
+            return tbe, i
     raise KeyError(f"{fqn} has no shard on this rank")
 
 
 def get_local_weights(dmp: nn.Module, fqn: str) -> torch.Tensor:
     """This rank's whole local shard of ``fqn`` (a live view: writes go into the TBE)."""
-    emb, i = _find(dmp, fqn)
-    return emb._emb_module.split_embedding_weights()[i]
+    tbe, i = get_tbe(dmp, fqn)
+    w: torch.Tensor = tbe.split_embedding_weights()[i]
+    return w
 
 
 def get_local_rows(dmp: nn.Module, fqn: str, local_ids: torch.Tensor) -> torch.Tensor:
@@ -278,8 +291,8 @@ def get_local_optimizer_state(dmp: nn.Module, fqn: str) -> List[torch.Tensor]:
     """``split_optimizer_states()`` of the TBE for ``fqn`` (views): [] for EXACT_SGD,
     [momentum1 (local_rows, local_cols)] for EXACT_ADAGRAD, [momentum1 (local_rows,)]
     for EXACT_ROWWISE_ADAGRAD."""
-    emb, i = _find(dmp, fqn)
-    states = emb._emb_module.split_optimizer_states()
+    tbe, i = get_tbe(dmp, fqn)
+    states = tbe.split_optimizer_states()
     return list(states[i]) if states else []
 
 
@@ -289,45 +302,71 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class SpawnError(RuntimeError):
+    """A spawned rank raised; the message holds every failed rank's traceback, earliest first."""
+
+
 def _spawn_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int,
-                 queue: Any, args: Tuple[Any, ...]) -> None:
+                 queue: Any, timeout: float, args: Tuple[Any, ...]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
-        queue.put((rank, pickle.dumps(result)))
+        queue.put((rank, True, time.time(), pickle.dumps(result)))
+    except BaseException:
+        queue.put((rank, False, time.time(), traceback.format_exc()))
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def run_spawn(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout: float = 300.0) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo
-    group on a fresh localhost port. Returns the per-rank return values (must pickle).
-    A child exception is re-raised in the parent (``ProcessRaisedException``); if the
-    children are not done after ``timeout`` seconds they are killed and ``TimeoutError``
-    is raised. ``fn`` must be importable (module level)."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    Each child joins a gloo group on a fresh free localhost port (collective timeout =
+    ``timeout``), runs ``fn`` with one torch thread, and destroys the group at the end.
+    Returns the per-rank return values (must be picklable; tensors are copied). If any
+    rank raises, the others are terminated and ``SpawnError`` is raised with all failed
+    ranks' tracebacks, the first failure (root cause) first. If the children are not
+    done after ``timeout`` seconds they are killed and ``TimeoutError`` is raised.
+    ``fn`` and ``args`` must be picklable: define ``fn`` at module level of an
+    importable module (spawn children re-import it; they inherit the parent's sys.path).
+    """
     queue = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_spawn_entry, args=(fn, world_size, _free_port(), queue, args),
-                             nprocs=world_size, join=False, start_method="spawn")
+    ctx = start_processes(  # type: ignore[no-untyped-call]
+        _spawn_entry, args=(fn, world_size, _free_port(), queue, timeout, args),
+        nprocs=world_size, join=False, start_method="spawn")
     results: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    done = False
-    while not done:
+    errors: List[Tuple[float, int, str]] = []
+
+    def drain() -> None:
         while not queue.empty():
-            r, payload = queue.get()
-            results[r] = pickle.loads(payload)
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"run_spawn({getattr(fn, '__name__', fn)}) exceeded {timeout}s")
-        done = ctx.join(timeout=0.2)
-    while not queue.empty():
-        r, payload = queue.get()
-        results[r] = pickle.loads(payload)
+            r, ok, t, payload = queue.get()
+            if ok:
+                results[r] = pickle.loads(payload)
+            else:
+                errors.append((t, r, payload))
+
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.2):
+            drain()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_spawn({getattr(fn, '__name__', fn)}) exceeded {timeout}s")
+    except ProcessException as e:
+        drain()
+        msgs = [f"--- rank {r} ---\n{tb}" for _t, r, tb in sorted(errors)] or [str(e)]
+        raise SpawnError("\n".join(msgs)) from e
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    drain()
     return [results.get(r) for r in range(world_size)]
 
 

@@ -1,0 +1,135 @@
+"""What this rank holds of each tracked table: TorchRec/FBGEMM introspection, in one place.
+
+For every table fqn that TorchRec's tracker would track (``"<module>.embeddings.<table>"`` for
+an EC, ``"<module>.embedding_bags.<table>"`` for an EBC, DMP/DDP prefixes stripped), this
+module finds the local shard: its sharding type, the shard's row/column offsets and sizes
+(``ShardedEmbeddingTable.local_metadata.shard_offsets``), and the FBGEMM TBE that holds it
+(``sharded._lookups[i]._emb_modules[j]._emb_module``, table ``k`` of the group), from which the
+current rows and the optimizer state are read.
+
+The shard metadata is written into the log's table entries so that tools can map shard-local
+ids to global row ids (``global_id = local_id + row_offset``; column-wise shards hold the
+columns ``[col_offset, col_offset + local_cols)`` of the same rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from persistent_delta.errors import InvalidInputError
+
+
+@dataclass
+class LocalTable:
+    """This rank's shard of one tracked table."""
+
+    fqn: str
+    table_name: str
+    sharding_type: str
+    row_offset: int
+    col_offset: int
+    local_rows: int
+    local_cols: int
+    global_rows: int
+    global_cols: int
+    emb_module: nn.Module  # BatchedFusedEmbedding / BatchedFusedEmbeddingBag
+    index: int  # index of the table inside the TBE's split_* lists
+
+    def metadata(self, kind: str) -> Dict[str, Any]:
+        """The serialisable shard metadata stored in the log."""
+        return {
+            "table_name": self.table_name,
+            "module_kind": kind,
+            "sharding_type": self.sharding_type,
+            "row_offset": self.row_offset,
+            "col_offset": self.col_offset,
+            "local_rows": self.local_rows,
+            "local_cols": self.local_cols,
+            "global_rows": self.global_rows,
+            "global_cols": self.global_cols,
+        }
+
+    @property
+    def tbe(self) -> Any:
+        return self.emb_module._emb_module  # type: ignore[union-attr]
+
+    def weights(self) -> torch.Tensor:
+        """The whole local shard (a live view into the TBE)."""
+        w: torch.Tensor = self.tbe.split_embedding_weights()[self.index]
+        return w
+
+    def optimizer_state(self) -> Optional[torch.Tensor]:
+        """The first optimizer state of the shard (momentum1: per row for row-wise Adagrad,
+        per element for Adagrad), a live view; None for optimizers without state (SGD)."""
+        states = self.tbe.split_optimizer_states()
+        if not states or not states[self.index]:
+            return None
+        s: torch.Tensor = states[self.index][0]
+        return s
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
+    return module
+
+
+def iter_group_tables(sharded_module: nn.Module) -> Iterator[Tuple[str, nn.Module, int, Any]]:
+    """(sharding_type, emb_module, index, ShardedEmbeddingTable) for every local shard."""
+    for stype, lookup in zip(sharded_module._sharding_types, sharded_module._lookups):  # type: ignore[arg-type]
+        lookup = _unwrap(lookup)
+        for emb in getattr(lookup, "_emb_modules", []):
+            for i, t in enumerate(emb._config.embedding_tables):
+                yield stype, emb, i, t
+
+
+def local_tables(tracked_modules: Dict[str, nn.Module], table_to_fqn: Dict[str, str]) -> Dict[str, LocalTable]:
+    """fqn -> :class:`LocalTable` for every tracked table with a shard on this rank.
+
+    Raises:
+        InvalidInputError: a rank holds two shards of one table (not supported).
+    """
+    out: Dict[str, LocalTable] = {}
+    for module in tracked_modules.values():
+        for stype, emb, i, t in iter_group_tables(module):
+            fqn = table_to_fqn.get(t.name)
+            if fqn is None:
+                continue
+            if fqn in out:
+                raise InvalidInputError(
+                    f"{fqn}: this rank holds more than one shard of the table, which persistent_delta "
+                    "does not track; use a plan with at most one shard per table per rank"
+                )
+            md = t.local_metadata
+            row_off, col_off = (int(md.shard_offsets[0]), int(md.shard_offsets[1])) if md is not None else (0, 0)
+            out[fqn] = LocalTable(
+                fqn=fqn,
+                table_name=t.name,
+                sharding_type=str(stype),
+                row_offset=row_off,
+                col_offset=col_off,
+                local_rows=int(t.local_rows),
+                local_cols=int(t.local_cols),
+                global_rows=int(t.num_embeddings),
+                global_cols=int(t.embedding_dim),
+                emb_module=emb,
+                index=i,
+            )
+    return out
+
+
+def feature_index(emb_module: nn.Module) -> Dict[str, int]:
+    """feature name -> index of its table inside ``emb_module``'s TBE."""
+    out: Dict[str, int] = {}
+    for i, t in enumerate(emb_module._config.embedding_tables):  # type: ignore[union-attr]
+        for f in t.feature_names:
+            out.setdefault(f, i)
+    return out
+
+
+def table_names_of(emb_module: nn.Module) -> List[str]:
+    return [t.name for t in emb_module._config.embedding_tables]  # type: ignore[union-attr]

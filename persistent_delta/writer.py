@@ -1,0 +1,257 @@
+"""The background writer: takes captured records off the training thread and commits them.
+
+Design note
+-----------
+The training thread only *captures* (keeps references to, or starts device-to-host copies of)
+what a batch looked up, and hands each step's records to :meth:`BackgroundWriter.submit` as one
+:class:`WriteTask`. A single writer thread then, for every run of queued tasks:
+
+1. waits for pending device-to-host copies (CUDA events), validates, deduplicates each
+   (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are unchanged), and
+   encodes -- all outside any transaction;
+2. commits the whole run in **one** LMDB write transaction (group commit), including any meta
+   values the tasks carry (the tracker's batch index) and any extra log operation (compaction).
+
+Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
+``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
+(disk full, ...), the failed tasks stay at the head of the queue, the writer stops, and the next
+``submit``/``barrier`` raises :class:`WriterError`; :meth:`resume` retries them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta.config import WriterOptions
+from persistent_delta.errors import LogClosedError, WriterError
+from persistent_delta.log import DeltaLog, WriteTxn
+from persistent_delta.merge import compute_unique_rows
+from persistent_delta.store import AppendRecord, encode_records, write_records
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteTask:
+    """One unit of work for the writer, committed atomically with the tasks grouped with it.
+
+    Args:
+        records: records to append (tensors may still be in flight from a device: ``events``).
+        meta: meta values to set in the same transaction.
+        op: an extra log operation run inside the transaction after the appends (compaction).
+        dedup: merge records sharing (fqn, batch_idx) before writing (FIRST/LAST rule).
+    """
+
+    records: List[AppendRecord] = field(default_factory=list)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    op: Optional[Callable[[WriteTxn], Any]] = None
+    dedup: bool = True
+    events: List[Any] = field(default_factory=list)  # torch.cuda.Event to wait on
+    nbytes: int = 0
+
+
+def tensor_bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendRecord]:
+    """Merge records that share (fqn, batch_idx) into one, keeping FIRST/LAST semantics."""
+    groups: Dict[Tuple[str, int], List[AppendRecord]] = collections.OrderedDict()
+    for r in records:
+        groups.setdefault((r.fqn, r.batch_idx), []).append(r)
+    out: List[AppendRecord] = []
+    for (fqn, b), recs in groups.items():
+        if mode == UpdateMode.NONE:
+            ids = [r.ids for r in recs]
+            out.append(AppendRecord(b, fqn, torch.unique(torch.cat(ids) if len(ids) > 1 else ids[0])))
+            continue
+        rows = compute_unique_rows([r.ids for r in recs], [r.states for r in recs], mode)  # type: ignore[misc]
+        out.append(AppendRecord(b, fqn, rows.ids, rows.states))
+    return out
+
+
+class BackgroundWriter:
+    """Commits :class:`WriteTask` s to a :class:`DeltaLog` from a daemon thread.
+
+    Thread-safety: ``submit``, ``barrier``, ``stats`` and ``close`` may be called from any
+    thread of the process that owns the log.
+    """
+
+    def __init__(self, log: DeltaLog, mode: UpdateMode, options: Optional[WriterOptions] = None) -> None:
+        self._log = log
+        self._mode = mode
+        self._opts = options or WriterOptions()
+        self._cv = threading.Condition()
+        self._queue: Deque[WriteTask] = collections.deque()
+        self._pending_bytes = 0
+        self._inflight = 0  # tasks taken by the writer, not yet committed
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._stats: Dict[str, float] = {
+            "commits": 0,
+            "tasks": 0,
+            "records_written": 0,
+            "bytes_written": 0,
+            "bytes_captured": 0,
+            "max_wait_s": 0.0,
+            "total_wait_s": 0.0,
+            "commit_time_s": 0.0,
+            "op_time_s": 0.0,
+        }
+        self._thread = threading.Thread(target=self._run, name=f"persistent-delta-writer:{log.path}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ training-thread side
+    def submit(self, task: WriteTask) -> None:
+        """Queue ``task``; waits while the queue is over budget (backpressure).
+
+        Raises:
+            WriterError: an earlier commit failed (see ``__cause__``); call :meth:`resume`.
+        """
+        task.nbytes = sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in task.records)
+        with self._cv:
+            self._raise_if_failed()
+            t0 = time.perf_counter()
+            while self._over_budget(task.nbytes):
+                self._cv.wait()
+                self._raise_if_failed()
+            waited = time.perf_counter() - t0
+            self._stats["total_wait_s"] += waited
+            self._stats["max_wait_s"] = max(self._stats["max_wait_s"], waited)
+            self._queue.append(task)
+            self._pending_bytes += task.nbytes
+            self._stats["bytes_captured"] += task.nbytes
+            self._cv.notify_all()
+
+    def _over_budget(self, incoming: int) -> bool:
+        if not self._queue and not self._inflight:
+            return False  # always admit one task, however large
+        return (
+            self._pending_bytes + incoming > self._opts.max_pending_bytes
+            or len(self._queue) + self._inflight >= self._opts.max_pending_steps
+        )
+
+    def barrier(self) -> None:
+        """Wait until everything submitted so far is committed.
+
+        Raises:
+            WriterError: a commit failed.
+        """
+        with self._cv:
+            while (self._queue or self._inflight) and self._error is None:
+                self._cv.wait()
+            self._raise_if_failed()
+
+    def resume(self) -> None:
+        """After a failure (e.g. disk full, once space is back): retry the failed tasks."""
+        with self._cv:
+            self._error = None
+            self._cv.notify_all()
+        self.barrier()
+
+    def _raise_if_failed(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"{self._log.path}: the writer is closed")
+        if self._error is not None:
+            raise WriterError(
+                f"{self._log.path}: the background writer failed: {self._error}. Nothing queued was dropped; "
+                "fix the cause and call resume(), or close the tracker"
+            ) from self._error
+
+    def stats(self) -> Dict[str, float]:
+        """Queue depth and bytes, commits, bytes written, longest submit wait, commit/op time."""
+        with self._cv:
+            out = dict(self._stats)
+            out["queue_depth"] = len(self._queue) + self._inflight
+            out["queue_bytes"] = self._pending_bytes
+            out["failed"] = self._error is not None
+            return out
+
+    def close(self, drain: bool = True) -> None:
+        """Commit what is queued (when ``drain``), then stop the thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if drain:
+                self.barrier()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join()
+
+    # ------------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._queue or self._error is not None):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                tasks = list(self._queue)
+                self._queue.clear()
+                self._inflight = len(tasks)
+            try:
+                self._commit(tasks)
+            except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+                logger.error("persistent_delta writer for %s failed: %s", self._log.path, exc)
+                with self._cv:
+                    self._queue.extendleft(reversed(tasks))
+                    self._inflight = 0
+                    self._error = exc
+                    self._cv.notify_all()
+                continue
+            with self._cv:
+                self._inflight = 0
+                self._pending_bytes -= sum(t.nbytes for t in tasks)
+                self._cv.notify_all()
+
+    def _commit(self, tasks: List[WriteTask]) -> None:
+        t0 = time.perf_counter()
+        n_records, nbytes = commit_tasks(self._log, self._mode, tasks)
+        dt = time.perf_counter() - t0
+        with self._cv:
+            self._stats["commits"] += 1
+            self._stats["tasks"] += len(tasks)
+            self._stats["records_written"] += n_records
+            self._stats["bytes_written"] += nbytes
+            self._stats["commit_time_s"] += dt
+
+
+def commit_tasks(log: DeltaLog, mode: UpdateMode, tasks: List[WriteTask]) -> Tuple[int, int]:
+    """Commit ``tasks`` in one write transaction; returns (records, bytes) written.
+
+    Waits for their device copies, deduplicates and encodes outside the transaction.
+    """
+    for t in tasks:
+        for ev in t.events:
+            ev.synchronize()
+    records: List[AppendRecord] = []
+    for t in tasks:
+        records.extend(dedup_records(t.records, mode) if t.dedup else t.records)
+    encoded = encode_records(records, mode)
+    ops = [t.op for t in tasks if t.op is not None]
+    meta: Dict[str, Any] = {}
+    for t in tasks:
+        meta.update(t.meta)
+
+    def apply(w: WriteTxn) -> int:
+        n = write_records(w, encoded) if encoded else 0
+        for k, v in meta.items():
+            w.set_meta(k, v)
+        for op in ops:
+            op(w)
+        return n
+
+    return len(encoded), log.write(apply)
+
+
+__all__ = ["BackgroundWriter", "WriteTask", "commit_tasks", "dedup_records"]
