@@ -137,3 +137,201 @@ def differential(rank: int, world_size: int, kind: str, sharding: str, root: str
             ours.close()
             compared[case] = n
     return compared
+
+
+# ----------------------------------------------------------------- restart in a new process
+
+READ_A_AT = 3  # consumer "a" reads after this step in the first process
+
+
+def restart_first_half(rank: int, world_size: int, root: str, mode_name: str, steps: int, ckpt: str) -> int:
+    """Train the first half with our tracker; consumer "a" reads once; save the model and
+    fused optimizer state; close. Returns the batch index reached."""
+    mode = TrackingMode[mode_name]
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, consumers=["a", "b"], path=root))
+    batches = make_batches("ec", steps, 8, seed=5, world_size=world_size, rank=rank)
+    for step, batch in enumerate(batches[: steps // 2]):
+        train_step(dmp, batch)
+        if step == READ_A_AT:
+            tracker.get_unique("a")
+    tracker.flush()
+    torch.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, f"{ckpt}.{rank}")
+    reached = tracker.curr_batch_idx
+    tracker.close()
+    return reached
+
+
+def restart_second_half(rank: int, world_size: int, root: str, mode_name: str, steps: int, ckpt: str) -> Dict[str, Any]:
+    """A new process: restore the model, attach to the same path and finish training. Every
+    consumer's next get_unique must equal an uninterrupted TorchRec tracker's."""
+    mode = TrackingMode[mode_name]
+    batches = make_batches("ec", steps, 8, seed=5, world_size=world_size, rank=rank)
+    ref_dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    ref = ref_dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=mode, consumers=["a", "b"]))
+    for step, batch in enumerate(batches[: steps // 2]):
+        train_step(ref_dmp, batch)
+        if step == READ_A_AT:
+            ref.get_unique("a")
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    saved = torch.load(f"{ckpt}.{rank}", weights_only=False)
+    dmp.load_state_dict(saved["model"])
+    dmp.fused_optimizer.load_state_dict(saved["optim"])
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, consumers=["a", "b"], path=root))
+    resumed_at = tracker.curr_batch_idx
+    offsets = dict(tracker.per_consumer_batch_idx)
+    assert resumed_at == ref.curr_batch_idx, (resumed_at, ref.curr_batch_idx)
+    for batch in batches[steps // 2:]:
+        train_step(ref_dmp, batch)
+        train_step(dmp, batch)
+    ok = {fqn: True for fqn in tracker.local_tables}
+    n = 0
+    for c in ("a", "b"):
+        n += compare(ref.get_unique(c), tracker.get_unique(c), mode, ok, f"restart {c}")
+    tracker.close()
+    return {"resumed_at": resumed_at, "offsets": offsets, "rows": n}
+
+
+# ----------------------------------------------------------------- config, top-k, metadata
+
+
+def config_checks(rank: int, world_size: int, root: str) -> List[str]:
+    """Refusals on mismatch, fresh=True, attach twice, bad modes; returns what was checked."""
+    import pytest
+
+    from persistent_delta import ConfigMismatchError, InvalidInputError, UnknownConsumerError
+
+    done = []
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+    batches = make_batches("ec", 4, 8, seed=1, world_size=world_size, rank=rank)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root))
+    with pytest.raises(InvalidInputError, match="already has a delta tracker"):
+        attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root))
+    for b in batches:
+        train_step(dmp, b)
+    with pytest.raises(UnknownConsumerError):
+        t.get_unique("nobody")
+    t.close()
+    done.append("attach twice refused; unknown consumer refused")
+
+    # another tracking mode on the same log
+    with pytest.raises(ConfigMismatchError, match="tracking mode"):
+        attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root))
+    assert dmp.get_delta_tracker() is None
+    # another table set on the same log
+    dmp3 = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD", num_tables=3)
+    with pytest.raises(ConfigMismatchError, match="tables"):
+        attach(dmp3, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root))
+    done.append("mode and table-set mismatch refused")
+    # the explicit option starts a fresh log
+    t = attach(dmp3, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, fresh=True))
+    assert t.curr_batch_idx == 0 and t.get_unique() == {}
+    t.close()
+    done.append("fresh=True starts over")
+
+    ebc = build_sharded_model(rank, world_size, "ebc", "row_wise", "EXACT_SGD")
+    with pytest.raises(InvalidInputError, match="EmbeddingBagCollection"):
+        attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root + "-ebc"))
+    with pytest.raises(InvalidInputError, match="optimizer with state"):
+        attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.ROWWISE_ADAGRAD, path=root + "-sgd"))
+    with pytest.raises(InvalidInputError, match="path"):
+        attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY))
+    with pytest.raises(InvalidInputError, match="consumer name"):
+        attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root + "-x", consumers=["bad name"]))
+    done.append("EBC+EMBEDDING, SGD+state mode, no path, bad consumer name refused")
+    return done
+
+
+def consumers_while_training(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Consumers added and removed while training; removal releases retention."""
+    dmp = build_sharded_model(rank, world_size, "ec", "table_wise", "EXACT_SGD")
+    batches = make_batches("ec", 10, 8, seed=2, world_size=world_size, rank=rank)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["a"], path=root))
+    for b in batches[:3]:
+        train_step(dmp, b)
+    t.add_consumer("late")
+    t.add_consumer("tail", from_latest=True)
+    assert set(t.per_consumer_batch_idx) == {"a", "late", "tail"}
+    t.get_unique("a")
+    # "late" holds back retention: it still sees batches 1..3
+    late = t.get_unique("late")
+    a_all = {fqn: r.ids for fqn, r in late.items()}
+    for b in batches[3:6]:
+        train_step(dmp, b)
+    tail = t.get_unique("tail")  # only batches 4..6
+    t.remove_consumer("late")
+    t.get_unique("a")
+    records_left = sum(len(v) for v in t.log.read(lambda r: {
+        f: list(r.iter_record_keys(e.table_id)) for f, e in r.tables().items()}).values())
+    t.close()
+    return {"late": {k: v.tolist() for k, v in a_all.items()}, "tail": {k: v.ids.tolist() for k, v in tail.items()},
+            "records_left": records_left}
+
+
+def topk_case(rank: int, world_size: int, root: str, mode_name: str, fraction: float) -> int:
+    """get_unique(top_percentage) keeps exactly the rows a brute force picks."""
+    import math
+
+    import pytest
+
+    from persistent_delta import InvalidInputError
+
+    mode = TrackingMode[mode_name]
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, consumers=["full", "top"], path=root))
+    for b in make_batches("ec", 6, 16, seed=9, world_size=world_size, rank=rank):
+        train_step(dmp, b)
+    if mode == TrackingMode.ID_ONLY:
+        with pytest.raises(InvalidInputError, match="ID_ONLY"):
+            t.get_unique("top", top_percentage=fraction)
+        t.close()
+        return 0
+    with pytest.raises(InvalidInputError):
+        t.get_unique("top", top_percentage=1.5)
+    full = t.get_unique("full")
+    top = t.get_unique("top", top_percentage=fraction)
+    checked = 0
+    for fqn, rows in full.items():
+        if mode == TrackingMode.EMBEDDING:
+            current = t.local_tables[fqn].weights()[rows.ids]
+            scores = (current - rows.states).norm(dim=1)
+        else:
+            scores = rows.states.float().abs()
+        k = max(1, math.ceil(fraction * rows.ids.numel())) if rows.ids.numel() else 0
+        want = set(rows.ids[torch.topk(scores, k).indices].tolist()) if k else set()
+        got = top[fqn].ids
+        assert set(got.tolist()) == want, (fqn, sorted(got.tolist()), sorted(want))
+        assert torch.all(got[1:] > got[:-1])
+        pos = torch.searchsorted(rows.ids, got)
+        assert torch.equal(top[fqn].states, rows.states[pos])
+        checked += k
+    t.close()
+    return checked
+
+
+def metadata_case(rank: int, world_size: int, root: str, kind: str, sharding: str) -> Dict[str, Any]:
+    """The log holds each table's shard metadata; returns it with TorchRec's view and the
+    global ids (local + row_offset) this rank recorded."""
+    from harness import table_shard_info
+
+    from persistent_delta.log import DeltaLog
+
+    dmp = build_sharded_model(rank, world_size, kind, sharding, "EXACT_SGD", rows=60)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root))
+    batches = make_batches(kind, 3, 8, seed=4, world_size=world_size, rank=rank, rows=60)
+    for b in batches:
+        train_step(dmp, b)
+    rows = t.get_unique()
+    path = t.path
+    t.close()
+    with DeltaLog(path, readonly=True) as log:
+        stored = {fqn: e.meta["shard"] for fqn, e in log.tables().items()}
+    global_ids = {fqn: (r.ids + stored[fqn]["row_offset"]).tolist() for fqn, r in rows.items()}
+    all_input = {}
+    for r in range(world_size):
+        for b in make_batches(kind, 3, 8, seed=4, world_size=world_size, rank=r, rows=60):
+            for key in b.sparse.keys():
+                all_input.setdefault(key, set()).update(b.sparse[key].values().tolist())
+    return {"stored": stored, "torchrec": table_shard_info(dmp), "global_ids": global_ids,
+            "input": {k: sorted(v) for k, v in all_input.items()}}
