@@ -5,6 +5,7 @@ Design note
 Named DBs of the environment:
 
 * ``records``   record key (see :mod:`persistent_delta.codec`) -> record value
+* ``snapshots`` same keys -> snapshot records (current row values written by ``publish``)
 * ``tables``    fqn (utf-8) -> msgpack table entry: small table id, last appended batch_idx,
                 dtypes, whether the table is listed, and free-form metadata (sharding)
 * ``consumers`` name (utf-8) -> msgpack {offset, commit_time, ...}
@@ -60,7 +61,9 @@ T = TypeVar("T")
 
 LOCK_FILE = "writer.lock"
 DATA_FILE = "data.mdb"
-_DB_NAMES = (b"records", b"tables", b"consumers", b"meta")
+_DB_NAMES = (b"records", b"snapshots", b"tables", b"consumers", b"meta")
+RECORDS = "records"  # what batches looked up (ids, states): the delta log proper
+SNAPSHOTS = "snapshots"  # current row values written by publish()
 _MAX_FQN_BYTES = 400  # LMDB keys are limited to 511 bytes
 
 
@@ -260,12 +263,13 @@ class ReadTxn:
 
     # records --------------------------------------------------------------------------
     def iter_records(
-        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
+        db: str = RECORDS,
     ) -> Iterator[StoredRecord]:
         """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open), in
-        (batch_idx, seq) order, i.e. append order."""
+        (batch_idx, seq) order, i.e. append order. ``db`` is ``RECORDS`` or ``SNAPSHOTS``."""
         prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[b"records"])
+        cur = self.txn.cursor(db=self._dbs[db.encode()])
         if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
             return
         for key, value in cur:
@@ -277,10 +281,12 @@ class ReadTxn:
             rec = codec.decode_record(value, verify=verify)
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes)
 
-    def iter_record_keys(self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None) -> Iterator[Tuple[int, int, int, int]]:
-        """``(batch_idx, seq, value_bytes, 0)`` of records in ``[start_idx, end_idx)``, without decoding."""
+    def iter_record_keys(
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, db: str = RECORDS
+    ) -> Iterator[Tuple[int, int, int]]:
+        """``(batch_idx, seq, value_bytes)`` of records in ``[start_idx, end_idx)``, without decoding."""
         prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[b"records"])
+        cur = self.txn.cursor(db=self._dbs[db.encode()])
         if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
             return
         for key, value in cur:
@@ -289,11 +295,16 @@ class ReadTxn:
             _, b, s = codec.decode_record_key(key)
             if end_idx is not None and b >= end_idx:
                 break
-            yield b, s, len(value), 0
+            yield b, s, len(value)
 
-    def first_batch_idx(self, table_id: int) -> Optional[int]:
+    def iter_raw(self, db: str = RECORDS) -> Iterator[Tuple[bytes, memoryview]]:
+        """Every (key, value) of a records DB, in key order, undecoded (for verify)."""
+        for k, v in self.txn.cursor(db=self._dbs[db.encode()]):
+            yield bytes(k), v
+
+    def first_batch_idx(self, table_id: int, db: str = RECORDS) -> Optional[int]:
         """The lowest batch_idx stored for the table, or None when it has no records."""
-        cur = self.txn.cursor(db=self._dbs[b"records"])
+        cur = self.txn.cursor(db=self._dbs[db.encode()])
         if not cur.set_range(codec.table_prefix(table_id)):
             return None
         key = cur.key()
@@ -323,6 +334,18 @@ class ReadTxn:
     def meta(self, key: str, default: Any = None) -> Any:
         v = self.txn.get(key.encode(), db=self._dbs[b"meta"])
         return default if v is None else codec.unpack(v, f"meta {key!r}")
+
+    def log_start(self) -> int:
+        """Batches below this were deleted (retention, ``clear``): a position below it cannot
+        be served."""
+        return int(self.meta("log_start", 0))
+
+    def log_end(self) -> int:
+        """One past the last *complete* batch: the tracker's persisted batch index (the batch
+        it is recording is not complete yet); for a plain store, one past the last appended."""
+        if self.meta("tracker") is not None:
+            return int(self.meta("curr_batch_idx", 0))
+        return max((e.last_batch_idx for e in self.tables().values()), default=-1) + 1
 
     def all_meta(self) -> Dict[str, Any]:
         return {bytes(k).decode(): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[b"meta"])}
@@ -369,9 +392,10 @@ class WriteTxn(ReadTxn):
         self.set_meta("next_table_id", next_id + 1)
         return TableEntry(fqn=fqn, table_id=next_id)
 
-    def put_record(self, table_id: int, batch_idx: int, value: bytes) -> int:
+    def put_record(self, table_id: int, batch_idx: int, value: bytes, db: str = RECORDS) -> int:
         """Store ``value`` as the next record of (table_id, batch_idx); returns its seq."""
-        cur = self.txn.cursor(db=self._dbs[b"records"])
+        dbh = self._dbs[db.encode()]
+        cur = self.txn.cursor(db=dbh)
         seq = 0
         # The last record of (table, batch) is just before (table, batch + 1, 0).
         if cur.set_range(codec.record_key(table_id, batch_idx + 1, 0)):
@@ -385,14 +409,16 @@ class WriteTxn(ReadTxn):
         if seq > codec.MAX_SEQ:
             raise InvalidInputError(f"too many records for one (table, batch_idx={batch_idx})")
         # append=False on purpose: put(append=True) silently returns False out of order.
-        if not self.txn.put(codec.record_key(table_id, batch_idx, seq), value, db=self._dbs[b"records"], overwrite=False):
+        if not self.txn.put(codec.record_key(table_id, batch_idx, seq), value, db=dbh, overwrite=False):
             raise PersistentDeltaError(f"record key (table {table_id}, batch {batch_idx}, seq {seq}) already exists")
         return seq
 
-    def delete_records(self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None) -> Tuple[int, int]:
+    def delete_records(
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, db: str = RECORDS
+    ) -> Tuple[int, int]:
         """Delete the table's records in ``[start_idx, end_idx)``; returns (records, bytes)."""
         prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[b"records"])
+        cur = self.txn.cursor(db=self._dbs[db.encode()])
         n = nbytes = 0
         if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
             return 0, 0
@@ -408,8 +434,10 @@ class WriteTxn(ReadTxn):
                 break
         return n, nbytes
 
-    def drop_all_records(self) -> None:
-        self.txn.drop(self._dbs[b"records"], delete=False)
+    def raise_log_start(self, start: int) -> None:
+        """Record that batches below ``start`` are gone (never lowers it)."""
+        if start > self.log_start():
+            self.set_meta("log_start", start)
 
     def set_consumer(self, name: str, entry: Dict[str, Any]) -> None:
         if not self.txn.put(name.encode(), codec.pack(entry), db=self._dbs[b"consumers"]):
@@ -439,6 +467,9 @@ class DeltaLog:
         path: the log directory (created for a writable open).
         readonly: open for reading only; never creates anything.
         create: with a writable open, create the log when the directory holds none.
+        writer_lock: with a writable open, take the writer lock (the trainer, a store). Without
+            it (``DeltaConsumer``, the offsets tool), the handle may only commit consumer
+            offsets and must not append, compact or delete: the trainer owns those.
         update_mode: the :class:`UpdateMode` value (string) of the records. On create it is
             stored; on open it must match the stored one (:class:`ConfigMismatchError`).
         options: :class:`LogOptions` (durability, map size, readers).
@@ -452,9 +483,12 @@ class DeltaLog:
         create: bool = True,
         update_mode: Optional[str] = None,
         options: Optional[LogOptions] = None,
+        writer_lock: bool = True,
     ) -> None:
         self.path = os.path.realpath(os.fspath(path))
         self.readonly = readonly
+        # Only the lock holder's table cache is authoritative; other handles reload it.
+        self.owns_tables = not readonly and writer_lock
         self.options = options or LogOptions.from_env()
         self._pid = os.getpid()
         self._closed = True
@@ -462,10 +496,10 @@ class DeltaLog:
         self._tables: Dict[str, TableEntry] = {}
         self._tables_by_id: Dict[int, TableEntry] = {}
         self._tables_seen_version = -1
-        if readonly:
+        if readonly or not writer_lock:
             if not os.path.isfile(os.path.join(self.path, DATA_FILE)):
                 raise NotALogError(f"{self.path} is not a persistent_delta log (no {DATA_FILE})")
-        else:
+        if not readonly and writer_lock:
             exists = os.path.isfile(os.path.join(self.path, DATA_FILE))
             if not exists and not create:
                 raise NotALogError(f"{self.path} is not a persistent_delta log and create=False")
@@ -620,7 +654,7 @@ class DeltaLog:
             with shared.lock:
                 try:
                     with shared.env.begin(write=False, buffers=True) as txn:
-                        if refresh_tables and self.readonly:
+                        if refresh_tables and not self.owns_tables:
                             self._reload_tables(txn)
                         return fn(ReadTxn(self, txn))
                 except lmdb.MapResizedError:
@@ -647,6 +681,8 @@ class DeltaLog:
         with shared.lock:
             while True:
                 txn = shared.env.begin(write=True, buffers=True)
+                if not self.owns_tables:
+                    self._reload_tables(txn)
                 w = WriteTxn(self, txn)
                 try:
                     result = fn(w)
@@ -703,7 +739,7 @@ class DeltaLog:
     def tables(self) -> Dict[str, TableEntry]:
         """A snapshot of the table entries, by fqn."""
         self._check()
-        if self.readonly:
+        if not self.owns_tables:
             self._reload_tables()
         return dict(self._tables)
 

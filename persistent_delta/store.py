@@ -195,6 +195,7 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int]) -> Tuple[int, int]:
     """
     n = nbytes = 0
     if up_to_idx is None:
+        w.raise_log_start(max((e.last_batch_idx for e in w.tables().values()), default=-1) + 1)
         for entry in w.tables().values():
             rn, rb = w.delete_records(entry.table_id, 0, None)
             n, nbytes = n + rn, nbytes + rb
@@ -203,6 +204,7 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int]) -> Tuple[int, int]:
                 e.listed = False
                 w.stage_table(e)
         return n, nbytes
+    w.raise_log_start(up_to_idx)
     for entry in w.tables().values():
         rn, rb = w.delete_records(entry.table_id, 0, up_to_idx)
         n, nbytes = n + rn, nbytes + rb
