@@ -66,6 +66,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.sharding import LocalTable, feature_index, local_tables
+from persistent_delta.snapshot import redeliver, snapshot_retention, write_snapshots
 from persistent_delta.store import AppendRecord, compact_range, delete_below, read_unique
 from persistent_delta.writer import BackgroundWriter, WriteTask, commit_tasks
 
@@ -74,6 +75,27 @@ logger = logging.getLogger(__name__)
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 META_TRACKER = "tracker"
 META_CURR_BATCH = "curr_batch_idx"
+META_CHECKPOINT_FLOOR = "checkpoint_floor"  # records from here on are kept for a restore
+META_SNAPSHOT_END = "snapshot_end"  # one past the newest snapshot stamp
+LOOKUPS = "lookups"  # consumer channel: what batches looked up (get_unique, DeltaConsumer)
+SNAPSHOTS_CHANNEL = "snapshots"  # consumer channel: published current row values
+
+
+def lookup_offsets(consumers: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
+    """Offsets of the consumers of recorded lookups (snapshot readers are not among them)."""
+    return {k: int(v["offset"]) for k, v in consumers.items() if v.get("channel", LOOKUPS) == LOOKUPS}
+
+
+def compact_split(w: WriteTxn, mode: UpdateMode, start: int, end: int, floor: Optional[int]) -> None:
+    """Compact ``[start, end)``, split at the checkpoint floor so that no merged record mixes
+    batches from before and after the last checkpoint (a restore re-reads those after it)."""
+    if start >= end:
+        return
+    if floor is not None and start < int(floor) < end:
+        compact_range(w, mode, start, int(floor))
+        compact_range(w, mode, int(floor), end)
+    else:
+        compact_range(w, mode, start, end)
 
 
 def check_consumer_name(name: object) -> str:
@@ -246,11 +268,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             now = time.time()
             for c in self._consumers:
                 if c not in consumers:
-                    consumers[c] = {"offset": 0, "commit_time": now, "registered_by": "trainer"}
+                    consumers[c] = {"offset": 0, "commit_time": now, "registered_by": "trainer", "channel": LOOKUPS}
                     w.set_consumer(c, consumers[c])
             curr = int(w.meta(META_CURR_BATCH, 0))
             last = max((e.last_batch_idx for e in w.tables().values()), default=-1)
-            return {k: int(v["offset"]) for k, v in consumers.items()}, max(curr, last)
+            return lookup_offsets(consumers), max(curr, last)
 
         self._offsets, self.curr_batch_idx = self._log.write(setup)
 
@@ -397,10 +419,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         def compact(w: WriteTxn) -> None:
             # The largest offset is read inside the transaction: an out-of-process consumer
             # may have committed since, and no offset may fall strictly inside the range.
-            offsets = [int(c["offset"]) for c in w.consumers().values()]
-            start = max(0, max(offsets, default=0))
-            if start < end:
-                compact_range(w, mode, start, end)
+            offsets = lookup_offsets(w.consumers()).values()
+            compact_split(w, mode, max(0, max(offsets, default=0)), end, w.meta(META_CHECKPOINT_FLOOR))
 
         self._hand_off(self._take_batch(op=compact))
         self.curr_compact_index = end
@@ -445,30 +465,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = self._fractions(top_percentage, per_table_percentage)
         self._drain()
         end = self.curr_batch_idx + 1
-        mode = self._update_mode
-        delete_on_read = self._delete_on_read
 
         def read(w: WriteTxn) -> Tuple[Dict[str, UniqueRows], Dict[str, int]]:
-            consumers = w.consumers()
-            if consumer not in consumers:
-                raise UnknownConsumerError(
-                    f"consumer {consumer!r} is not registered in {self.path} (registered: {sorted(consumers)}); "
-                    "add it with add_consumer()"
-                )
-            offsets = {k: int(v["offset"]) for k, v in consumers.items()}
-            start = max(0, max(offsets.values()))
-            if start < end:
-                compact_range(w, mode, start, end)
-            rows = read_unique(w, mode, from_idx=offsets[consumer])
-            entry = dict(consumers[consumer])
-            entry.update(offset=end, commit_time=time.time())
-            w.set_consumer(consumer, entry)
-            offsets[consumer] = end
-            if delete_on_read:
-                n, nbytes = delete_below(w, min(offsets.values()))
-                if n:
-                    logger.debug("delete_on_read: %d records (%d bytes) below %d", n, nbytes, min(offsets.values()))
-            return rows, offsets
+            return self._consume(w, consumer, end)
 
         rows, self._offsets = self._log.write(read)
         if self._mode in (TrackingMode.MOMENTUM_DIFF, TrackingMode.ROWWISE_ADAGRAD):
@@ -479,6 +478,33 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if fractions is not None:
             rows = {fqn: self._top(fqn, r, fractions.get(fqn, 1.0), bool(sorted_by_indices)) for fqn, r in rows.items()}
         return rows
+
+    def _consume(self, w: WriteTxn, consumer: str, end: int) -> Tuple[Dict[str, UniqueRows], Dict[str, int]]:
+        """TorchRec's read rule inside one transaction: compact ``[max offset, end)``, read from
+        the consumer's offset, commit ``end`` as its offset, apply ``delete_on_read``."""
+        consumers = w.consumers()
+        entry = consumers.get(consumer)
+        if entry is None or entry.get("channel", LOOKUPS) != LOOKUPS:
+            raise UnknownConsumerError(
+                f"consumer {consumer!r} is not registered in {self.path} (registered: "
+                f"{sorted(lookup_offsets(consumers))}); add it with add_consumer()"
+            )
+        offsets = lookup_offsets(consumers)
+        floor = w.meta(META_CHECKPOINT_FLOOR)
+        compact_split(w, self._update_mode, max(0, max(offsets.values())), end, floor)
+        rows = read_unique(w, self._update_mode, from_idx=offsets[consumer])
+        entry = dict(entry)
+        entry.update(offset=end, commit_time=time.time())
+        w.set_consumer(consumer, entry)
+        offsets[consumer] = end
+        if self._delete_on_read:
+            up_to = min(offsets.values())
+            if floor is not None:
+                up_to = min(up_to, int(floor))  # keep what a restore of the last checkpoint needs
+            n, nbytes = delete_below(w, up_to)
+            if n:
+                logger.debug("delete_on_read: %d records (%d bytes) below batch %d", n, nbytes, up_to)
+        return rows, offsets
 
     def _fractions(
         self, top: Optional[float], per_table: Optional[Dict[str, Tuple[float, str]]]
@@ -542,12 +568,106 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
         self._log.write(clear_one)
 
+    # ------------------------------------------------------------------ publish, checkpoints
+    def publish(self, consumer: str) -> Dict[str, int]:
+        """Write the current values of the rows changed since ``consumer`` last read as
+        snapshot records (one transaction: read, snapshot, offset commit, retention).
+
+        A serving process applies them with ``DeltaConsumer(root, name, channel="snapshots")``.
+
+        Args:
+            consumer: a registered (lookups) consumer whose offset tracks what was published.
+
+        Returns:
+            fqn -> rows published.
+        """
+        name = check_consumer_name(consumer)
+        self._drain()
+        end = self.curr_batch_idx + 1
+        stamp = self.curr_batch_idx
+
+        def txn(w: WriteTxn) -> Tuple[Dict[str, int], Dict[str, int]]:
+            rows, offsets = self._consume(w, name, end)
+            written = write_snapshots(w, self._tables, {f: r.ids for f, r in rows.items()}, stamp)
+            w.set_meta(META_SNAPSHOT_END, max(stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
+            if self._delete_on_read:
+                snapshot_retention(w, [
+                    int(v["offset"]) for v in w.consumers().values() if v.get("channel") == SNAPSHOTS_CHANNEL
+                ])
+            return written, offsets
+
+        written, self._offsets = self._log.write(txn)
+        return written
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
+        the log (retention keeps what a restore of it needs). Save it with the model."""
+        self._drain()
+        batch = self.curr_batch_idx
+
+        def mark(w: WriteTxn) -> Dict[str, Any]:
+            w.set_meta(META_CHECKPOINT_FLOOR, batch + 1)
+            return {"log_id": w.meta("log_id"), "offsets": lookup_offsets(w.consumers())}
+
+        info = self._log.write(mark)
+        self._log.flush()
+        return {
+            "version": 1,
+            "log_id": info["log_id"],
+            "rank": self.rank,
+            "tracking_mode": self._mode.value,
+            "curr_batch_idx": batch,
+            "offsets": info["offsets"],
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> Dict[str, int]:
+        """Restore with a model checkpoint (call it after loading the model's weights and
+        optimizer state). If the log went past the checkpoint, the rows touched since are
+        re-delivered to every consumer with their restored states (see :mod:`.snapshot`).
+
+        Returns:
+            fqn -> rows re-delivered (empty when the log ended at the checkpoint).
+
+        Raises:
+            ConfigMismatchError: the state belongs to another log, rank or tracking mode.
+            OffsetOutOfRangeError: the records since that checkpoint were already deleted.
+        """
+        self._drain()
+        for key in ("log_id", "rank", "tracking_mode", "curr_batch_idx"):
+            if key not in state:
+                raise InvalidInputError(f"tracker state_dict lacks {key!r}")
+        log_id = self._log.read(lambda r: r.meta("log_id"))
+        if (state["log_id"], state["rank"], state["tracking_mode"]) != (log_id, self.rank, self._mode.value):
+            raise ConfigMismatchError(
+                f"{self.path}: this tracker state was saved for log {state['log_id']} rank {state['rank']} mode "
+                f"{state['tracking_mode']!r}, not log {log_id} rank {self.rank} mode {self._mode.value!r}"
+            )
+        ckpt = int(state["curr_batch_idx"])
+        last = self.curr_batch_idx
+        if ckpt >= last:
+            self.curr_batch_idx = max(last, ckpt)
+            self.curr_compact_index = self.curr_batch_idx
+            self._log.write(lambda w: w.set_meta(META_CURR_BATCH, self.curr_batch_idx))
+            return {}
+
+        def txn(w: WriteTxn) -> Dict[str, int]:
+            out = redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last)
+            w.set_meta(META_CURR_BATCH, last + 1)
+            w.set_meta(META_CHECKPOINT_FLOOR, ckpt + 1)
+            return out
+
+        redelivered = self._log.write(txn)
+        self.curr_batch_idx = last + 1
+        self.curr_compact_index = self.curr_batch_idx
+        self._log.flush()
+        return redelivered
+
     # ------------------------------------------------------------------ consumers
     @property
     def per_consumer_batch_idx(self) -> Dict[str, int]:
         """Committed offset (next batch_idx to read) of every registered consumer."""
         self._check()
-        self._offsets = self._log.read(lambda r: {k: int(v["offset"]) for k, v in r.consumers().items()})
+        self._offsets = self._log.read(lambda r: lookup_offsets(r.consumers()))
         return dict(self._offsets)
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:
@@ -558,7 +678,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
         def add(w: WriteTxn) -> None:
             if w.consumer(name) is None:
-                w.set_consumer(name, {"offset": offset, "commit_time": time.time(), "registered_by": "trainer"})
+                w.set_consumer(
+                    name, {"offset": offset, "commit_time": time.time(), "registered_by": "trainer", "channel": LOOKUPS}
+                )
 
         self._check()
         self._log.write(add)

@@ -8,6 +8,7 @@ from tracker_cases import (
     consumers_while_training,
     differential,
     metadata_case,
+    publish_restore_case,
     restart_first_half,
     restart_second_half,
     topk_case,
@@ -99,3 +100,20 @@ def test_shard_metadata_maps_to_global_ids(tmp_path, kind, sharding):
         for f in feats[table]:
             want.update(results[0]["input"].get(f, []))
         assert ids == want, fqn
+
+
+@pytest.mark.parametrize("mode", ["ID_ONLY", "EMBEDDING", "ROWWISE_ADAGRAD"])
+def test_publish_and_restore_converge(tmp_path, mode):
+    """publish() + apply equals the trainer's rows, across a restore from an older checkpoint."""
+    results = run_spawn(publish_restore_case, 2, str(tmp_path / "log"), mode)
+    for r in results:
+        assert r["published"] > 0
+        assert r["redelivered"] and all(n > 0 for n in r["redelivered"].values())
+        assert r["resumed"] == 10  # batches 1..9 recorded, re-delivery stamped 10: indices never reused
+        assert r["mismatched"] == {fqn: 0 for fqn in r["mismatched"]}, r["mismatched"]
+
+
+def test_restore_without_redelivery_diverges(tmp_path):
+    """The check above can fail: skipping load_state_dict leaves lost-timeline values behind."""
+    results = run_spawn(publish_restore_case, 2, str(tmp_path / "log"), "ID_ONLY", False)
+    assert any(n > 0 for r in results for n in r["mismatched"].values())

@@ -335,3 +335,62 @@ def metadata_case(rank: int, world_size: int, root: str, kind: str, sharding: st
                 all_input.setdefault(key, set()).update(b.sparse[key].values().tolist())
     return {"stored": stored, "torchrec": table_shard_info(dmp), "global_ids": global_ids,
             "input": {k: sorted(v) for k, v in all_input.items()}}
+
+
+# ----------------------------------------------------------------- publish and restore
+
+
+def apply_snapshots(path: str, replica: Dict[str, torch.Tensor], start: int) -> int:
+    """Apply every snapshot record with stamp >= ``start`` to ``replica`` (fqn -> local rows),
+    in stamp order; returns the next stamp to read."""
+    from persistent_delta.log import SNAPSHOTS, DeltaLog
+
+    with DeltaLog(path, readonly=True) as log:
+        def read(r: Any) -> int:
+            end = int(r.meta("snapshot_end", 0))
+            for fqn, e in r.tables().items():
+                for rec in r.iter_records(e.table_id, start, end, db=SNAPSHOTS):
+                    replica[fqn][rec.ids.long()] = rec.states.clone()
+            return max(end, start)
+        return log.read(read)
+
+
+def publish_restore_case(rank: int, world_size: int, root: str, mode_name: str, redeliver: bool = True) -> Dict[str, Any]:
+    """A replica fed only by publish() equals the trainer's tables; after a restore from an
+    older checkpoint it converges to the restored model (rows touched after the checkpoint
+    are re-delivered)."""
+    mode = TrackingMode[mode_name]
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    cfg = PersistentTrackerConfig(tracking_mode=mode, consumers=["serving"], path=root)
+    t = attach(dmp, cfg)
+    replica = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+    batches = make_batches("ec", 14, 8, seed=11, world_size=world_size, rank=rank)
+    pos = 0
+    published = 0
+    for b in batches[:4]:
+        train_step(dmp, b)
+    published += sum(t.publish("serving").values())
+    # checkpoint: model shards + fused optimizer state + the tracker's state
+    ckpt = {fqn: (lt.weights().detach().clone(), lt.optimizer_state().detach().clone()) for fqn, lt in t.local_tables.items()}
+    tstate = t.state_dict()
+    for i, b in enumerate(batches[4:9]):
+        train_step(dmp, b)
+        if i == 2:
+            published += sum(t.publish("serving").values())
+            pos = apply_snapshots(t.path, replica, pos)  # the replica sees lost-timeline values
+    # crash: restore the model from the checkpoint, rebuild the tracker, restore its state
+    t.close()
+    t = attach(dmp, cfg)
+    with torch.no_grad():
+        for fqn, (w, s) in ckpt.items():
+            t.local_tables[fqn].weights().copy_(w)
+            t.local_tables[fqn].optimizer_state().copy_(s)
+    redelivered = t.load_state_dict(tstate) if redeliver else {}
+    resumed = t.curr_batch_idx
+    for b in batches[9:11]:
+        train_step(dmp, b)
+    published += sum(t.publish("serving").values())
+    pos = apply_snapshots(t.path, replica, pos)
+    mismatched = {fqn: int((replica[fqn] != lt.weights()).any(dim=1).sum()) for fqn, lt in t.local_tables.items()}
+    t.close()
+    return {"redelivered": redelivered, "mismatched": mismatched, "published": published, "resumed": resumed}
