@@ -148,6 +148,10 @@ class _SharedEnv:
     # resized (which needs no open transaction in the process) and py-lmdb objects are never
     # used from two threads at once.
     lock: threading.RLock
+    opts: LogOptions
+    # Set after an I/O failure (disk full, EIO): LMDB may have flagged the environment as
+    # fatally broken, so it is closed and reopened (at its last commit) before the next use.
+    broken: bool = False
 
 
 _REGISTRY: Dict[str, _SharedEnv] = {}
@@ -176,6 +180,13 @@ def _open_env(path: str, opts: LogOptions, readonly: bool) -> _SharedEnv:
             )
         shared.refs += 1
         return shared
+    env, dbs = _lmdb_open(path, opts, readonly)
+    shared = _SharedEnv(env=env, dbs=dbs, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock(), opts=opts)
+    _REGISTRY[path] = shared
+    return shared
+
+
+def _lmdb_open(path: str, opts: LogOptions, readonly: bool) -> Tuple[lmdb.Environment, Dict[bytes, Any]]:
     lock_ok = True
     if readonly:
         lock_ok = os.access(path, os.W_OK) or os.path.exists(os.path.join(path, "lock.mdb")) and os.access(
@@ -207,9 +218,18 @@ def _open_env(path: str, opts: LogOptions, readonly: bool) -> _SharedEnv:
     except lmdb.Error as exc:
         env.close()
         raise _translate(exc, path) from exc
-    shared = _SharedEnv(env=env, dbs=dbs, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock())
-    _REGISTRY[path] = shared
-    return shared
+    return env, dbs
+
+
+def _reopen(path: str, shared: _SharedEnv) -> None:
+    """Close and reopen a broken environment in place (caller holds ``shared.lock``)."""
+    try:
+        shared.env.close()
+    except lmdb.Error:
+        pass
+    shared.env, shared.dbs = _lmdb_open(path, shared.opts, shared.readonly)
+    shared.broken = False
+    logger.warning("reopened the LMDB environment of %s after an I/O failure", path)
 
 
 def _release_env(path: str, shared: _SharedEnv) -> None:
@@ -222,6 +242,17 @@ def _release_env(path: str, shared: _SharedEnv) -> None:
     if shared.pid == os.getpid():
         with shared.lock:
             shared.env.close()
+
+
+def _is_io_failure(exc: BaseException) -> bool:
+    err = getattr(exc, "errno", None)
+    text = str(exc)
+    return (
+        isinstance(exc, (lmdb.DiskError, lmdb.PanicError))
+        or err in (errno.ENOSPC, errno.EIO, errno.EDQUOT)
+        or "No space left" in text
+        or "Input/output error" in text
+    )
 
 
 def _translate(exc: BaseException, path: str) -> PersistentDeltaError:
@@ -652,6 +683,8 @@ class DeltaLog:
         shared = self._shared
         for _ in range(8):
             with shared.lock:
+                if shared.broken:
+                    self._recover()
                 try:
                     with shared.env.begin(write=False, buffers=True) as txn:
                         if refresh_tables and not self.owns_tables:
@@ -680,7 +713,13 @@ class DeltaLog:
         shared = self._shared
         with shared.lock:
             while True:
-                txn = shared.env.begin(write=True, buffers=True)
+                if shared.broken:
+                    self._recover()
+                try:
+                    txn = shared.env.begin(write=True, buffers=True)
+                except lmdb.Error as exc:
+                    shared.broken = _is_io_failure(exc)
+                    raise _translate(exc, self.path) from exc
                 if not self.owns_tables:
                     self._reload_tables(txn)
                 w = WriteTxn(self, txn)
@@ -699,6 +738,7 @@ class DeltaLog:
                     continue
                 except lmdb.Error as exc:
                     txn.abort()
+                    shared.broken = _is_io_failure(exc)
                     raise _translate(exc, self.path) from exc
                 except BaseException:
                     txn.abort()
@@ -709,6 +749,12 @@ class DeltaLog:
                         self._tables_by_id[entry.table_id] = entry
                     self._tables_seen_version += 1
                 return result
+
+    def _recover(self) -> None:
+        """Reopen the environment after an I/O failure; caches reload from the log."""
+        _reopen(self.path, self._shared)
+        self._tables_seen_version = -1
+        self._reload_tables()
 
     def _grow(self) -> None:
         info = self._shared.env.info()
@@ -762,6 +808,27 @@ class DeltaLog:
         self._check()
         with self._shared.lock:
             return int(self._shared.env.reader_check())
+
+    def reader_pids(self) -> List[int]:
+        """Pids of the processes holding a reader slot of the environment (this one included):
+        every process with the log open that has read it. Slots of dead processes are cleared
+        first. Used by ``vacuum`` to refuse while another process has the log open."""
+        self._check()
+        with self._shared.lock:
+            self._shared.env.reader_check()
+            table = self._shared.env.readers()
+        pids = set()
+        for line in table.splitlines()[1:]:  # "pid thread txnid" header, then one slot a line
+            fields = line.split()
+            if fields and fields[0].isdigit():
+                pids.add(int(fields[0]))
+        return sorted(pids)
+
+    def handles_in_process(self) -> int:
+        """How many open :class:`DeltaLog` handles of this process share the environment."""
+        self._check()
+        with _REGISTRY_LOCK:
+            return self._shared.refs
 
     def copy_compacted(self, dest: str) -> None:
         """Write a compacted copy of the environment into the empty directory ``dest``."""
