@@ -63,6 +63,7 @@ def machine() -> Dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "loadavg_1m": os.getloadavg()[0],
     }
 
 

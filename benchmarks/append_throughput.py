@@ -1,0 +1,221 @@
+"""Append throughput of the log vs a raw sequential file write of the same bytes (issue 4b).
+
+A step group is ``--tables`` records of ``--ids`` int64 ids (Zipf over 200k rows) plus
+``ids x --dim`` float32 states (EMBEDDING-mode records: 4 x 16k x 64 = ~17 MB per step). Each
+configuration writes ``--steps`` such groups into a fresh file/log and reports the payload (raw
+tensor bytes) per second and its ratio to the raw page-cache write:
+
+* ``raw_page_cache``: ``os.write`` of the tensors' bytes, sequentially, no fsync;
+* ``raw_fsync_per_step``: the same plus ``fdatasync`` after every step;
+* ``encode_only``: ``codec.encode_record`` of every record (header, crc32c, one copy), no I/O;
+* ``store_append_many``: ``LmdbDeltaStore.append_many`` (validate + encode + one transaction)
+  per step, for every :class:`~persistent_delta.Durability`; ON_FLUSH also reports the rate
+  with the final ``flush()`` included;
+* ``log_write_preencoded``: records encoded once up front, then one ``DeltaLog.write`` per step
+  (``store.write_records``): the LMDB part alone;
+* ``tracker_writer``: the tracker's ``BackgroundWriter`` (dedup FIRST + encode + group commit)
+  fed one ``WriteTask`` per step, timed until its barrier (payload = captured bytes; it
+  writes fewer bytes after dedup).
+
+Configurations are interleaved over ``--reps`` repetitions; medians are reported. Files are
+deleted right after each configuration, so dirty pages are dropped instead of written back
+during the next one. One JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from benchmarks._common import ZipfIds, emit, free_bytes, log, machine, median, rmtree, workdir
+from persistent_delta import Durability, LmdbDeltaStore
+from persistent_delta import codec
+from persistent_delta.store import AppendRecord
+
+Step = List[Tuple[str, torch.Tensor, torch.Tensor]]
+
+
+def make_steps(n_distinct: int, tables: int, ids: int, dim: int, seed: int) -> List[Step]:
+    out = []
+    samplers = [ZipfIds(200_000, 1.05, seed + t) for t in range(tables)]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_distinct):
+        out.append([(f"sparse.embeddings.t{t}", samplers[t].sample(ids), torch.randn(ids, dim, generator=g))
+                    for t in range(tables)])
+    return out
+
+
+def payload(step: Step) -> int:
+    return sum(i.numel() * i.element_size() + s.numel() * s.element_size() for _, i, s in step)
+
+
+def _raw(path: str, steps: List[Step], n: int, fsync: bool) -> float:
+    fd = os.open(os.path.join(path, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        bufs = [[memoryview(i.numpy()).cast("B"), memoryview(s.numpy()).cast("B")] for st in steps for _, i, s in st]
+        per_step = len(steps[0])
+        t0 = time.perf_counter()
+        for k in range(n):
+            base = (k % len(steps)) * per_step
+            for j in range(per_step):
+                for b in bufs[base + j]:
+                    mv = b
+                    while mv:
+                        w = os.write(fd, mv)
+                        mv = mv[w:]
+            if fsync:
+                os.fdatasync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def _encode_only(steps: List[Step], n: int) -> float:
+    t0 = time.perf_counter()
+    for k in range(n):
+        for _, i, s in steps[k % len(steps)]:
+            codec.encode_record(i, s)
+    return time.perf_counter() - t0
+
+
+def _store(path: str, steps: List[Step], n: int, durability: Durability) -> Tuple[float, float]:
+    store = LmdbDeltaStore(os.path.join(path, "log"), UpdateMode.FIRST, durability=durability)
+    try:
+        t0 = time.perf_counter()
+        for k in range(n):
+            store.append_many([AppendRecord(k, f, i, s) for f, i, s in steps[k % len(steps)]])
+        t1 = time.perf_counter()
+        store.flush()
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t0
+    finally:
+        store.close()
+
+
+def _log_preencoded(path: str, steps: List[Step], n: int, durability: Durability) -> float:
+    from persistent_delta.store import write_records
+
+    store = LmdbDeltaStore(os.path.join(path, "log"), UpdateMode.FIRST, durability=durability)
+    try:
+        enc = [[(f, codec.encode_record(i, s), i, s) for f, i, s in st] for st in steps]
+        t0 = time.perf_counter()
+        for k in range(n):
+            recs = [(AppendRecord(k, f, i, s), v) for f, v, i, s in enc[k % len(steps)]]
+            store.log.write(lambda w, recs=recs: write_records(w, recs))
+        return time.perf_counter() - t0
+    finally:
+        store.close()
+
+
+def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability) -> Tuple[float, Dict[str, Any]]:
+    from persistent_delta.config import LogOptions
+    from persistent_delta.log import DeltaLog
+    from persistent_delta.writer import BackgroundWriter, WriteTask
+
+    lg = DeltaLog(os.path.join(path, "log"), update_mode=UpdateMode.FIRST.value,
+                  options=LogOptions.from_env(durability=durability))
+    wr = BackgroundWriter(lg, UpdateMode.FIRST)
+    try:
+        t0 = time.perf_counter()
+        for k in range(n):
+            recs = [AppendRecord(k, f, i, s) for f, i, s in steps[k % len(steps)]]
+            wr.submit(WriteTask(records=recs, meta={"curr_batch_idx": k + 1}))
+        wr.barrier()
+        dt = time.perf_counter() - t0
+        return dt, wr.stats()
+    finally:
+        wr.close()
+        lg.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60, help="step groups per configuration (~17 MB each)")
+    ap.add_argument("--tables", type=int, default=4)
+    ap.add_argument("--ids", type=int, default=16384)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--distinct", type=int, default=8, help="distinct step groups cycled through")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repetition")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.reps, args.distinct = 10, 1, 4
+    steps = make_steps(args.distinct, args.tables, args.ids, args.dim, seed=7)
+    per_step = payload(steps[0])
+    total = per_step * args.steps
+    root = workdir("append")
+    need = 2 * total + (1 << 30)
+    if free_bytes(root) < need:
+        raise SystemExit(f"not enough disk under {root}: need {need} bytes free")
+
+    configs: List[Tuple[str, Optional[Durability], Callable[[str], Any]]] = [
+        ("raw_page_cache", None, lambda p: _raw(p, steps, args.steps, False)),
+        ("raw_fsync_per_step", None, lambda p: _raw(p, steps, args.steps, True)),
+        ("encode_only", None, lambda p: _encode_only(steps, args.steps)),
+    ]
+    for d in (Durability.ON_FLUSH, Durability.NO_METASYNC, Durability.SYNC):
+        configs.append(("store_append_many", d, lambda p, d=d: _store(p, steps, args.steps, d)))
+    for d in (Durability.ON_FLUSH, Durability.SYNC):
+        configs.append(("log_write_preencoded", d, lambda p, d=d: _log_preencoded(p, steps, args.steps, d)))
+    configs.append(("tracker_writer", Durability.ON_FLUSH, lambda p: _tracker_writer(p, steps, args.steps, Durability.ON_FLUSH)))
+
+    results: Dict[Tuple[str, Optional[Durability]], List[Any]] = {(c, d): [] for c, d, _ in configs}
+    log("append: %d steps of %.1f MB, %d configurations x %d reps", args.steps, per_step / 1e6, len(configs), args.reps)
+    for rep in range(args.reps):
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        for name, d, fn in order:
+            sub = os.path.join(root, f"{name}-{d.value if d else 'raw'}-{rep}")
+            os.makedirs(sub)
+            gc.collect()
+            try:
+                results[(name, d)].append(fn(sub))
+            except Exception as exc:  # noqa: BLE001 - an API change in one config should not stop the rest
+                log("%s %s failed: %r", name, d, exc)
+            rmtree(sub)
+        log("rep %d done", rep + 1)
+
+    raw = [r for r in results[("raw_page_cache", None)]]
+    raw_s = median(raw)
+    raw_gbps = total / raw_s / 1e9
+    for name, d, _ in configs:
+        rs = results[(name, d)]
+        if not rs:
+            continue
+        extra: Dict[str, Any] = {}
+        if name == "store_append_many":
+            secs = median([r[0] for r in rs])
+            extra["gbps_with_final_flush"] = total / median([r[1] for r in rs]) / 1e9
+        elif name == "tracker_writer":
+            secs = median([r[0] for r in rs])
+            extra["writer_stats"] = rs[-1][1]
+        else:
+            secs = median(rs)
+        gbps = total / secs / 1e9
+        rec: Dict[str, Any] = dict(
+            config=name,
+            durability=d.value if d else None,
+            steps=args.steps,
+            step_bytes=per_step,
+            total_bytes=total,
+            reps=len(rs),
+            seconds_median=secs,
+            ms_per_step=1e3 * secs / args.steps,
+            gbps=gbps,
+            ratio_to_raw_page_cache=gbps / raw_gbps,
+            **extra,
+        )
+        if name == "store_append_many" and d == Durability.ON_FLUSH:
+            rec["target"] = {"min_ratio": 0.5, "met": gbps / raw_gbps >= 0.5}
+        emit("append_throughput", **rec, machine=machine())
+    rmtree(root)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
