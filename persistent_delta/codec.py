@@ -141,7 +141,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _pad(n: int) -> int:

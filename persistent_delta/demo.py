@@ -214,12 +214,12 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
 
 
 def run_trainer(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(train_rank, args=(args.world_size, args, port), nprocs=args.world_size, start_method="spawn")
+    start_processes(train_rank, args=(args.world_size, args, port), nprocs=args.world_size, start_method="spawn")
 
 
 # ------------------------------------------------------------------------------------ serving

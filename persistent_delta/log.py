@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import lmdb
 import torch
@@ -44,6 +44,7 @@ from persistent_delta import codec
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import (
     ConfigMismatchError,
+    CorruptRecordError,
     ForkedProcessError,
     FormatMismatchError,
     InvalidInputError,
@@ -97,7 +98,7 @@ class TableEntry:
     def from_bytes(fqn: str, buf: bytes) -> "TableEntry":
         d = codec.unpack(buf, f"table entry {fqn!r}")
         if not isinstance(d, dict):
-            raise codec.CorruptRecordError(f"table entry {fqn!r} is not a map")
+            raise CorruptRecordError(f"table entry {fqn!r} is not a map")
         return TableEntry(
             fqn=fqn,
             table_id=int(d["id"]),
@@ -328,7 +329,7 @@ class ReadTxn:
                 break
             yield b, s, len(value)
 
-    def iter_raw(self, db: str = RECORDS) -> Iterator[Tuple[bytes, memoryview]]:
+    def iter_raw(self, db: str = RECORDS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
         """Every (key, value) of a records DB, in key order, undecoded (for verify)."""
         for k, v in self.txn.cursor(db=self._dbs[db.encode()]):
             yield bytes(k), v
@@ -351,7 +352,7 @@ class ReadTxn:
             name = bytes(k).decode()
             d = codec.unpack(v, f"consumer {name!r}")
             if not isinstance(d, dict):
-                raise codec.CorruptRecordError(f"consumer entry {name!r} is not a map")
+                raise CorruptRecordError(f"consumer entry {name!r} is not a map")
             out[name] = d
         return out
 

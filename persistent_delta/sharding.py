@@ -125,7 +125,8 @@ def local_tables(tracked_modules: Dict[str, nn.Module], table_to_fqn: Dict[str, 
 def feature_index(emb_module: nn.Module) -> Dict[str, int]:
     """feature name -> index of its table inside ``emb_module``'s TBE."""
     out: Dict[str, int] = {}
-    for i, t in enumerate(emb_module._config.embedding_tables):  # type: ignore[union-attr]
+    tables: List[Any] = list(emb_module._config.embedding_tables)  # type: ignore[union-attr, arg-type]
+    for i, t in enumerate(tables):
         for f in t.feature_names:
             out.setdefault(f, i)
     return out

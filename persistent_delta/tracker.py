@@ -260,9 +260,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             for fqn, t in self._tables.items():
                 entry = w.ensure_table(fqn)
                 md = t.metadata("ebc" if isinstance(self._module_of(fqn), ShardedEmbeddingBagCollection) else "ec")
-                if entry.meta.get("shard") != md or w.table(fqn) is None:
+                before = w.table(fqn)
+                if before is None or entry.meta.get("shard") != md:
                     entry.meta["shard"] = md
-                    entry.listed = w.table(fqn).listed if w.table(fqn) is not None else False
+                    entry.listed = before.listed if before is not None else False
                     w.stage_table(entry)
             consumers = w.consumers()
             now = time.time()
@@ -531,9 +532,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._mode == TrackingMode.EMBEDDING:
             current = self._tables[fqn].weights()[rows.ids.long()]
             diff = current.float() - states.float().view(current.shape)
-            return diff.norm(dim=1)
+            scores: torch.Tensor = diff.norm(dim=1)
+            return scores
         s = states.float()
-        return s.abs() if s.dim() == 1 else s.reshape(s.shape[0], -1).norm(dim=1)
+        scores = s.abs() if s.dim() == 1 else s.reshape(s.shape[0], -1).norm(dim=1)
+        return scores
 
     def _top(self, fqn: str, rows: UniqueRows, fraction: float, sort_ids: bool) -> UniqueRows:
         n = rows.ids.numel()
@@ -798,7 +801,9 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
         raise InvalidInputError(
             f"this DMP already has a delta tracker ({type(existing).__name__}); close it first"
         )
-    tracker = PersistentDeltaTracker(dmp._dmp_wrapped_module, config)
+    wrapped = dmp._dmp_wrapped_module
+    assert isinstance(wrapped, nn.Module)
+    tracker = PersistentDeltaTracker(wrapped, config)
     tracker._dmp = dmp  # type: ignore[attr-defined]
     trackers[Trackers.DELTA_TRACKER.name] = tracker
     return tracker
