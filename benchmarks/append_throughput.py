@@ -166,6 +166,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     configs.append(("tracker_writer", Durability.ON_FLUSH, lambda p: _tracker_writer(p, steps, args.steps, Durability.ON_FLUSH)))
 
     results: Dict[Tuple[str, Optional[Durability]], List[Any]] = {(c, d): [] for c, d, _ in configs}
+    warm = os.path.join(root, "warmup")
+    os.makedirs(warm)
+    _raw(warm, steps, min(args.steps, 10), False)  # untimed: first-touch costs of the buffers
+    rmtree(warm)
     log("append: %d steps of %.1f MB, %d configurations x %d reps", args.steps, per_step / 1e6, len(configs), args.reps)
     for rep in range(args.reps):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
