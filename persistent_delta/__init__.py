@@ -5,6 +5,7 @@ writes it to an append-only LMDB log, so deltas and consumer offsets survive res
 """
 
 from persistent_delta.config import Durability, LogOptions
+from persistent_delta.consumer import DeltaConsumer, DeltaPoll
 from persistent_delta.errors import (
     ConfigMismatchError,
     CorruptRecordError,
@@ -30,7 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigMismatchError",
     "CorruptRecordError",
+    "DeltaConsumer",
     "DeltaLog",
+    "DeltaPoll",
     "Durability",
     "ForkedProcessError",
     "FormatMismatchError",

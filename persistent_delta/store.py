@@ -28,7 +28,7 @@ from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, 
 from persistent_delta import codec
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.log import DeltaLog, ReadTxn, TableEntry, WriteTxn
+from persistent_delta.log import RECORDS, DeltaLog, ReadTxn, TableEntry, WriteTxn
 from persistent_delta.merge import compute_unique_rows
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,12 @@ def read_unique(
     end_idx: Optional[int] = None,
     tables: Optional[Sequence[str]] = None,
     listed_only: bool = True,
+    db: str = RECORDS,
 ) -> Dict[str, UniqueRows]:
     """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
 
-    A table with no records in range gets empty tensors. Results own their memory.
+    A table with no records in range gets empty tensors. Results own their memory. ``db`` is
+    ``RECORDS`` (lookups) or ``SNAPSHOTS`` (published values; merge those with ``LAST``).
     """
     out: Dict[str, UniqueRows] = {}
     for fqn, entry in r.tables().items():
@@ -152,7 +154,7 @@ def read_unique(
             continue
         ids: List[torch.Tensor] = []
         states: List[torch.Tensor] = []
-        for rec in r.iter_records(entry.table_id, from_idx, end_idx):
+        for rec in r.iter_records(entry.table_id, from_idx, end_idx, db=db):
             ids.append(rec.ids)
             if rec.states is not None:
                 states.append(rec.states)
