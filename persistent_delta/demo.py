@@ -258,6 +258,8 @@ def serve(args: argparse.Namespace) -> int:
             for fqn, rows in poll.tables().items():
                 table = replica[fqn]
                 for part in rows:
+                    if part.ids.numel() == 0 or part.states is None:
+                        continue
                     table[part.global_ids.long(), part.col_offset:part.col_offset + part.states.shape[1]] = part.states
                     applied_rows += int(part.ids.numel())
             consumer.commit()
