@@ -825,17 +825,18 @@ class DeltaLog:
                 pids.add(int(fields[0]))
         return sorted(pids)
 
-    def handles_in_process(self) -> int:
-        """How many open :class:`DeltaLog` handles of this process share the environment."""
-        self._check()
-        with _REGISTRY_LOCK:
-            return self._shared.refs
-
     def copy_compacted(self, dest: str) -> None:
         """Write a compacted copy of the environment into the empty directory ``dest``."""
         self._check()
         with self._shared.lock:
             self._shared.env.copy(dest, compact=True)
+
+
+def open_in_process(path: str) -> bool:
+    """Whether this process has the log at ``path`` open (through any :class:`DeltaLog`)."""
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(os.path.realpath(os.fspath(path)))
+        return shared is not None and shared.pid == os.getpid()
 
 
 def is_log(path: str) -> bool:

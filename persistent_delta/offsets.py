@@ -1,0 +1,353 @@
+"""The offsets tool's data functions: describe consumers, reset, register and delete offsets.
+
+Anchor: Kafka's ``kafka-consumer-groups`` (``--describe``, ``--reset-offsets`` with a dry run by
+default). Every function here returns data (dataclasses); :mod:`persistent_delta.cli` renders it.
+
+``describe`` opens each rank's log read-only and never creates anything. The changing functions
+plan per rank inside a read transaction (dry run, the default) or plan *and* apply inside one
+write transaction per rank (``execute=True``) through a consumer-role handle, which needs no
+writer lock: it works while the trainer runs, and the trainer sees the new offset at its next
+read. A consumer process that is running keeps its in-memory position and overwrites a reset at
+its next ``commit``: stop it first (as Kafka requires an inactive group).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from persistent_delta.consumer import CHANNELS, PathLike, channel_bounds, channel_db, rank_paths
+from persistent_delta.errors import InvalidInputError, UnknownConsumerError
+from persistent_delta.log import SNAPSHOTS, DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.tracker import LOOKUPS, check_consumer_name
+
+
+# ------------------------------------------------------------------------------- describe
+
+
+@dataclass
+class ConsumerOffsets:
+    """One consumer on one rank.
+
+    ``lag`` = ``max(0, log_end - offset)`` batches; ``pending_rows`` / ``pending_bytes`` count
+    the stored records in ``[offset, log_end)`` (ids as stored, before de-duplication; value
+    bytes). ``log_start``/``log_end`` are those of the consumer's channel.
+    """
+
+    name: str
+    channel: str
+    offset: int
+    log_start: int
+    log_end: int
+    lag: int
+    pending_records: int
+    pending_rows: int
+    pending_bytes: int
+    commit_time: Optional[float]
+    registered_by: str
+    status: str  # "ok", "below log start", "past log end"
+
+
+@dataclass
+class TableStats:
+    """Records stored for one table on one rank (``--tables``)."""
+
+    fqn: str
+    table_id: int
+    records: int
+    rows: int
+    bytes: int
+    first_batch: Optional[int]
+    last_batch_idx: int
+    snapshot_records: int
+    snapshot_bytes: int
+    sharding_type: str
+    row_offset: int
+    col_offset: int
+
+
+@dataclass
+class RankOffsets:
+    """Everything ``offsets`` shows for one rank."""
+
+    rank: int
+    path: str
+    log_start: int
+    log_end: int
+    snapshot_end: int
+    consumers: List[ConsumerOffsets] = field(default_factory=list)
+    tables: Optional[List[TableStats]] = None
+
+
+class _Pending:
+    """Prefix sums of (records, rows, bytes) over the records of one DB, by batch_idx."""
+
+    def __init__(self, r: ReadTxn, db: str) -> None:
+        items: List[Tuple[int, int, int]] = []
+        for entry in r.tables().values():
+            for rec in r.iter_records(entry.table_id, 0, None, verify=False, db=db):
+                items.append((rec.batch_idx, int(rec.ids.numel()), rec.nbytes))
+        items.sort()
+        self.batches = [b for b, _, _ in items]
+        self.rows = [0]
+        self.bytes = [0]
+        for _, n, nb in items:
+            self.rows.append(self.rows[-1] + n)
+            self.bytes.append(self.bytes[-1] + nb)
+
+    def between(self, start: int, end: int) -> Tuple[int, int, int]:
+        """(records, rows, bytes) with ``start <= batch_idx < end``."""
+        if end <= start:
+            return 0, 0, 0
+        i, j = bisect.bisect_left(self.batches, start), bisect.bisect_left(self.batches, end)
+        return j - i, self.rows[j] - self.rows[i], self.bytes[j] - self.bytes[i]
+
+
+def _table_stats(r: ReadTxn) -> List[TableStats]:
+    out = []
+    for fqn, e in sorted(r.tables().items()):
+        recs = rows = nbytes = 0
+        first: Optional[int] = None
+        for rec in r.iter_records(e.table_id, 0, None, verify=False):
+            first = rec.batch_idx if first is None else first
+            recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
+        snaps = list(r.iter_record_keys(e.table_id, 0, None, db=SNAPSHOTS))
+        shard = e.meta.get("shard") or {}
+        out.append(TableStats(
+            fqn=fqn, table_id=e.table_id, records=recs, rows=rows, bytes=nbytes, first_batch=first,
+            last_batch_idx=e.last_batch_idx, snapshot_records=len(snaps), snapshot_bytes=sum(n for _, _, n in snaps),
+            sharding_type=str(shard.get("sharding_type", "")), row_offset=int(shard.get("row_offset", 0)),
+            col_offset=int(shard.get("col_offset", 0)),
+        ))
+    return out
+
+
+def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffsets:
+    out = RankOffsets(rank=rank, path=path, log_start=r.log_start(), log_end=r.log_end(),
+                      snapshot_end=channel_bounds(r, "snapshots")[1])
+    pending: Dict[str, _Pending] = {}
+    for name, entry in sorted(r.consumers().items()):
+        channel = str(entry.get("channel", LOOKUPS))
+        if channel not in CHANNELS:
+            channel = LOOKUPS
+        if channel not in pending:
+            pending[channel] = _Pending(r, channel_db(channel))
+        start, end = channel_bounds(r, channel)
+        offset = int(entry.get("offset", 0))
+        n, rows, nbytes = pending[channel].between(offset, end)
+        status = "ok"
+        if channel == LOOKUPS and offset < start:
+            status = "below log start"
+        elif offset > end + 1:
+            status = "past log end"
+        commit_time = entry.get("commit_time")
+        out.consumers.append(ConsumerOffsets(
+            name=name, channel=channel, offset=offset, log_start=start, log_end=end, lag=max(0, end - offset),
+            pending_records=n, pending_rows=rows, pending_bytes=nbytes,
+            commit_time=float(commit_time) if isinstance(commit_time, (int, float)) else None,
+            registered_by=str(entry.get("registered_by", "")), status=status,
+        ))
+    if tables:
+        out.tables = _table_stats(r)
+    return out
+
+
+def describe(root: PathLike, tables: bool = False) -> List[RankOffsets]:
+    """Consumers of every rank: offset, log start/end, lag, pending rows and bytes, last commit.
+
+    Opens each log read-only; never creates anything.
+
+    Args:
+        root: the log root.
+        tables: also per-table record counts and sizes.
+
+    Raises:
+        NotALogError: ``root`` holds no log.
+    """
+    out = []
+    for rank, path in rank_paths(root).items():
+        with DeltaLog(path, readonly=True) as log:
+            out.append(log.read(lambda r: _describe_rank(r, rank, path, tables)))
+    return out
+
+
+# ------------------------------------------------------------------------------ changes
+
+
+@dataclass(frozen=True)
+class ResetTarget:
+    """Where ``--reset`` moves an offset: ``earliest``, ``latest``, ``batch`` (``value``) or
+    ``shift`` (by ``value``, negative to go back). Targets are clamped to ``[start, end]``."""
+
+    kind: str
+    value: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("earliest", "latest", "batch", "shift"):
+            raise InvalidInputError(f"unknown reset target {self.kind!r}")
+        if self.kind == "batch" and self.value < 0:
+            raise InvalidInputError(f"--to-batch must be >= 0, got {self.value}")
+
+    def resolve(self, offset: int, start: int, end: int) -> Tuple[int, str]:
+        """The new offset and a note (set when the target was clamped into ``[start, end]``)."""
+        want = {"earliest": start, "latest": end, "batch": self.value, "shift": offset + self.value}[self.kind]
+        new = min(max(want, start), end)
+        return new, "" if new == want else f"clamped from {want} to [{start}, {end}]"
+
+
+@dataclass
+class OffsetChange:
+    """A planned (dry run) or applied change of one consumer on one rank."""
+
+    rank: int
+    path: str
+    consumer: str
+    action: str  # reset | register | delete | unchanged | exists | absent
+    old: Optional[int]
+    new: Optional[int]
+    log_start: int
+    log_end: int
+    note: str = ""
+    applied: bool = False
+
+
+_Plan = Callable[[ReadTxn, int, str], Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]]
+
+
+def _run(root: PathLike, plan: _Plan, execute: bool) -> List[OffsetChange]:
+    """Plan every rank (read-only), or plan and apply each rank in one write transaction."""
+    changes = []
+    for rank, path in rank_paths(root).items():
+        if execute:
+            def apply(w: WriteTxn, rank: int = rank, path: str = path) -> OffsetChange:
+                change, act = plan(w, rank, path)
+                if act is not None:
+                    act(w)
+                    change.applied = True
+                return change
+
+            with DeltaLog(path, writer_lock=False) as log:
+                changes.append(log.write(apply))
+        else:
+            def look(r: ReadTxn, rank: int = rank, path: str = path) -> OffsetChange:
+                return plan(r, rank, path)[0]
+
+            with DeltaLog(path, readonly=True) as log:
+                changes.append(log.read(look))
+    return changes
+
+
+def _require_somewhere(changes: List[OffsetChange], consumer: str, root: PathLike) -> None:
+    if all(c.action == "absent" for c in changes):
+        raise UnknownConsumerError(
+            f"consumer {consumer!r} is not registered in any rank of {root}; see `persistent-delta offsets {root}`"
+        )
+
+
+def reset_offsets(root: PathLike, consumer: str, target: ResetTarget, execute: bool = False) -> List[OffsetChange]:
+    """Move ``consumer``'s committed offset on every rank where it is registered.
+
+    Args:
+        root: the log root.
+        consumer: the consumer name.
+        target: where to move it (clamped to the channel's ``[start, end]``).
+        execute: apply (default: dry run, nothing written).
+
+    Returns:
+        One :class:`OffsetChange` per rank.
+
+    Raises:
+        UnknownConsumerError: the consumer is registered on no rank.
+    """
+    check_consumer_name(consumer)
+
+    def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
+        entry = r.consumer(consumer)
+        start, end = r.log_start(), r.log_end()
+        if entry is None:
+            return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
+        start, end = channel_bounds(r, str(entry.get("channel", LOOKUPS)))
+        old = int(entry.get("offset", 0))
+        new, note = target.resolve(old, start, end)
+        if new == old:
+            return OffsetChange(rank, path, consumer, "unchanged", old, new, start, end, note), None
+        updated = dict(entry)
+        updated.update(offset=new, commit_time=time.time())
+        return (OffsetChange(rank, path, consumer, "reset", old, new, start, end, note),
+                lambda w: w.set_consumer(consumer, updated))
+
+    changes = _run(root, plan, execute)
+    _require_somewhere(changes, consumer, root)
+    return changes
+
+
+def register_consumer(
+    root: PathLike,
+    consumer: str,
+    target: ResetTarget = ResetTarget("earliest"),
+    channel: str = LOOKUPS,
+    execute: bool = False,
+) -> List[OffsetChange]:
+    """Register ``consumer`` on every rank where it is missing (an external consumer: it holds
+    back retention of its channel from now on).
+
+    Args:
+        target: its first offset (default: the channel start); ``shift`` counts from the start.
+        channel: ``"lookups"`` or ``"snapshots"``.
+        execute: apply (default: dry run).
+
+    Returns:
+        One :class:`OffsetChange` per rank (``exists`` where it was registered already).
+    """
+    check_consumer_name(consumer)
+    if channel not in CHANNELS:
+        raise InvalidInputError(f"channel must be one of {CHANNELS}, got {channel!r}")
+
+    def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
+        start, end = channel_bounds(r, channel)
+        entry = r.consumer(consumer)
+        if entry is not None:
+            old = int(entry.get("offset", 0))
+            return OffsetChange(rank, path, consumer, "exists", old, old, start, end), None
+        new, note = target.resolve(start, start, end)
+        fresh = {"offset": new, "commit_time": time.time(), "registered_by": "external", "channel": channel}
+        return (OffsetChange(rank, path, consumer, "register", None, new, start, end, note),
+                lambda w: w.set_consumer(consumer, fresh))
+
+    return _run(root, plan, execute)
+
+
+def delete_consumer(root: PathLike, consumer: str, execute: bool = False) -> List[OffsetChange]:
+    """Unregister ``consumer`` on every rank (it stops holding back retention).
+
+    Raises:
+        UnknownConsumerError: the consumer is registered on no rank.
+    """
+    check_consumer_name(consumer)
+
+    def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
+        entry = r.consumer(consumer)
+        start, end = r.log_start(), r.log_end()
+        if entry is None:
+            return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
+        old = int(entry.get("offset", 0))
+        note = ""
+        if entry.get("registered_by") == "trainer":
+            note = "declared by the trainer: its get_unique() fails until add_consumer()"
+
+        def drop(w: WriteTxn) -> None:
+            w.delete_consumer(consumer)
+
+        return OffsetChange(rank, path, consumer, "delete", old, None, start, end, note), drop
+
+    changes = _run(root, plan, execute)
+    _require_somewhere(changes, consumer, root)
+    return changes
+
+
+__all__ = [
+    "ConsumerOffsets", "OffsetChange", "RankOffsets", "ResetTarget", "TableStats",
+    "delete_consumer", "describe", "register_consumer", "reset_offsets",
+]

@@ -1,0 +1,314 @@
+"""Offline replay and export: a batch range of every rank, merged, in global row ids.
+
+Design note
+-----------
+The range is either explicit (``[from_batch, to_batch)``, half-open, the same on every rank) or a
+consumer's pending range (per rank, ``[committed offset, log end)``). It is cut into windows of
+``window`` batches aligned on batch_idx (the same windows on every rank). For each window, each
+rank's log is read in one read transaction (``consumer.read_range``: unique rows per table with
+the log's update mode), the ranks are merged per table (``consumer.merge_table``: row-wise
+shards concatenated, column-wise shards assembled into full rows when they can be), and the
+window's delta of each table that has rows is written as one safetensors file:
+
+    <out>/window-<start:012d>-<end:012d>/<fqn>.safetensors
+        ids      int64 global row ids, ascending
+        states   rows aligned with ids (when the log tracks states and they assemble)
+        ids.col<c>, states.col<c>   per column shard, when a column-split table's
+                                    slices cannot be assembled into full rows
+
+With a checkpoint directory (:func:`persistent_delta.checkpoint.save_local_shards`), the current
+values of every changed row (union over the windows) are written as an incremental snapshot,
+``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
+lists everything. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
+mode) the consumer's offsets move to the end of the range only after every file is written.
+
+Reading is read-only and works while the trainer runs; batches at or past a rank's log end may
+still be incomplete then (a note says so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_save
+
+from persistent_delta.checkpoint import atomic_write_bytes, full_rows, load_shards
+from persistent_delta.consumer import (
+    DeltaConsumer,
+    MergedDelta,
+    PathLike,
+    TableDelta,
+    log_update_mode,
+    merge_table,
+    rank_paths,
+    read_range,
+)
+from persistent_delta.errors import InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError
+from persistent_delta.log import DeltaLog
+from persistent_delta.tracker import LOOKUPS
+
+logger = logging.getLogger(__name__)
+
+REPLAY_FORMAT = "persistent_delta.replay/1"
+ProgressFn = Callable[[int, int], None]  # (windows done, windows in all)
+
+
+@dataclass
+class ReplayFile:
+    """One table's export for one window (or the snapshot, ``kind == "snapshot"``)."""
+
+    kind: str
+    start_idx: int
+    end_idx: int
+    fqn: str
+    rows: int
+    states_shape: Optional[List[int]]
+    column_split: bool
+    path: Optional[str]
+    bytes: int = 0
+
+
+@dataclass
+class ReplayReport:
+    """What ``replay`` read and wrote (``files`` empty of paths on a dry run)."""
+
+    root: str
+    out_dir: Optional[str]
+    consumer: Optional[str]
+    ranges: Dict[int, Tuple[int, int]]
+    window: Optional[int]
+    windows: List[Tuple[int, int]]
+    files: List[ReplayFile] = field(default_factory=list)
+    dry_run: bool = False
+    committed: Optional[Dict[int, int]] = None
+    notes: List[str] = field(default_factory=list)
+
+
+def _check_idx(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def plan_ranges(
+    logs: Dict[int, DeltaLog], from_batch: Optional[int], to_batch: Optional[int], consumer: Optional[str]
+) -> Tuple[Dict[int, Tuple[int, int]], List[str]]:
+    """Per rank ``[start, end)`` to replay, and notes.
+
+    Raises:
+        InvalidInputError: neither or both of a range and a consumer, or a bad range.
+        OffsetOutOfRangeError: part of the range was deleted.
+        UnknownConsumerError: the consumer is missing on a rank.
+    """
+    explicit = from_batch is not None or to_batch is not None
+    if (consumer is not None and explicit) or (consumer is None and (from_batch is None or to_batch is None)):
+        raise InvalidInputError("give either --from-batch A --to-batch B, or --consumer NAME")
+    ranges: Dict[int, Tuple[int, int]] = {}
+    notes: List[str] = []
+    for rank, log in logs.items():
+        start, end, entry = log.read(lambda r: (r.log_start(), r.log_end(), r.consumer(consumer) if consumer else None))
+        if consumer is None:
+            a, b = _check_idx(from_batch, "--from-batch"), _check_idx(to_batch, "--to-batch")
+            if a > b:
+                raise InvalidInputError(f"--from-batch {a} is after --to-batch {b} (the range is [from, to))")
+            if a < start:
+                raise OffsetOutOfRangeError(
+                    f"rank {rank}: batches [{a}, {start}) were deleted from {log.path} (log start {start}); "
+                    f"replay from --from-batch {start} or later"
+                )
+            if b > end:
+                notes.append(f"rank {rank}: batches from the log end {end} on may be incomplete while the trainer runs")
+            ranges[rank] = (a, b)
+            continue
+        if entry is None:
+            raise UnknownConsumerError(f"consumer {consumer!r} is not registered in {log.path}")
+        if entry.get("channel", LOOKUPS) != LOOKUPS:
+            raise InvalidInputError(f"consumer {consumer!r} reads snapshots; replay exports lookups consumers only")
+        offset = int(entry["offset"])
+        if offset < start:
+            raise OffsetOutOfRangeError(
+                f"consumer {consumer!r} is at batch {offset} on rank {rank}, below the log start {start}: reset it "
+                f"(persistent-delta offsets ROOT --reset {consumer} --to-earliest --execute)"
+            )
+        ranges[rank] = (offset, max(offset, end))
+    return ranges, notes
+
+
+def plan_windows(ranges: Dict[int, Tuple[int, int]], window: Optional[int]) -> List[Tuple[int, int]]:
+    """Windows ``[ws, we)`` of ``window`` batches covering every rank's range (aligned on the
+    lowest start; one window when ``window`` is None); empty ones skipped."""
+    spans = [(a, b) for a, b in ranges.values() if b > a]
+    if not spans:
+        return []
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    step = hi - lo if window is None else window
+    out = []
+    for ws in range(lo, hi, step):
+        we = min(ws + step, hi)
+        if any(a < we and ws < b for a, b in spans):
+            out.append((ws, we))
+    return out
+
+
+def _window_tensors(m: MergedDelta) -> Dict[str, torch.Tensor]:
+    tensors = {"ids": m.global_ids.contiguous()}
+    if m.states is not None:
+        tensors["states"] = m.states.contiguous()
+    elif m.column_split:
+        for off, part in m.column_parts.items():
+            if part.states is not None:
+                tensors[f"ids.col{off}"] = part.ids.contiguous()
+                tensors[f"states.col{off}"] = part.states.contiguous()
+    return tensors
+
+
+def _write(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> int:
+    data = safetensors_save({k: v.clone() for k, v in tensors.items()}, metadata=meta)
+    atomic_write_bytes(path, data)
+    return len(data)
+
+
+def _safe_name(fqn: str) -> str:
+    return fqn.replace(os.sep, "_")
+
+
+def replay(
+    root: PathLike,
+    out_dir: Optional[PathLike] = None,
+    *,
+    from_batch: Optional[int] = None,
+    to_batch: Optional[int] = None,
+    consumer: Optional[str] = None,
+    commit: bool = False,
+    tables: Optional[Sequence[str]] = None,
+    window: Optional[int] = None,
+    checkpoint: Optional[PathLike] = None,
+    dry_run: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> ReplayReport:
+    """Replay a batch range of every rank and export it (see the module docs).
+
+    Args:
+        root: the log root.
+        out_dir: where files go (required unless ``dry_run``).
+        from_batch, to_batch: the range ``[from_batch, to_batch)``; or
+        consumer: replay the consumer's pending range ``[offset, log end)`` per rank.
+        commit: with ``consumer``, move its offsets to the range end after writing.
+        tables: only these table fqns.
+        window: batches per window (default: one window).
+        checkpoint: a :func:`save_local_shards` directory: also write the changed rows' values.
+        dry_run: read and merge, write nothing, commit nothing.
+        progress: called with (windows done, windows in all).
+
+    Returns:
+        A :class:`ReplayReport`.
+
+    Raises:
+        InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError: see :func:`plan_ranges`.
+        NotALogError: ``root`` (or ``checkpoint``) holds nothing usable.
+    """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise InvalidInputError(f"--window must be a positive int, got {window!r}")
+    if out_dir is None and not dry_run:
+        raise InvalidInputError("--out DIR is required (or --dry-run)")
+    if commit and consumer is None:
+        raise InvalidInputError("--commit needs --consumer")
+    root = os.fspath(root)
+    out = os.fspath(out_dir) if out_dir is not None else None
+    shards = load_shards(checkpoint) if checkpoint is not None else None
+    logs = {rank: DeltaLog(path, readonly=True) for rank, path in rank_paths(root).items()}
+    try:
+        ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
+        report = ReplayReport(root=root, out_dir=out, consumer=consumer, ranges=ranges, window=window,
+                              windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)
+        mode = next(iter(logs.values())).read(lambda r: log_update_mode(r)).value
+        touched: Dict[str, List[torch.Tensor]] = {}
+        for i, (ws, we) in enumerate(report.windows):
+            parts: Dict[str, List[TableDelta]] = {}
+            for rank, log in logs.items():
+                a, b = max(ws, ranges[rank][0]), min(we, ranges[rank][1])
+                if a >= b:
+                    continue
+                delta = log.read(lambda r: read_range(r, rank, log.path, a, b, LOOKUPS, tables))
+                for fqn, t in delta.tables.items():
+                    parts.setdefault(fqn, []).append(t)
+            for fqn, ps in sorted(parts.items()):
+                m = merge_table(fqn, ps)
+                if m.global_ids.numel() == 0:
+                    continue
+                touched.setdefault(fqn, []).append(m.global_ids)
+                report.files.append(_export_window(m, ws, we, mode, out, dry_run))
+            if progress is not None:
+                progress(i + 1, len(report.windows))
+    finally:
+        for log in logs.values():
+            log.close()
+    if shards is not None:
+        lo = min((w[0] for w in report.windows), default=0)
+        hi = max((w[1] for w in report.windows), default=0)
+        for fqn, ids_list in sorted(touched.items()):
+            if fqn not in shards:
+                report.notes.append(f"{fqn}: not in the checkpoint; no snapshot written")
+                continue
+            ids = torch.unique(torch.cat(ids_list), sorted=True)
+            report.files.append(_export_snapshot(fqn, ids, full_rows(fqn, shards[fqn], ids), lo, hi, out, dry_run))
+    if out is not None and not dry_run:
+        os.makedirs(out, exist_ok=True)
+        atomic_write_bytes(os.path.join(out, "manifest.json"), json.dumps(_manifest(report), indent=1).encode())
+    if commit and not dry_run and consumer is not None:
+        with DeltaConsumer(root, consumer, register=False) as c:
+            for rank, (_, end) in ranges.items():
+                c.seek(end, rank=rank)
+            report.committed = c.commit()
+    return report
+
+
+def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool) -> ReplayFile:
+    tensors = _window_tensors(m)
+    states = tensors.get("states")
+    f = ReplayFile(kind="delta", start_idx=ws, end_idx=we, fqn=m.fqn, rows=int(m.global_ids.numel()),
+                   states_shape=list(states.shape) if states is not None else None,
+                   column_split=m.column_split, path=None)
+    if not dry_run and out is not None:
+        f.path = os.path.join(out, f"window-{ws:012d}-{we:012d}", f"{_safe_name(m.fqn)}.safetensors")
+        meta = {
+            "format": REPLAY_FORMAT, "kind": "delta", "fqn": m.fqn, "start_idx": str(ws), "end_idx": str(we),
+            "update_mode": mode, "global_rows": str(m.global_rows), "global_cols": str(m.global_cols),
+            "column_split": str(m.column_split), "ranks": json.dumps(m.ranks),
+        }
+        f.bytes = _write(f.path, tensors, meta)
+    return f
+
+
+def _export_snapshot(fqn: str, ids: torch.Tensor, values: torch.Tensor, lo: int, hi: int,
+                     out: Optional[str], dry_run: bool) -> ReplayFile:
+    f = ReplayFile(kind="snapshot", start_idx=lo, end_idx=hi, fqn=fqn, rows=int(ids.numel()),
+                   states_shape=list(values.shape), column_split=False, path=None)
+    if not dry_run and out is not None:
+        f.path = os.path.join(out, "snapshot", f"{_safe_name(fqn)}.safetensors")
+        meta = {"format": REPLAY_FORMAT, "kind": "snapshot", "fqn": fqn, "start_idx": str(lo), "end_idx": str(hi)}
+        f.bytes = _write(f.path, {"ids": ids, "values": values}, meta)
+    return f
+
+
+def _manifest(report: ReplayReport) -> Dict[str, object]:
+    d = asdict(report)
+    d["format"] = REPLAY_FORMAT
+    d["ranges"] = {str(k): list(v) for k, v in report.ranges.items()}
+    if out := report.out_dir:
+        for f in d["files"]:
+            if f["path"]:
+                f["path"] = os.path.relpath(f["path"], out)
+    return d
+
+
+def load_export(path: PathLike) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """Read one exported file back: (tensors by key, metadata)."""
+    with safe_open(os.fspath(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})

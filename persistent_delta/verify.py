@@ -1,0 +1,261 @@
+"""``verify``: check every rank's log, record by record, and report damage precisely.
+
+Checks, per rank (each log opened read-only, one read transaction):
+
+* the log opens: format version, table entries decode;
+* meta: format version, a known update mode, the tracker's table list has a table entry for
+  every fqn, its rank matches the directory, ``curr_batch_idx``/``log_start`` are sane;
+* table entries: unique ids, ``next_table_id`` above every id;
+* every record of ``records`` and ``snapshots``: a well-formed 16-byte key, a known table id,
+  the value decodes and its crc32c matches, the kind matches the DB, states have one row per id;
+  per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
+  ``snapshot_end``;
+* consumers: each entry decodes, its channel is known, its offset lies in ``[0, end + 1]``.
+
+Damage is an ``error`` (nonzero exit from the CLI); oddities that a valid log can show (records
+left below the log start, unlisted leftovers of an older table set) are ``warning``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta import codec
+from persistent_delta.consumer import CHANNELS, PathLike, channel_bounds, rank_paths
+from persistent_delta.errors import CorruptRecordError, PersistentDeltaError
+from persistent_delta.log import RECORDS, SNAPSHOTS, DeltaLog, ReadTxn
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int], None]  # records checked since the last call
+_PROGRESS_EVERY = 1000
+
+
+@dataclass
+class Problem:
+    """One finding: where (a precise location) and what."""
+
+    rank: int
+    where: str
+    message: str
+    severity: str = "error"
+
+
+@dataclass
+class RankCheck:
+    """What was checked on one rank."""
+
+    rank: int
+    path: str
+    records: int = 0
+    snapshots: int = 0
+    bytes: int = 0
+    tables: int = 0
+    consumers: int = 0
+    problems: List[Problem] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """The result of :func:`verify`; ``ok`` when no rank has an error."""
+
+    root: str
+    ranks: List[RankCheck]
+
+    @property
+    def problems(self) -> List[Problem]:
+        return [p for rc in self.ranks for p in rc.problems]
+
+    @property
+    def errors(self) -> List[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class _Checker:
+    def __init__(self, rc: RankCheck, progress: Optional[ProgressFn]) -> None:
+        self.rc = rc
+        self.progress = progress
+        self._since = 0
+
+    def bad(self, where: str, message: str, severity: str = "error") -> None:
+        self.rc.problems.append(Problem(self.rc.rank, where, message, severity))
+
+    def tick(self) -> None:
+        self._since += 1
+        if self.progress is not None and self._since >= _PROGRESS_EVERY:
+            self.progress(self._since)
+            self._since = 0
+
+    def flush(self) -> None:
+        if self.progress is not None and self._since:
+            self.progress(self._since)
+            self._since = 0
+
+    # ------------------------------------------------------------------ checks
+    def run(self, r: ReadTxn) -> None:
+        try:
+            meta = r.all_meta()
+        except CorruptRecordError as exc:
+            self.bad("meta", f"a meta value does not decode: {exc}")
+            meta = {}
+        tables = r.tables()
+        self.rc.tables = len(tables)
+        self.check_meta(meta, set(tables))
+        self.check_tables(r, meta)
+        by_id = {e.table_id: fqn for fqn, e in tables.items()}
+        last_lookup = self.check_db(r, RECORDS, codec.KIND_LOOKUP, by_id, int(meta.get("log_start", 0) or 0), None)
+        snap_end = int(meta.get("snapshot_end", 0) or 0)
+        self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, snap_end)
+        for fqn, e in tables.items():
+            top = last_lookup.get(e.table_id)
+            if top is not None and top > e.last_batch_idx:
+                self.bad(f"table {fqn!r}", f"stores batch {top} but its last_batch_idx is {e.last_batch_idx}")
+        self.check_consumers(r)
+        self.flush()
+
+    def check_meta(self, meta: Dict[str, object], fqns: set) -> None:  # type: ignore[type-arg]
+        if meta.get("format_version") != codec.FORMAT_VERSION:
+            self.bad("meta format_version", f"is {meta.get('format_version')!r}, expected {codec.FORMAT_VERSION}")
+        mode = meta.get("update_mode")
+        if mode is None:
+            self.bad("meta update_mode", "missing (a log written before its first append?)", "warning")
+        elif mode not in {m.value for m in UpdateMode}:
+            self.bad("meta update_mode", f"unknown update mode {mode!r}")
+        for key in ("log_start", "curr_batch_idx", "snapshot_end", "checkpoint_floor"):
+            v = meta.get(key)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                self.bad(f"meta {key}", f"must be a non-negative int, got {v!r}")
+        tracker = meta.get("tracker")
+        if tracker is None:
+            return
+        if not isinstance(tracker, dict) or not isinstance(tracker.get("tables"), list):
+            self.bad("meta tracker", f"malformed tracker settings: {tracker!r}")
+            return
+        missing = sorted(set(tracker["tables"]) - fqns)
+        if missing:
+            self.bad("meta tracker", f"tracked tables without a table entry: {missing}")
+        if "curr_batch_idx" not in meta:
+            self.bad("meta curr_batch_idx", "missing although a tracker wrote this log")
+        m = re.match(r"^rank-(\d+)$", os.path.basename(self.rc.path))
+        if m and tracker.get("rank") is not None and int(tracker["rank"]) != int(m.group(1)):
+            self.bad("meta tracker", f"written by rank {tracker['rank']} but stored in {os.path.basename(self.rc.path)}")
+        start, end = meta.get("log_start", 0), meta.get("curr_batch_idx", 0)
+        if isinstance(start, int) and isinstance(end, int) and start > end + 1:
+            self.bad("meta log_start", f"log start {start} is past the log end {end}")
+
+    def check_tables(self, r: ReadTxn, meta: Dict[str, object]) -> None:
+        ids: Dict[int, str] = {}
+        for fqn, e in r.tables().items():
+            if e.table_id in ids:
+                self.bad(f"table {fqn!r}", f"shares table id {e.table_id} with {ids[e.table_id]!r}")
+            ids[e.table_id] = fqn
+            try:
+                codec.dtype_from_name(e.ids_dtype)
+                if e.states_dtype is not None:
+                    codec.dtype_from_name(e.states_dtype)
+            except CorruptRecordError as exc:
+                self.bad(f"table {fqn!r}", str(exc))
+        nxt = meta.get("next_table_id")
+        if ids and (not isinstance(nxt, int) or nxt <= max(ids)):
+            self.bad("meta next_table_id", f"is {nxt!r} but table id {max(ids)} exists")
+
+    def check_db(self, r: ReadTxn, db: str, kind: int, by_id: Dict[int, str], log_start: Optional[int],
+                 stamp_end: Optional[int]) -> Dict[int, int]:
+        """Check every record of ``db``; returns the highest batch_idx per table id."""
+        top: Dict[int, int] = {}
+        for key, value in r.iter_raw(db):
+            self.tick()
+            if db == RECORDS:
+                self.rc.records += 1
+            else:
+                self.rc.snapshots += 1
+            self.rc.bytes += len(value)
+            try:
+                t, b, s = codec.decode_record_key(key)
+            except CorruptRecordError as exc:
+                self.bad(f"{db} key {key.hex()}", str(exc))
+                continue
+            where = f"{db} record (table {by_id.get(t, t)!r}, batch {b}, seq {s})"
+            if t not in by_id:
+                self.bad(where, f"unknown table id {t}")
+            top[t] = max(top.get(t, b), b)
+            try:
+                rec = codec.decode_record(value, verify=True)
+            except CorruptRecordError as exc:
+                self.bad(where, str(exc))
+                continue
+            if rec.kind != kind:
+                self.bad(where, f"record kind {rec.kind} in the {db} DB (expected {kind})")
+            if rec.states is not None and (rec.states.dim() == 0 or rec.states.shape[0] != rec.ids.numel()):
+                self.bad(where, f"{rec.ids.numel()} ids but states of shape {tuple(rec.states.shape)}")
+            if log_start is not None and b < log_start:
+                self.bad(where, f"below the log start {log_start} (left behind by a deletion)", "warning")
+            if stamp_end is not None and b >= stamp_end:
+                self.bad(where, f"stamped at or past snapshot_end {stamp_end}")
+        return top
+
+    def check_consumers(self, r: ReadTxn) -> None:
+        try:
+            consumers = r.consumers()
+        except CorruptRecordError as exc:
+            self.bad("consumers", f"an entry does not decode: {exc}")
+            return
+        self.rc.consumers = len(consumers)
+        for name, entry in consumers.items():
+            where = f"consumer {name!r}"
+            offset = entry.get("offset")
+            channel = entry.get("channel", "lookups")
+            if channel not in CHANNELS:
+                self.bad(where, f"unknown channel {channel!r}")
+                continue
+            if not isinstance(offset, int) or isinstance(offset, bool):
+                self.bad(where, f"offset is not an int: {offset!r}")
+                continue
+            end = channel_bounds(r, str(channel))[1]
+            if not 0 <= offset <= end + 1:
+                self.bad(where, f"offset {offset} outside [0, {end + 1}] ({channel} end {end})")
+            ct = entry.get("commit_time")
+            if ct is not None and not isinstance(ct, (int, float)):
+                self.bad(where, f"commit_time is not a number: {ct!r}")
+
+
+def verify(root: PathLike, progress: Optional[ProgressFn] = None) -> VerifyReport:
+    """Check every rank's log under ``root`` (read-only; never creates anything).
+
+    Args:
+        root: the log root (or a single log directory).
+        progress: called with the number of records checked since its last call.
+
+    Returns:
+        A :class:`VerifyReport` listing every problem found.
+
+    Raises:
+        NotALogError: ``root`` holds no log at all.
+    """
+    report = VerifyReport(root=os.fspath(root), ranks=[])
+    for rank, path in rank_paths(root).items():
+        rc = RankCheck(rank=rank, path=path)
+        report.ranks.append(rc)
+        checker = _Checker(rc, progress)
+        try:
+            log = DeltaLog(path, readonly=True)
+        except PersistentDeltaError as exc:
+            checker.bad("open", f"{type(exc).__name__}: {exc}")
+            continue
+        with log:
+            try:
+                log.read(checker.run)
+            except PersistentDeltaError as exc:
+                checker.bad("read", f"{type(exc).__name__}: {exc}")
+        logger.info("verified %s: %d records, %d problems", path, rc.records, len(rc.problems))
+    return report
