@@ -1,0 +1,324 @@
+"""The ``persistent-delta`` command line: offsets, replay, verify, vacuum.
+
+Each subcommand calls a data function of the package (:mod:`.offsets`, :mod:`.replay`,
+:mod:`.verify`, :mod:`.vacuum`) and turns its result into a :class:`Output`: the JSON form and
+the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as
+``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). Inspection opens logs
+read-only and never creates one; offset changes are dry runs unless ``--execute`` is given.
+Long work shows a tqdm progress bar when stderr is a terminal, and nothing when it is piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
+
+from persistent_delta import offsets
+from persistent_delta.errors import PersistentDeltaError
+from persistent_delta.offsets import ResetTarget
+from persistent_delta.replay import replay
+from persistent_delta.vacuum import vacuum
+from persistent_delta.verify import verify
+
+PROG = "persistent-delta"
+JSONValue = Union[None, bool, int, float, str, List["JSONValue"], Dict[str, "JSONValue"]]
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ rendering
+
+
+@dataclass
+class Table:
+    """A text table: a title line, headers and rows."""
+
+    title: str
+    headers: Sequence[str]
+    rows: Sequence[Sequence[object]]
+
+
+@dataclass
+class Output:
+    """What a subcommand returns: its data (JSON form), text tables and notes, exit status."""
+
+    data: JSONValue
+    tables: List[Table] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    exit_code: int = 0
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def render(out: Output, fmt: str, stream: TextIO) -> None:
+    """Print ``out`` as JSON or as aligned text tables followed by the notes."""
+    if fmt == "json":
+        json.dump(out.data, stream, indent=2, sort_keys=True)
+        stream.write("\n")
+        return
+    for i, t in enumerate(out.tables):
+        if i:
+            stream.write("\n")
+        if t.title:
+            stream.write(t.title + "\n")
+        cells = [[_cell(v) for v in row] for row in t.rows]
+        widths = [max([len(h)] + [len(r[j]) for r in cells]) for j, h in enumerate(t.headers)]
+        lines = [t.headers] + cells
+        for row in lines:
+            stream.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+        if not cells:
+            stream.write("(none)\n")
+    for note in out.notes:
+        stream.write(note + "\n")
+
+
+def _jsonable(obj: object) -> JSONValue:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _when(t: Optional[float]) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+class _Progress:
+    """A tqdm bar on stderr when it is a terminal; a no-op otherwise."""
+
+    def __init__(self, desc: str, unit: str) -> None:
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+    def total(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def add(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ------------------------------------------------------------------------------ offsets
+
+
+def _cmd_offsets(args: argparse.Namespace) -> Output:
+    if args.reset or args.register or args.delete:
+        return _offsets_change(args)
+    if args.execute or _reset_target(args) is not None:
+        raise PersistentDeltaError("--execute and --to-* go with --reset, --register or --delete")
+    ranks = offsets.describe(args.root, tables=args.tables)
+    rows = [
+        [r.rank, c.name, c.channel, c.offset, c.log_start, c.log_end, c.lag, c.pending_rows, c.pending_bytes,
+         _when(c.commit_time), c.registered_by or "-", c.status]
+        for r in ranks for c in r.consumers
+    ]
+    headers = ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "LOG-START", "LOG-END", "LAG", "PENDING-ROWS",
+               "PENDING-BYTES", "LAST-COMMIT", "REGISTERED-BY", "STATUS"]
+    logs = [[r.rank, r.log_start, r.log_end, r.snapshot_end, r.path] for r in ranks]
+    out = Output(data={"ranks": _jsonable(ranks)},
+                 tables=[Table("", headers, rows), Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "PATH"], logs)])
+    if args.tables:
+        trows = [[r.rank, t.fqn, t.sharding_type or "-", t.records, t.rows, t.bytes, t.first_batch, t.last_batch_idx,
+                  t.snapshot_records, t.snapshot_bytes] for r in ranks for t in (r.tables or [])]
+        out.tables.append(Table("", ["RANK", "TABLE", "SHARDING", "RECORDS", "ROWS", "BYTES", "FIRST-BATCH",
+                                     "LAST-BATCH", "SNAPSHOTS", "SNAPSHOT-BYTES"], trows))
+    return out
+
+
+def _reset_target(args: argparse.Namespace) -> Optional[ResetTarget]:
+    given = [(k, v) for k, v in (("earliest", args.to_earliest), ("latest", args.to_latest),
+                                 ("batch", args.to_batch), ("shift", args.shift_by)) if v not in (None, False)]
+    if len(given) > 1:
+        raise PersistentDeltaError("give at most one of --to-earliest, --to-latest, --to-batch, --shift-by")
+    if not given:
+        return None
+    kind, value = given[0]
+    return ResetTarget(kind, 0 if isinstance(value, bool) else int(value))
+
+
+def _offsets_change(args: argparse.Namespace) -> Output:
+    if sum(bool(x) for x in (args.reset, args.register, args.delete)) != 1:
+        raise PersistentDeltaError("give one of --reset, --register, --delete")
+    target = _reset_target(args)
+    if args.reset:
+        if target is None:
+            raise PersistentDeltaError("--reset needs one of --to-earliest, --to-latest, --to-batch N, --shift-by N")
+        changes = offsets.reset_offsets(args.root, args.reset, target, execute=args.execute)
+    elif args.register:
+        changes = offsets.register_consumer(args.root, args.register, target or ResetTarget("earliest"),
+                                            channel=args.channel, execute=args.execute)
+    else:
+        if target is not None:
+            raise PersistentDeltaError("--delete takes no --to-* option")
+        changes = offsets.delete_consumer(args.root, args.delete, execute=args.execute)
+    rows = [[c.rank, c.consumer, c.action, c.old, c.new, c.log_start, c.log_end, c.note or ""] for c in changes]
+    title = "APPLIED" if args.execute else "DRY RUN: nothing changed; add --execute to apply"
+    return Output(
+        data={"execute": bool(args.execute), "changes": _jsonable(changes)},
+        tables=[Table(title, ["RANK", "CONSUMER", "ACTION", "OLD", "NEW", "LOG-START", "LOG-END", "NOTE"], rows)],
+    )
+
+
+# ------------------------------------------------------------------------------ replay
+
+
+def _cmd_replay(args: argparse.Namespace) -> Output:
+    bar = _Progress("replay", "window")
+    try:
+        report = replay(
+            args.root, args.out, from_batch=args.from_batch, to_batch=args.to_batch, consumer=args.consumer,
+            commit=args.commit, tables=args.tables, window=args.window, checkpoint=args.checkpoint,
+            dry_run=args.dry_run, progress=bar.total,
+        )
+    finally:
+        bar.close()
+    rows = [[f.kind, f"[{f.start_idx}, {f.end_idx})", f.fqn, f.rows,
+             "x".join(map(str, f.states_shape)) if f.states_shape else "-", "yes" if f.column_split else "no",
+             f.path or "-"] for f in report.files]
+    ranges = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in sorted(report.ranges.items()))
+    title = ("DRY RUN: nothing written. " if report.dry_run else "") + f"{len(report.windows)} window(s); {ranges}"
+    notes = list(report.notes)
+    if report.committed is not None:
+        notes.append(f"committed {report.consumer!r}: {report.committed}")
+    return Output(data=_jsonable(report), notes=notes,
+                  tables=[Table(title, ["KIND", "BATCHES", "TABLE", "ROWS", "STATES", "COL-SPLIT", "FILE"], rows)])
+
+
+# ------------------------------------------------------------------------------ verify, vacuum
+
+
+def _cmd_verify(args: argparse.Namespace) -> Output:
+    bar = _Progress("verify", "record")
+    try:
+        report = verify(args.root, progress=bar.add)
+    finally:
+        bar.close()
+    summary = [[rc.rank, rc.records, rc.snapshots, rc.bytes, rc.tables, rc.consumers,
+                sum(p.severity == "error" for p in rc.problems), rc.path] for rc in report.ranks]
+    problems = [[p.rank, p.severity, p.where, p.message] for p in report.problems]
+    status = "OK" if report.ok else f"DAMAGED: {len(report.errors)} error(s)"
+    out = Output(
+        data={"root": report.root, "ok": report.ok, "ranks": _jsonable(report.ranks)},
+        tables=[Table("", ["RANK", "RECORDS", "SNAPSHOTS", "BYTES", "TABLES", "CONSUMERS", "ERRORS", "PATH"], summary)],
+        notes=[f"verify: {status}"],
+        exit_code=0 if report.ok else 1,
+    )
+    if problems:
+        out.tables.append(Table("", ["RANK", "SEVERITY", "WHERE", "PROBLEM"], problems))
+    return out
+
+
+def _cmd_vacuum(args: argparse.Namespace) -> Output:
+    results = vacuum(args.root)
+    rows = [[r.rank, r.bytes_before, r.bytes_after, r.bytes_before - r.bytes_after, r.path] for r in results]
+    return Output(data={"ranks": _jsonable(results)},
+                  tables=[Table("", ["RANK", "BYTES-BEFORE", "BYTES-AFTER", "RECLAIMED", "PATH"], rows)])
+
+
+# ------------------------------------------------------------------------------ parser, main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (subcommands offsets, replay, verify, vacuum)."""
+    fmt = argparse.ArgumentParser(add_help=False)
+    fmt.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    p = argparse.ArgumentParser(prog=PROG, description="Inspect and maintain persistent_delta logs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    o = sub.add_parser("offsets", parents=[fmt], help="describe consumers; reset, register or delete offsets",
+                       description="Without --reset/--register/--delete: per rank and consumer, the committed offset, "
+                                   "log start and end, lag, pending rows and bytes, last commit time.")
+    o.add_argument("root", help="log root (holding rank-<r>/)")
+    o.add_argument("--tables", action="store_true", help="also per-table record counts and sizes")
+    o.add_argument("--reset", metavar="CONSUMER", help="move a consumer's offset (dry run unless --execute)")
+    o.add_argument("--register", metavar="CONSUMER", help="register an external consumer (default at the log start)")
+    o.add_argument("--delete", metavar="CONSUMER", help="unregister a consumer (it stops holding back retention)")
+    o.add_argument("--channel", choices=("lookups", "snapshots"), default="lookups", help="channel for --register")
+    o.add_argument("--to-earliest", action="store_true", help="to the log start")
+    o.add_argument("--to-latest", action="store_true", help="to the log end")
+    o.add_argument("--to-batch", type=int, metavar="N", help="to batch N (clamped to [start, end])")
+    o.add_argument("--shift-by", type=int, metavar="N", help="by N batches (negative: back)")
+    o.add_argument("--execute", action="store_true", help="apply the change (default: dry run)")
+    o.set_defaults(func=_cmd_offsets)
+
+    r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
+    r.add_argument("root", help="log root")
+    r.add_argument("--from-batch", type=int, metavar="A", help="first batch (inclusive)")
+    r.add_argument("--to-batch", type=int, metavar="B", help="end batch (exclusive)")
+    r.add_argument("--consumer", metavar="C", help="replay the consumer's pending range instead")
+    r.add_argument("--commit", action="store_true", help="with --consumer: commit the range end after writing")
+    r.add_argument("--tables", nargs="+", metavar="FQN", help="only these tables")
+    r.add_argument("--window", type=int, metavar="N", help="batches per exported window (default: one window)")
+    r.add_argument("--out", metavar="DIR", help="output directory")
+    r.add_argument("--checkpoint", metavar="CKPT", help="shard checkpoint dir: also write the changed rows' values")
+    r.add_argument("--dry-run", action="store_true", help="print the summary; write and commit nothing")
+    r.set_defaults(func=_cmd_replay)
+
+    v = sub.add_parser("verify", parents=[fmt], help="check every record, key, offset and meta value")
+    v.add_argument("root", help="log root")
+    v.set_defaults(func=_cmd_verify)
+
+    c = sub.add_parser("vacuum", parents=[fmt], help="reclaim disk space (only while no process has the log open)")
+    c.add_argument("root", help="log root")
+    c.set_defaults(func=_cmd_vacuum)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 error or damage, 2 usage).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        stdout: where results go (default ``sys.stdout``); errors always go to stderr.
+    """
+    stream = stdout if stdout is not None else sys.stdout
+    try:
+        args = build_parser().parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s", stream=sys.stderr)
+    func: Callable[[argparse.Namespace], Output] = args.func
+    try:
+        out = func(args)
+    except (PersistentDeltaError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    render(out, args.format, stream)
+    stream.flush()
+    if out.exit_code:
+        print(f"{PROG}: {args.command}: {out.notes[-1] if out.notes else 'failed'}", file=sys.stderr)
+    return out.exit_code
+
+
+def run_subcommand(command: str, argv: Optional[Sequence[str]] = None) -> int:
+    """``main([command, *argv])`` with ``argv`` defaulting to ``sys.argv[1:]`` (tools/ scripts)."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
