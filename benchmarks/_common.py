@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import warnings
 
@@ -204,3 +204,66 @@ class Stats:
     def of(xs: Sequence[float]) -> "Stats":
         ys = sorted(xs)
         return Stats(mean(ys), median(ys), ys[min(len(ys) - 1, int(0.9 * len(ys)))], len(ys))
+
+
+# --------------------------------------------------------------------------------- noise
+
+
+def _cpu_jiffies() -> Tuple[int, int]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
+    return sum(parts) - idle, sum(parts)
+
+
+class CpuMonitor:
+    """How much CPU *other* processes used while a benchmark ran (0 = a quiet machine).
+
+    ``foreign_cpus`` is the average number of CPUs busy with anything but this process (and
+    its children) over the interval: on 2 cores, 0.5 means another job took a quarter of
+    the machine and the figures are suspect.
+    """
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.j0 = _cpu_jiffies()
+        self.r0 = _own_cpu_s()
+
+    def foreign_cpus(self) -> Optional[float]:
+        try:
+            busy1, _ = _cpu_jiffies()
+        except OSError:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        wall = time.monotonic() - self.t0
+        if wall <= 0:
+            return None
+        busy = (busy1 - self.j0[0]) / hz
+        own = _own_cpu_s() - self.r0
+        return max(0.0, (busy - own) / wall)
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cpus: float = 0.3, sample_s: float = 2.0) -> Optional[float]:
+    """Wait (up to ``max_wait_s``) until other processes use less than ``threshold_cpus`` CPUs
+    over ``sample_s``; returns the last reading. Benchmarks call it before timed sections."""
+    deadline = time.monotonic() + max_wait_s
+    reading: Optional[float] = None
+    while True:
+        m = CpuMonitor()
+        time.sleep(sample_s)
+        reading = m.foreign_cpus()
+        if reading is None or reading < threshold_cpus or time.monotonic() > deadline:
+            return reading
+        log("machine busy (%.2f CPUs used by other processes); waiting", reading)

@@ -23,6 +23,12 @@ rank only adds scheduler noise. Denormals are flushed (``torch.set_flush_denorma
 it fbgemm's CPU row-wise Adagrad backward slows down 6x after a few steps as the row-wise
 state and the updates underflow, which swamps every other effect.
 
+Other processes on the machine are watched (``/proc/stat``): each mode first waits up to
+``--wait-quiet`` seconds for a quiet machine, the JSON reports ``foreign_cpus`` (CPUs used by
+other processes during the run), and ``ratios_by_mean_quiet_rounds`` recomputes the ratios
+over the rounds during which other processes used less than ``--noisy-cpus`` CPUs (a round
+holds one block of every model, so dropping whole rounds keeps the comparison fair).
+
 Prints one JSON line per tracking mode. ``--cprofile DIR`` writes cProfile stats of the
 persistent model's training-thread time (``DIR/step_<mode>.prof``).
 """
@@ -40,7 +46,18 @@ from typing import Any, Dict, List, Optional
 import torch
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
-from benchmarks._common import Stats, emit, init_single_rank_pg, log, machine, ratio, rmtree, workdir
+from benchmarks._common import (
+    CpuMonitor,
+    Stats,
+    emit,
+    init_single_rank_pg,
+    log,
+    machine,
+    ratio,
+    rmtree,
+    wait_for_quiet,
+    workdir,
+)
 from benchmarks._model import Workload, build_dmp, make_batches, train_step
 
 VARIANTS = ("untracked", "torchrec", "persistent")
@@ -109,18 +126,29 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     block = args.block
     rounds_warm = -(-args.warmup // block)
     rounds = args.steps // block
+    quiet_before = wait_for_quiet(args.wait_quiet)
+    whole = CpuMonitor()
+    round_times: List[Dict[str, float]] = []  # per timed round: variant -> seconds
+    round_foreign: List[float] = []
     t_start = time.perf_counter()
     for r in range(rounds_warm + rounds):
         record = r >= rounds_warm
         order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
         base = r * block
+        mon = CpuMonitor()
+        before = {v: len(times[v]) for v in VARIANTS}
         for v in order:
             for k in range(block):
                 one_step(v, min(base + k, total - 1), record)
+        if record:
+            round_times.append({v: sum(times[v][before[v]:]) for v in VARIANTS})
+            round_foreign.append(mon.foreign_cpus() or 0.0)
         if record and (r - rounds_warm) % max(1, rounds // 5) == 0:
             log("%s: round %d/%d, mean so far %s ms", mode.name, r - rounds_warm + 1, rounds,
                 {v: round(1e3 * sum(t) / max(1, len(t)), 1) for v, t in times.items()})
     wall = time.perf_counter() - t_start
+    foreign = whole.foreign_cpus()
+    quiet = [rt for rt, f in zip(round_times, round_foreign) if f < args.noisy_cpus]
 
     stats = {v: Stats.of(times[v]) for v in VARIANTS}
     pers = trackers["persistent"]
@@ -152,6 +180,14 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
         "persistent/torchrec": ratio(md["persistent"], md["torchrec"]),
         "torchrec/untracked": ratio(md["torchrec"], md["untracked"]),
     }
+    quiet_ratios: Optional[Dict[str, Optional[float]]] = None
+    if quiet:
+        q = {v: sum(rt[v] for rt in quiet) for v in VARIANTS}
+        quiet_ratios = {
+            "persistent/untracked": ratio(q["persistent"], q["untracked"]),
+            "persistent/torchrec": ratio(q["persistent"], q["torchrec"]),
+            "torchrec/untracked": ratio(q["torchrec"], q["untracked"]),
+        }
     targets = {
         name: {"max": lim, "value": ratios[name], "met": ratios[name] is not None and ratios[name] <= lim}
         for name, lim in TARGETS.get(mode.name, {}).items()
@@ -171,6 +207,11 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
         get_unique_ms={v: 1e3 * sum(reads[v]) / len(reads[v]) for v in VARIANTS if reads[v]},
         ratios_by_mean=ratios,
         ratios_by_median=median_ratios,
+        ratios_by_mean_quiet_rounds=quiet_ratios,
+        quiet_rounds=len(quiet),
+        rounds=len(round_times),
+        foreign_cpus=foreign,
+        foreign_cpus_before=quiet_before,
         targets=targets,
         persistent_writer=writer_stats,
         persistent_log_bytes=log_bytes,
@@ -200,10 +241,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cprofile", default=None, metavar="DIR")
+    ap.add_argument("--wait-quiet", type=float, default=300.0,
+                    help="wait up to this many seconds for other processes to go quiet before each mode")
+    ap.add_argument("--noisy-cpus", type=float, default=0.3,
+                    help="a round during which other processes used more CPUs than this is 'noisy'")
     ap.add_argument("--quick", action="store_true", help="smoke run: 30 steps, 50k rows, batch 512")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.rows, args.batch = 30, 10, 50_000, 512
+        args.steps, args.warmup, args.rows, args.batch, args.wait_quiet = 30, 10, 50_000, 512, 10.0
     if args.block is None:
         args.block = args.read_every
     if args.threads:
