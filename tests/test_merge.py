@@ -1,0 +1,37 @@
+"""merge: the FIRST/LAST rule against TorchRec's _compute_unique_rows, dense and sparse ids."""
+
+import pytest
+import torch
+from torchrec.distributed.model_tracker.delta_store import _compute_unique_rows
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta.merge import compute_unique_rows
+
+
+@pytest.mark.parametrize("mode", list(UpdateMode))
+@pytest.mark.parametrize("high", [50, 10**12])  # dense (direct-address) and sparse (sort) paths
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_matches_torchrec(mode, high, dtype):
+    g = torch.Generator().manual_seed(high % 97 + len(mode.value))
+    high = min(high, torch.iinfo(dtype).max)
+    ids = [torch.randint(0, high, (n,), generator=g).to(dtype) for n in (40, 0, 25, 60)]
+    states = None if mode == UpdateMode.NONE else [torch.randn(i.numel(), 3, generator=g) for i in ids]
+    got = compute_unique_rows(ids, states, mode)
+    want = _compute_unique_rows(ids, states, mode)
+    order = torch.argsort(want.ids)
+    assert got.ids.dtype == dtype
+    assert torch.equal(got.ids, want.ids[order])
+    if mode == UpdateMode.NONE:
+        assert got.states is None
+    else:
+        assert torch.equal(got.states, want.states[order])
+
+
+def test_results_own_their_memory():
+    ids = torch.tensor([3, 1, 3])
+    states = torch.tensor([[1.0], [2.0], [3.0]])
+    got = compute_unique_rows([ids], [states], UpdateMode.FIRST)
+    got.ids += 100
+    got.states += 100
+    assert ids.tolist() == [3, 1, 3] and states[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert compute_unique_rows([ids], None, UpdateMode.NONE).ids.data_ptr() != ids.data_ptr()
