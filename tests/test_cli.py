@@ -166,3 +166,23 @@ def test_one_renderer_for_every_command(tmp_path, fmt):
             json.loads(buf.getvalue())
         else:
             assert buf.getvalue().strip() and not buf.getvalue().lstrip().startswith("{")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
+    root = str(tmp_path / "log")
+    _fill(root, ranks=1)
+    err = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    argv = ["replay", root, "--from-batch", "0", "--to-batch", "8", "--window", "2", "--dry-run"]
+    assert main(argv, stdout=io.StringIO()) == 0
+    assert main(["verify", root], stdout=io.StringIO()) == 0
+    if tty:
+        assert "replay" in err.getvalue() and "window" in err.getvalue()
+    else:
+        assert err.getvalue() == ""

@@ -25,7 +25,8 @@ from persistent_delta import (
     UnknownConsumerError,
 )
 from persistent_delta.consumer import ShardInfo, TableDelta, merge_table
-from persistent_delta.log import DeltaLog
+from persistent_delta import codec
+from persistent_delta.log import SNAPSHOTS, DeltaLog
 from procs import popen_python, run_python
 
 
@@ -136,6 +137,38 @@ def test_commit_after_delete_refused(tmp_path):
             assert log.write(lambda w: w.delete_consumer("c"))
         with pytest.raises(UnknownConsumerError, match="deleted"):
             c.commit()
+
+
+def test_snapshots_channel(tmp_path):
+    """channel="snapshots" reads published row values (newest value per row wins) up to
+    snapshot_end, starting at the first stored stamp; its entry carries the channel."""
+    root = str(tmp_path)
+    with LmdbDeltaStore(os.path.join(root, "rank-0"), UpdateMode.NONE) as s:
+        s.append(0, "t", torch.tensor([1, 2]))
+
+        def publish(stamp: int, ids: List[int], values: List[float]) -> None:
+            def write(w: Any) -> None:
+                rec = codec.encode_record(torch.tensor(ids), torch.tensor(values).unsqueeze(1), codec.KIND_SNAPSHOT)
+                w.put_record(w.tables()["t"].table_id, stamp, rec, db=SNAPSHOTS)
+                w.set_meta("snapshot_end", stamp + 1)
+            s.log.write(write)
+
+        publish(3, [1, 2], [1.0, 2.0])
+        publish(5, [2, 7], [20.0, 70.0])
+        with DeltaConsumer(root, "replica", channel="snapshots") as c:
+            assert c.position() == {0: 3} and c.end_offsets() == {0: 6}
+            p = c.poll(max_batches=1)
+            assert p.ranges() == {0: (3, 4)} and p.merged()["t"].states.flatten().tolist() == [1.0, 2.0]
+            p = c.poll()
+            assert p.ranges() == {0: (4, 6)}
+            m = p.merged()["t"]
+            assert m.global_ids.tolist() == [2, 7] and m.states.flatten().tolist() == [20.0, 70.0]
+            c.commit()
+        publish(6, [2], [200.0])
+        with DeltaConsumer(root, "replica", channel="snapshots") as c:
+            assert c.poll().merged()["t"].states.flatten().tolist() == [200.0]
+        entry = s.log.read(lambda r: r.consumer("replica"))
+        assert entry["channel"] == "snapshots" and entry["offset"] == 6
 
 
 def _part(rank: int, ids: List[int], col: int, width: int, rows: int = 10, row_offset: int = 0) -> TableDelta:
