@@ -68,7 +68,7 @@ from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.sharding import LocalTable, feature_index, local_tables
 from persistent_delta.snapshot import redeliver, snapshot_retention, write_snapshots
 from persistent_delta.store import AppendRecord, compact_range, delete_below, read_unique
-from persistent_delta.writer import BackgroundWriter, WriteTask, commit_tasks
+from persistent_delta.writer import BackgroundWriter, WindowFilter, WriteTask, commit_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -210,12 +210,14 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.curr_compact_index = self.curr_batch_idx
         self._pending: List[AppendRecord] = []
         self._events: List[Any] = []
+        self._window = WindowFilter(self._update_mode)
         self._writer: Optional[BackgroundWriter] = None
         if config.async_writes:
             self._writer = BackgroundWriter(
                 self._log,
                 self._update_mode,
                 WriterOptions(max_pending_bytes=config.max_pending_bytes, max_pending_steps=config.max_pending_steps),
+                self._window,
             )
         self._closed = False
         self._hooked: List[Tuple[nn.Module, str]] = []
@@ -326,7 +328,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._writer is not None:
             self._writer.submit(task)
         else:
-            commit_tasks(self._log, self._update_mode, [task])
+            commit_tasks(self._log, self._update_mode, [task], self._window)
 
     def _capture(self, t: torch.Tensor) -> torch.Tensor:
         """Keep ``t`` for the writer: a detached reference on CPU; on a device, a non-blocking
@@ -369,12 +371,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         values = kjt.values()
         lengths = kjt.length_per_key()
         per_key = values.split(lengths)
+        # One record per feature, no copies here: the writer merges a table's records of a
+        # batch (FIRST/LAST rule) off the training thread.
         if self._mode == TrackingMode.ID_ONLY:
-            grouped: Dict[str, List[torch.Tensor]] = {}
             for key, ids in zip(keys, per_key):
-                grouped.setdefault(self.feature_to_fqn[key], []).append(ids)
-            for fqn, parts in grouped.items():
-                self._add(fqn, parts[0] if len(parts) == 1 else torch.cat(parts), None)
+                self._add(self.feature_to_fqn[key], ids, None)
         elif self._mode == TrackingMode.EMBEDDING:
             n = values.numel()
             if n == 0:
@@ -382,19 +383,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             if states.numel() % n != 0:
                 raise InvalidInputError(f"ids and embeddings size mismatch: {n} ids, {states.numel()} values")
             per_key_emb = states.view(n, -1).split(lengths)
-            g_ids: Dict[str, List[torch.Tensor]] = {}
-            g_emb: Dict[str, List[torch.Tensor]] = {}
             for key, ids, emb in zip(keys, per_key, per_key_emb):
-                fqn = self.feature_to_fqn[key]
-                g_ids.setdefault(fqn, []).append(ids)
-                g_emb.setdefault(fqn, []).append(emb)
-            for fqn, parts in g_ids.items():
-                embs = g_emb[fqn]
-                self._add(
-                    fqn,
-                    parts[0] if len(parts) == 1 else torch.cat(parts),
-                    embs[0] if len(embs) == 1 else torch.cat(embs),
-                )
+                self._add(self.feature_to_fqn[key], ids, emb)
         else:
             if emb_module is None:
                 raise InvalidInputError(f"tracking mode {self._mode.name} needs the embedding module")
@@ -557,6 +547,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """As TorchRec: ``None`` deletes every tracked row; a consumer's name deletes all only
         when it is the only consumer (otherwise nothing)."""
         self._drain()
+        self._window.reset()  # deleted rows must be recorded again
         if consumer is None:
             self._log.write(lambda w: delete_below(w, None))
             return
@@ -660,6 +651,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             return out
 
         redelivered = self._log.write(txn)
+        self._window.reset()
         self.curr_batch_idx = last + 1
         self.curr_compact_index = self.curr_batch_idx
         self._log.flush()

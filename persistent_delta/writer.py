@@ -33,7 +33,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.config import WriterOptions
 from persistent_delta.errors import LogClosedError, WriterError
 from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.merge import compute_unique_rows
+from persistent_delta.merge import compute_unique_rows, unique_ids
 from persistent_delta.store import AppendRecord, encode_records, write_records
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,91 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
     for (fqn, b), recs in groups.items():
         if mode == UpdateMode.NONE:
             ids = [r.ids for r in recs]
-            out.append(AppendRecord(b, fqn, torch.unique(torch.cat(ids) if len(ids) > 1 else ids[0])))
+            out.append(AppendRecord(b, fqn, unique_ids(torch.cat(ids) if len(ids) > 1 else ids[0])))
             continue
         rows = compute_unique_rows([r.ids for r in recs], [r.states for r in recs], mode)  # type: ignore[misc]
         out.append(AppendRecord(b, fqn, rows.ids, rows.states))
     return out
+
+
+class WindowFilter:
+    """Drops rows whose id was already recorded in the current read window.
+
+    The window starts at the largest offset of the trainer's lookup consumers (where the next
+    ``get_unique`` compacts from). For ``UpdateMode.FIRST`` and ``NONE`` a repeated id inside
+    the window can never change any consumer's answer -- every consumer reads from an offset
+    at or below the window start, and keeps each id's first occurrence -- so the writer does
+    not write it: this is ``auto_compact`` done as the batches arrive, and it cuts the bytes
+    written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence.
+
+    It is switched off (only per-batch dedup remains) while an out-of-process lookups consumer
+    is registered: such a consumer may commit a position inside the window. Per table, a
+    bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not filtered.
+    """
+
+    def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
+        self.enabled = mode in (UpdateMode.FIRST, UpdateMode.NONE)
+        self._max_rows = max_rows
+        self._seen: Dict[str, torch.Tensor] = {}
+        self._start: Optional[int] = None
+        self.rows_dropped = 0
+
+    def reset(self) -> None:
+        """Forget the window (after clear(), a restore, or a deletion outside retention)."""
+        self._seen.clear()
+        self._start = None
+
+    def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
+        """Filter ``records`` inside the write transaction ``w``; returns the records to write
+        and a function that updates the window once the transaction has committed."""
+        if not self.enabled:
+            return records, lambda: None
+        consumers = w.consumers()
+        lookups = [v for v in consumers.values() if v.get("channel", "lookups") == "lookups"]
+        if any(v.get("registered_by", "trainer") != "trainer" for v in lookups):
+            return records, self.reset
+        start = max((int(v["offset"]) for v in lookups), default=0)
+        seen = self._seen if start == self._start else {}
+        out: List[AppendRecord] = []
+        marks: List[Tuple[str, torch.Tensor]] = []
+        dropped = 0
+        for r in records:
+            if r.batch_idx < start or r.ids.numel() == 0 or r.ids.device.type != "cpu":
+                out.append(r)
+                continue
+            top = int(r.ids.max()) + 1
+            if top > self._max_rows:
+                out.append(r)
+                continue
+            bitmap = seen.get(r.fqn)
+            ids = r.ids.long()
+            if bitmap is not None:
+                new = ~bitmap[ids.clamp(max=bitmap.numel() - 1)] | (ids >= bitmap.numel())
+                if not bool(new.all()):
+                    dropped += int(new.numel() - new.sum())
+                    if not bool(new.any()):
+                        continue
+                    r = AppendRecord(r.batch_idx, r.fqn, r.ids[new], None if r.states is None else r.states[new], r.kind)
+                    ids = ids[new]
+            out.append(r)
+            marks.append((r.fqn, ids))
+
+        def commit() -> None:
+            if start != self._start:
+                self._seen.clear()
+                self._start = start
+            for fqn, ids in marks:
+                bitmap = self._seen.get(fqn)
+                need = int(ids.max()) + 1
+                if bitmap is None or bitmap.numel() < need:
+                    grown = torch.zeros(max(need, 2 * (0 if bitmap is None else bitmap.numel())), dtype=torch.bool)
+                    if bitmap is not None:
+                        grown[: bitmap.numel()] = bitmap
+                    bitmap = self._seen[fqn] = grown
+                bitmap[ids] = True
+            self.rows_dropped += dropped
+
+        return out, commit
 
 
 class BackgroundWriter:
@@ -85,9 +165,16 @@ class BackgroundWriter:
     thread of the process that owns the log.
     """
 
-    def __init__(self, log: DeltaLog, mode: UpdateMode, options: Optional[WriterOptions] = None) -> None:
+    def __init__(
+        self,
+        log: DeltaLog,
+        mode: UpdateMode,
+        options: Optional[WriterOptions] = None,
+        window: Optional[WindowFilter] = None,
+    ) -> None:
         self._log = log
         self._mode = mode
+        self._window = window
         self._opts = options or WriterOptions()
         self._cv = threading.Condition()
         self._queue: Deque[WriteTask] = collections.deque()
@@ -216,7 +303,7 @@ class BackgroundWriter:
 
     def _commit(self, tasks: List[WriteTask]) -> None:
         t0 = time.perf_counter()
-        n_records, nbytes = commit_tasks(self._log, self._mode, tasks)
+        n_records, nbytes = commit_tasks(self._log, self._mode, tasks, self._window)
         dt = time.perf_counter() - t0
         with self._cv:
             self._stats["commits"] += 1
@@ -226,10 +313,13 @@ class BackgroundWriter:
             self._stats["commit_time_s"] += dt
 
 
-def commit_tasks(log: DeltaLog, mode: UpdateMode, tasks: List[WriteTask]) -> Tuple[int, int]:
+def commit_tasks(
+    log: DeltaLog, mode: UpdateMode, tasks: List[WriteTask], window: Optional[WindowFilter] = None
+) -> Tuple[int, int]:
     """Commit ``tasks`` in one write transaction; returns (records, bytes) written.
 
-    Waits for their device copies, deduplicates and encodes outside the transaction.
+    Waits for their device copies and deduplicates each (table, batch) outside the
+    transaction; the window filter (which reads consumer offsets) and encoding run inside it.
     """
     for t in tasks:
         for ev in t.events:
@@ -237,21 +327,30 @@ def commit_tasks(log: DeltaLog, mode: UpdateMode, tasks: List[WriteTask]) -> Tup
     records: List[AppendRecord] = []
     for t in tasks:
         records.extend(dedup_records(t.records, mode) if t.dedup else t.records)
-    encoded = encode_records(records, mode)
     ops = [t.op for t in tasks if t.op is not None]
     meta: Dict[str, Any] = {}
     for t in tasks:
         meta.update(t.meta)
+    done: List[Callable[[], None]] = []
 
-    def apply(w: WriteTxn) -> int:
+    def apply(w: WriteTxn) -> Tuple[int, int]:
+        done.clear()
+        kept = records
+        if window is not None and records:
+            kept, after = window.apply(w, records)
+            done.append(after)
+        encoded = encode_records(kept, mode)
         n = write_records(w, encoded) if encoded else 0
         for k, v in meta.items():
             w.set_meta(k, v)
         for op in ops:
             op(w)
-        return n
+        return len(encoded), n
 
-    return len(encoded), log.write(apply)
+    result = log.write(apply)
+    for fn in done:
+        fn()
+    return result
 
 
-__all__ = ["BackgroundWriter", "WriteTask", "commit_tasks", "dedup_records"]
+__all__ = ["BackgroundWriter", "WindowFilter", "WriteTask", "commit_tasks", "dedup_records"]
