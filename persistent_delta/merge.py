@@ -47,7 +47,8 @@ def unique_ids(ids: torch.Tensor) -> torch.Tensor:
         return ids.clone()
     top = _dense(ids)
     if top is None:
-        return torch.unique(ids, sorted=True)
+        out: torch.Tensor = torch.unique(ids, sorted=True)
+        return out
     mask = torch.zeros(top, dtype=torch.bool)
     mask[ids.long()] = True
     return mask.nonzero().squeeze(1).to(ids.dtype)
