@@ -64,7 +64,24 @@ def machine() -> Dict[str, Any]:
         "torch": torch.__version__,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "loadavg_1m": os.getloadavg()[0],
+        "commit": _git_commit(),
     }
+
+
+def _git_commit() -> Optional[str]:
+    """HEAD of the checkout the package was imported from, with ``+dirty`` when
+    ``persistent_delta/`` has uncommitted changes (others edit it concurrently)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "persistent_delta"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 def median(xs: Sequence[float]) -> float:
