@@ -224,6 +224,11 @@ def replay(
     shards = load_shards(checkpoint) if checkpoint is not None else None
     logs = {rank: DeltaLog(path, readonly=True) for rank, path in rank_paths(root).items()}
     try:
+        if tables is not None:
+            known = {fqn for log in logs.values() for fqn in log.tables()}
+            unknown = sorted(set(tables) - known)
+            if unknown:
+                raise InvalidInputError(f"unknown tables {unknown}; the log holds {sorted(known)}")
         ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
         report = ReplayReport(root=root, out_dir=out, consumer=consumer, ranges=ranges, window=window,
                               windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from torchrec.distributed.model_tracker.types import UpdateMode
 
@@ -123,7 +123,7 @@ class _Checker:
         self.check_consumers(r)
         self.flush()
 
-    def check_meta(self, meta: Dict[str, object], fqns: set) -> None:  # type: ignore[type-arg]
+    def check_meta(self, meta: Dict[str, object], fqns: Set[str]) -> None:
         if meta.get("format_version") != codec.FORMAT_VERSION:
             self.bad("meta format_version", f"is {meta.get('format_version')!r}, expected {codec.FORMAT_VERSION}")
         mode = meta.get("update_mode")

@@ -107,6 +107,10 @@ def test_replay_refusals(tmp_path, capsys):
     assert main(["replay", root, "--from-batch", "3", "--to-batch", "5"]) == 1  # no --out
     assert "--out" in capsys.readouterr().err
     assert main(["replay", root, "--consumer", "nobody", "--dry-run"]) == 1
+    assert main(["replay", root, "--from-batch", "3", "--to-batch", "5", "--tables", "t", "nope", "--dry-run"]) == 1
+    assert "unknown tables ['nope']" in capsys.readouterr().err
+    report = replay(root, from_batch=3, to_batch=6, tables=["u"], dry_run=True)
+    assert [f.fqn for f in report.files] == ["u"]
     assert not os.path.exists(tmp_path / "o")
 
 
