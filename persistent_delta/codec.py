@@ -132,6 +132,7 @@ class DecodedRecord:
     ids: torch.Tensor
     states: Optional[torch.Tensor]
     nbytes: int
+    window_start: Optional[int] = None
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -151,10 +152,18 @@ def _pad(n: int) -> int:
 _ZEROS = bytes(8)
 
 
-def encode_record(ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP) -> bytes:
-    """Encode one record value. ``ids`` is 1-D; ``states`` (optional) has ``len(ids)`` rows."""
+def encode_record(
+    ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None
+) -> bytes:
+    """Encode one record value. ``ids`` is 1-D; ``states`` (optional) has ``len(ids)`` rows.
+
+    ``window_start``: the record omits ids already recorded in ``[window_start, batch_idx)``
+    (the writer's window filter); a reader starting after ``window_start`` must start there.
+    """
     ids_buf = _raw_bytes(ids)
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
+    if window_start is not None:
+        header["w"] = int(window_start)
     states_buf: Optional[memoryview] = None
     if states is not None:
         states_buf = _raw_bytes(states)
@@ -215,7 +224,22 @@ def decode_record(buf: Union[bytes, memoryview], verify: bool = True) -> Decoded
         if pos + count * s_dtype.itemsize > n:
             raise CorruptRecordError("record value shorter than its header says")
         states = _view(mv, s_dtype, count, pos).reshape(shape)
-    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n)
+    w = header.get("w")
+    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w))
+
+
+def record_window_start(buf: Union[bytes, memoryview]) -> Optional[int]:
+    """The ``window_start`` of a record value, reading its header only (no checksum)."""
+    mv = memoryview(buf)
+    if len(mv) < _PREFIX.size:
+        raise CorruptRecordError("record value is truncated")
+    head_len, _ = _PREFIX.unpack_from(mv, 0)
+    try:
+        header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
+        w = header.get("w")
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptRecordError(f"record header cannot be decoded: {exc}") from exc
+    return None if w is None else int(w)
 
 
 def _view(mv: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

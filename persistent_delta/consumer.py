@@ -352,6 +352,9 @@ def read_range(
     """Per-table unique rows of one rank's log over ``[start_idx, end_idx)`` (half-open), with
     global ids. Results own their memory (safe to keep after the transaction)."""
     mode = log_update_mode(r, channel)
+    if channel == LOOKUPS:
+        # a position inside a window of the writer's filter starts at the window (see log.read_start)
+        start_idx = r.read_start(start_idx)
     end_idx = max(end_idx, start_idx)
     rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, db=channel_db(channel))
     entries = r.tables()

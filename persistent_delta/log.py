@@ -133,6 +133,7 @@ class StoredRecord:
     ids: torch.Tensor
     states: Optional[torch.Tensor]
     nbytes: int
+    window_start: Optional[int] = None
 
 
 # ------------------------------------------------------------------ per-process env registry
@@ -311,7 +312,7 @@ class ReadTxn:
             if end_idx is not None and b >= end_idx:
                 break
             rec = codec.decode_record(value, verify=verify)
-            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes)
+            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start)
 
     def iter_record_keys(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, db: str = RECORDS
@@ -367,6 +368,26 @@ class ReadTxn:
         v = self.txn.get(key.encode(), db=self._dbs[b"meta"])
         return default if v is None else codec.unpack(v, f"meta {key!r}")
 
+    def read_start(self, position: int, db: str = RECORDS) -> int:
+        """Where a reader positioned at ``position`` must start reading to miss nothing.
+
+        The writer's window filter omits ids already recorded since its window start; a
+        position strictly inside such a window moves back to the window start (the rows of
+        ``[window_start, position)`` are delivered again: at-least-once, never lost).
+        """
+        best = position
+        cur = self.txn.cursor(db=self._dbs[db.encode()])
+        for entry in self.tables().values():
+            if not cur.set_range(codec.record_key(entry.table_id, max(0, position), 0)):
+                continue
+            key = cur.key()
+            if key[:4] != codec.table_prefix(entry.table_id):
+                continue
+            w = codec.record_window_start(cur.value())
+            if w is not None and w < best:
+                best = w
+        return max(min(best, position), min(self.log_start(), position))
+
     def log_start(self) -> int:
         """Batches below this were deleted (retention, ``clear``): a position below it cannot
         be served."""
@@ -376,7 +397,8 @@ class ReadTxn:
         """One past the last *complete* batch: the tracker's persisted batch index (the batch
         it is recording is not complete yet); for a plain store, one past the last appended."""
         if self.meta("tracker") is not None:
-            return int(self.meta("curr_batch_idx", 0))
+            # the batch being recorded is complete once the trainer closed (closed_end)
+            return max(int(self.meta("curr_batch_idx", 0)), int(self.meta("closed_end", 0)))
         return max((e.last_batch_idx for e in self.tables().values()), default=-1) + 1
 
     def all_meta(self) -> Dict[str, Any]:

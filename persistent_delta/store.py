@@ -45,6 +45,7 @@ class AppendRecord:
     ids: torch.Tensor
     states: Optional[torch.Tensor] = None
     kind: int = codec.KIND_LOOKUP
+    window_start: Optional[int] = None  # set by the writer's window filter (see codec)
 
 
 def check_batch_idx(batch_idx: object, what: str = "batch_idx") -> int:
@@ -89,7 +90,7 @@ def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tu
     out = []
     for rec in records:
         validate_record(rec, mode)
-        out.append((rec, codec.encode_record(rec.ids, rec.states, rec.kind)))
+        out.append((rec, codec.encode_record(rec.ids, rec.states, rec.kind, rec.window_start)))
     return out
 
 

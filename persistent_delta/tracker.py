@@ -483,7 +483,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         offsets = lookup_offsets(consumers)
         floor = w.meta(META_CHECKPOINT_FLOOR)
         compact_split(w, self._update_mode, max(0, max(offsets.values())), end, floor)
-        rows = read_unique(w, self._update_mode, from_idx=offsets[consumer])
+        rows = read_unique(w, self._update_mode, from_idx=w.read_start(offsets[consumer]))
         entry = dict(entry)
         entry.update(offset=end, commit_time=time.time())
         w.set_consumer(consumer, entry)
@@ -739,7 +739,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._closed:
             return
         try:
-            self.flush()
+            self._drain()
+            # the batch being recorded is complete now: let out-of-process readers see it
+            closed_end = self.curr_batch_idx + 1
+            self._log.write(lambda w: w.set_meta("closed_end", closed_end))
+            self._log.flush()
         finally:
             self._closed = True
             if self._writer is not None:

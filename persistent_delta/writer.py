@@ -88,9 +88,13 @@ class WindowFilter:
     not write it: this is ``auto_compact`` done as the batches arrive, and it cuts the bytes
     written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence.
 
-    It is switched off (only per-batch dedup remains) while an out-of-process lookups consumer
-    is registered: such a consumer may commit a position inside the window. Per table, a
-    bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not filtered.
+    While an out-of-process lookups consumer is registered the filter is off, so its polls
+    are exactly-once. A position may still land inside a window filtered earlier (a consumer
+    registered later that stops with ``poll(max_batches)``, an offset reset): every filtered
+    record carries its window start, and readers start from there (``ReadTxn.read_start``), so
+    such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
+    row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
+    filtered.
     """
 
     def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
@@ -110,10 +114,9 @@ class WindowFilter:
         and a function that updates the window once the transaction has committed."""
         if not self.enabled:
             return records, lambda: None
-        consumers = w.consumers()
-        lookups = [v for v in consumers.values() if v.get("channel", "lookups") == "lookups"]
+        lookups = [v for v in w.consumers().values() if v.get("channel", "lookups") == "lookups"]
         if any(v.get("registered_by", "trainer") != "trainer" for v in lookups):
-            return records, self.reset
+            return records, self.reset  # exactly-once for out-of-process consumers: no filtering
         start = max((int(v["offset"]) for v in lookups), default=0)
         seen = self._seen if start == self._start else {}
         out: List[AppendRecord] = []
@@ -129,16 +132,20 @@ class WindowFilter:
                 continue
             bitmap = seen.get(r.fqn)
             ids = r.ids.long()
+            r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start)
             if bitmap is not None:
                 new = ~bitmap[ids.clamp(max=bitmap.numel() - 1)] | (ids >= bitmap.numel())
                 if not bool(new.all()):
+                    # (a record whose rows were all recorded already is still written, empty:
+                    # it carries the window start that readers positioned after it need)
                     dropped += int(new.numel() - new.sum())
-                    if not bool(new.any()):
-                        continue
-                    r = AppendRecord(r.batch_idx, r.fqn, r.ids[new], None if r.states is None else r.states[new], r.kind)
+                    r = AppendRecord(
+                        r.batch_idx, r.fqn, r.ids[new], None if r.states is None else r.states[new], r.kind, start
+                    )
                     ids = ids[new]
             out.append(r)
-            marks.append((r.fqn, ids))
+            if ids.numel():
+                marks.append((r.fqn, ids))
 
         def commit() -> None:
             if start != self._start:

@@ -1,0 +1,135 @@
+"""The background writer: group commit, backpressure, per-batch dedup and the window filter."""
+
+import threading
+import time
+
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta.config import WriterOptions
+from persistent_delta.log import DeltaLog
+from persistent_delta.merge import compute_unique_rows
+from persistent_delta.store import AppendRecord, read_unique
+from persistent_delta.writer import BackgroundWriter, WindowFilter, WriteTask, commit_tasks
+
+
+def batches(n, seed=0, rows=40, size=30):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(1, n + 1):
+        ids = torch.randint(0, rows, (size,), generator=g)
+        out.append((b, ids, torch.full((size, 2), float(b)) + torch.arange(size).unsqueeze(1) / 100))
+    return out
+
+
+def truth(raw, mode, start, end):
+    sel = [(ids, st) for b, ids, st in raw if start <= b < end]
+    return compute_unique_rows([i for i, _ in sel], None if mode == UpdateMode.NONE else [s for _, s in sel], mode)
+
+
+def log_with_consumer(path, mode, registered_by="trainer"):
+    log = DeltaLog(path, update_mode=mode.value)
+    log.write(lambda w: w.set_consumer("a", {"offset": 0, "registered_by": registered_by, "channel": "lookups"}))
+    return log
+
+
+def write_all(log, mode, raw, window):
+    for b, ids, st in raw:
+        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(b, "t", ids, None if mode == UpdateMode.NONE else st)])], window)
+
+
+def test_window_filter_writes_less_and_answers_stay_exact(tmp_path):
+    for mode in (UpdateMode.FIRST, UpdateMode.NONE):
+        raw = batches(12, seed=1)
+        log = log_with_consumer(str(tmp_path / mode.value), mode)
+        window = WindowFilter(mode)
+        write_all(log, mode, raw, window)
+        assert window.rows_dropped > 0
+        stored = log.read(lambda r: sum(rec.ids.numel() for rec in r.iter_records(r.table("t").table_id)))
+        assert stored < sum(ids.unique().numel() for _, ids, _ in raw)  # fewer than per-batch dedup alone
+        got = log.read(lambda r: read_unique(r, mode, 0)["t"])
+        want = truth(raw, mode, 0, 100)
+        assert torch.equal(got.ids, want.ids)
+        if mode == UpdateMode.FIRST:
+            assert torch.equal(got.states, want.states)
+        log.close()
+
+
+def test_a_position_inside_a_window_is_redelivered_never_lost(tmp_path):
+    mode = UpdateMode.FIRST
+    raw = batches(12, seed=2)
+    log = log_with_consumer(str(tmp_path / "log"), mode)
+    write_all(log, mode, raw, WindowFilter(mode))
+    for pos in range(1, 13):
+        start = log.read(lambda r: r.read_start(pos))
+        assert start <= pos
+        got = log.read(lambda r: read_unique(r, mode, r.read_start(pos))["t"])
+        want = truth(raw, mode, pos, 100)
+        assert set(want.ids.tolist()) <= set(got.ids.tolist()), pos  # nothing missed
+        assert torch.equal(truth(raw, mode, start, 100).ids, got.ids)  # exactly the window's rows
+    log.close()
+
+
+def test_no_window_filter_for_last_mode_or_external_consumers(tmp_path):
+    raw = batches(6, seed=3)
+    for mode, by in ((UpdateMode.LAST, "trainer"), (UpdateMode.FIRST, "external")):
+        log = log_with_consumer(str(tmp_path / f"{mode.value}-{by}"), mode, registered_by=by)
+        window = WindowFilter(mode)
+        write_all(log, mode, raw, window)
+        assert window.rows_dropped == 0
+        starts = log.read(lambda r: {rec.window_start for rec in r.iter_records(r.table("t").table_id)})
+        assert starts == {None}
+        assert log.read(lambda r: r.read_start(4)) == 4
+        log.close()
+
+
+def test_window_restarts_when_the_largest_offset_moves(tmp_path):
+    mode = UpdateMode.FIRST
+    raw = batches(10, seed=4, rows=10)
+    log = log_with_consumer(str(tmp_path / "log"), mode)
+    window = WindowFilter(mode)
+    write_all(log, mode, raw[:5], window)
+    log.write(lambda w: w.set_consumer("a", {"offset": 6, "registered_by": "trainer", "channel": "lookups"}))
+    write_all(log, mode, raw[5:], window)
+    # a consumer at the new offset gets every row touched from batch 6 on, with first values
+    got = log.read(lambda r: read_unique(r, mode, 6)["t"])
+    want = truth(raw, mode, 6, 100)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
+    log.close()
+
+
+def test_backpressure_bounds_the_queue_and_drops_nothing(tmp_path):
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(max_pending_bytes=1 << 20, max_pending_steps=2))
+    depths = []
+    for b in range(40):
+        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.arange(50_000) + b)], dedup=False))
+        depths.append(writer.stats()["queue_depth"])
+    writer.barrier()
+    stats = writer.stats()
+    writer.close()
+    assert max(depths) <= 2
+    assert stats["total_wait_s"] > 0 and stats["max_wait_s"] > 0
+    assert stats["bytes_written"] >= 40 * 50_000 * 8
+    batches_stored = log.read(lambda r: [b for b, _, _ in r.iter_record_keys(r.table("t").table_id)])
+    assert batches_stored == list(range(40))
+    log.close()
+
+
+def test_group_commit_and_stats(tmp_path):
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE)
+    gate = threading.Event()
+    # hold the writer inside a commit so that later tasks queue up and go in one transaction
+    writer.submit(WriteTask(op=lambda w: gate.wait(10)))
+    time.sleep(0.1)
+    for b in range(10):
+        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.tensor([b, b]))], meta={"curr_batch_idx": b}))
+    gate.set()
+    writer.barrier()
+    stats = writer.stats()
+    writer.close()
+    assert stats["tasks"] == 11 and stats["commits"] <= 3
+    assert log.read(lambda r: r.meta("curr_batch_idx")) == 9
+    assert log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)]) == [[b] for b in range(10)]
+    log.close()
