@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from benchmarks._common import ZipfIds, emit, free_bytes, log, machine, median, rmtree, workdir
+from benchmarks._common import CpuMonitor, ZipfIds, emit, free_bytes, log, machine, median, rmtree, wait_for_quiet, workdir
 from persistent_delta import Durability, LmdbDeltaStore
 from persistent_delta import codec
 from persistent_delta.store import AppendRecord
@@ -142,10 +142,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--distinct", type=int, default=8, help="distinct step groups cycled through")
+    ap.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for a quiet machine")
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repetition")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.reps, args.distinct = 10, 1, 4
+        args.steps, args.reps, args.distinct, args.wait_quiet = 10, 1, 4, 5.0
     steps = make_steps(args.distinct, args.tables, args.ids, args.dim, seed=7)
     per_step = payload(steps[0])
     total = per_step * args.steps
@@ -171,14 +172,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     _raw(warm, steps, min(args.steps, 10), False)  # untimed: first-touch costs of the buffers
     rmtree(warm)
     log("append: %d steps of %.1f MB, %d configurations x %d reps", args.steps, per_step / 1e6, len(configs), args.reps)
+    foreign: Dict[Tuple[str, Optional[Durability]], List[float]] = {(c, d): [] for c, d, _ in configs}
     for rep in range(args.reps):
+        wait_for_quiet(args.wait_quiet)
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         for name, d, fn in order:
             sub = os.path.join(root, f"{name}-{d.value if d else 'raw'}-{rep}")
             os.makedirs(sub)
             gc.collect()
+            mon = CpuMonitor()
             try:
                 results[(name, d)].append(fn(sub))
+                foreign[(name, d)].append(mon.foreign_cpus() or 0.0)
             except Exception as exc:  # noqa: BLE001 - an API change in one config should not stop the rest
                 log("%s %s failed: %r", name, d, exc)
             rmtree(sub)
@@ -212,6 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ms_per_step=1e3 * secs / args.steps,
             gbps=gbps,
             ratio_to_raw_page_cache=gbps / raw_gbps,
+            foreign_cpus_max=max(foreign[(name, d)], default=None),
             **extra,
         )
         if name == "store_append_many" and d == Durability.ON_FLUSH:
