@@ -160,6 +160,39 @@ _REGISTRY: Dict[str, _SharedEnv] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
+def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
+    """Take the log's exclusive writer lock (``flock`` on ``writer.lock``, released by the
+    kernel when the process dies) and write our pid there; returns the descriptor.
+
+    Raises:
+        LogLockedError: another process (or another handle of this one) holds it; the message
+            names the holder's pid.
+    """
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise _translate(exc, path) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        except OSError:
+            pass
+        os.close(fd)
+        who = f"pid {holder}" if holder else "an unknown process"
+        if holder == str(os.getpid()):
+            who += " (this process: close the other handle first)"
+        raise LogLockedError(
+            f"{path}: another writer holds the writer lock: {who}, so this process cannot {action}. One writer "
+            "process per log; open it read-only (DeltaConsumer, the tools) to read while it is written"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 def _lmdb_flags(opts: LogOptions) -> Dict[str, Any]:
     d = opts.durability
     return {
@@ -578,30 +611,7 @@ class DeltaLog:
 
     # ------------------------------------------------------------------ lifecycle
     def _acquire_writer_lock(self) -> None:
-        lock_path = os.path.join(self.path, LOCK_FILE)
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise _translate(exc, self.path) from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
-            os.close(fd)
-            who = f"pid {holder}" if holder else "an unknown process"
-            if holder == str(os.getpid()):
-                who += " (this process: close the other handle first)"
-            raise LogLockedError(
-                f"{self.path}: another writer holds the writer lock: {who}. One writer process per log; "
-                "open it read-only (DeltaConsumer, the tools) to read while it is written"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = acquire_writer_lock(self.path)
 
     def _release_writer_lock(self) -> None:
         if self._lock_fd is not None:

@@ -618,6 +618,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Restore with a model checkpoint (call it after loading the model's weights and
         optimizer state). If the log went past the checkpoint, the rows touched since are
         re-delivered to every consumer with their restored states (see :mod:`.snapshot`).
+        With an initialised process group it is a collective: call it on every rank (the
+        ranks agree on the batch index to continue from).
 
         Returns:
             fqn -> rows re-delivered (empty when the log ended at the checkpoint).
@@ -638,6 +640,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             )
         ckpt = int(state["curr_batch_idx"])
         last = self.curr_batch_idx
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A kill can leave ranks one step apart; continue all of them from the same batch
+            # index so that batch ranges mean the same on every rank (replay merges ranks).
+            agreed = torch.tensor([last], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            last = int(agreed.item())
         if ckpt >= last:
             self.curr_batch_idx = max(last, ckpt)
             self.curr_compact_index = self.curr_batch_idx

@@ -32,7 +32,7 @@ from typing import List, Optional
 
 from persistent_delta.consumer import PathLike, rank_paths
 from persistent_delta.errors import LogLockedError
-from persistent_delta.log import DATA_FILE, LOCK_FILE, DeltaLog, open_in_process
+from persistent_delta.log import DATA_FILE, DeltaLog, acquire_writer_lock, open_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +56,7 @@ def _fsync_path(path: str) -> None:
 
 
 def _take_writer_lock(path: str) -> int:
-    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise LogLockedError(
-            f"{path}: a writer has the log open (pid {holder or 'unknown'}); stop the trainer (or close the store) "
-            "and run vacuum again"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+    return acquire_writer_lock(path, action="vacuum it (stop the trainer or close the store first)")
 
 
 _LMDB_LOCK_FILE = "lock.mdb"
