@@ -482,7 +482,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             )
         offsets = lookup_offsets(consumers)
         floor = w.meta(META_CHECKPOINT_FLOOR)
-        compact_split(w, self._update_mode, max(0, max(offsets.values())), end, floor)
+        external = any(v.get("registered_by", "trainer") != "trainer" for v in consumers.values()
+                       if v.get("channel", LOOKUPS) == LOOKUPS)
+        # TorchRec compacts [largest offset, end) here. It never changes an answer; it only
+        # makes later reads of that range cheaper. With the window filter on (FIRST/NONE, no
+        # out-of-process consumer) the range holds each id once already: skip the rewrite.
+        if not self._window.enabled or external:
+            compact_split(w, self._update_mode, max(0, max(offsets.values())), end, floor)
         rows = read_unique(w, self._update_mode, from_idx=w.read_start(offsets[consumer]))
         entry = dict(entry)
         entry.update(offset=end, commit_time=time.time())

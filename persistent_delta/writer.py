@@ -69,12 +69,13 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
         groups.setdefault((r.fqn, r.batch_idx), []).append(r)
     out: List[AppendRecord] = []
     for (fqn, b), recs in groups.items():
+        w = recs[0].window_start
         if mode == UpdateMode.NONE:
             ids = [r.ids for r in recs]
-            out.append(AppendRecord(b, fqn, unique_ids(torch.cat(ids) if len(ids) > 1 else ids[0])))
+            out.append(AppendRecord(b, fqn, unique_ids(torch.cat(ids) if len(ids) > 1 else ids[0]), window_start=w))
             continue
         rows = compute_unique_rows([r.ids for r in recs], [r.states for r in recs], mode)  # type: ignore[misc]
-        out.append(AppendRecord(b, fqn, rows.ids, rows.states))
+        out.append(AppendRecord(b, fqn, rows.ids, rows.states, window_start=w))
     return out
 
 
@@ -325,15 +326,15 @@ def commit_tasks(
 ) -> Tuple[int, int]:
     """Commit ``tasks`` in one write transaction; returns (records, bytes) written.
 
-    Waits for their device copies and deduplicates each (table, batch) outside the
-    transaction; the window filter (which reads consumer offsets) and encoding run inside it.
+    Waits for their device copies, then inside the transaction (the window filter reads the
+    consumer offsets): drops rows already recorded in the window -- first, so that the
+    per-(table, batch) dedup that follows only sorts what is new -- dedups and encodes.
     """
     for t in tasks:
         for ev in t.events:
             ev.synchronize()
-    records: List[AppendRecord] = []
-    for t in tasks:
-        records.extend(dedup_records(t.records, mode) if t.dedup else t.records)
+    records: List[AppendRecord] = [r for t in tasks for r in t.records]
+    dedup = all(t.dedup for t in tasks)
     ops = [t.op for t in tasks if t.op is not None]
     meta: Dict[str, Any] = {}
     for t in tasks:
@@ -346,6 +347,8 @@ def commit_tasks(
         if window is not None and records:
             kept, after = window.apply(w, records)
             done.append(after)
+        if dedup:
+            kept = dedup_records(kept, mode)
         encoded = encode_records(kept, mode)
         n = write_records(w, encoded) if encoded else 0
         for k, v in meta.items():
