@@ -64,7 +64,7 @@ def machine() -> Dict[str, Any]:
         "torch": torch.__version__,
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "loadavg_1m": os.getloadavg()[0],
-        "commit": _git_commit(),
+        "commit": _COMMIT_AT_START,
     }
 
 
@@ -82,6 +82,10 @@ def _git_commit() -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+dirty" if dirty else "")) or None
+
+
+# Taken when the benchmark starts (close to when it imported the package), not at each emit.
+_COMMIT_AT_START = _git_commit()
 
 
 def median(xs: Sequence[float]) -> float:
