@@ -182,3 +182,79 @@ def test_forked_child_cannot_use_parent_handle(log_dir):
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
         assert log.read(lambda r: r.consumers()) == {}  # parent still fine
+
+
+_OPS_CHILD = """
+import sys, torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+from persistent_delta import LmdbDeltaStore
+sys.path.insert(0, sys.argv[2])
+from test_log import ops
+s = LmdbDeltaStore(sys.argv[1], UpdateMode.FIRST)
+stream = ops(100000)
+print("READY", flush=True)
+for i, op in enumerate(stream):
+    op(s)
+    print(i, flush=True)
+"""
+
+
+def ops(n):
+    """A deterministic stream of store mutations: appends, compactions, deletions."""
+    import torch
+
+    out = []
+    b = 0
+    while len(out) < n:
+        for k in range(3):
+            ids = torch.arange(b * 7, b * 7 + 3000) % 5000 + k
+            out.append(lambda s, b=b, k=k, ids=ids: s.append(b, f"t{k}", ids, torch.full((ids.numel(), 8), float(b))))
+        if b % 3 == 2:
+            out.append(lambda s, b=b: s.compact(max(0, b - 5), b + 1))
+        if b % 4 == 3:
+            out.append(lambda s, b=b: s.delete(b - 6))
+        b += 1
+    return out[:n]
+
+
+@pytest.mark.parametrize("kill_after", [0.6, 1.1, 1.7])
+def test_sigkill_during_compaction_and_deletion(log_dir, kill_after):
+    """Killed at a random instant of a stream of appends, compactions and deletions, the log
+    equals a model (TorchRec's DeltaStoreTrec) after exactly the ops reported done, or one more."""
+    import threading
+
+    from torchrec.distributed.model_tracker.delta_store import DeltaStoreTrec
+
+    proc = popen_python(_OPS_CHILD, log_dir, os.path.dirname(os.path.abspath(__file__)))
+    assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
+    done: list = []
+    reader = threading.Thread(target=lambda: done.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    time.sleep(kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reader.join(5)
+    k = int(done[-1]) + 1 if done else 0
+    assert k > 5, proc.stderr.read()
+    with LmdbDeltaStore(log_dir, UpdateMode.FIRST) as store:
+        got = store.get_unique(0)
+        got_batches = {f: [lk.batch_idx for lk in v] for f, v in store.per_fqn_lookups.items()}
+    stream = ops(k + 1)
+    matched = False
+    for n in (k, k + 1):
+        model = DeltaStoreTrec(UpdateMode.FIRST)
+        for op in stream[:n]:
+            op(model)
+        want_batches = {f: [lk.batch_idx for lk in v] for f, v in model.per_fqn_lookups.items()}
+        if want_batches != got_batches:
+            continue
+        ok = True
+        for fqn, lookups in model.per_fqn_lookups.items():
+            if not lookups:
+                ok &= got[fqn].ids.numel() == 0
+                continue
+            rows = model.get_unique(0)[fqn]
+            order = torch.argsort(rows.ids)
+            ok &= torch.equal(got[fqn].ids, rows.ids[order]) and torch.equal(got[fqn].states, rows.states[order])
+        matched |= ok
+    assert matched, (k, got_batches)
