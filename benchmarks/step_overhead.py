@@ -27,7 +27,8 @@ Other processes on the machine are watched (``/proc/stat``): each mode first wai
 ``--wait-quiet`` seconds for a quiet machine, the JSON reports ``foreign_cpus`` (CPUs used by
 other processes during the run), and ``ratios_by_mean_quiet_rounds`` recomputes the ratios
 over the rounds during which other processes used less than ``--noisy-cpus`` CPUs (a round
-holds one block of every model, so dropping whole rounds keeps the comparison fair).
+holds one block of every model, so dropping whole rounds keeps the comparison fair), and
+``ratios_median_of_rounds`` is the median over rounds of the per-round ratio (robust to bursts).
 
 Prints one JSON line per tracking mode. ``--cprofile DIR`` writes cProfile stats of the
 persistent model's training-thread time (``DIR/step_<mode>.prof``).
@@ -40,6 +41,7 @@ import cProfile
 import gc
 import os
 import pstats
+import statistics
 import time
 from typing import Any, Dict, List, Optional
 
@@ -188,6 +190,18 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
             "persistent/torchrec": ratio(q["persistent"], q["torchrec"]),
             "torchrec/untracked": ratio(q["torchrec"], q["untracked"]),
         }
+    # Noise-robust: each round holds one block (with its get_unique) of every model, run
+    # back to back, so the per-round ratio is a throughput ratio; bursts of foreign load hit
+    # a few rounds, and the median over rounds ignores them.
+    def _round_median(a: str, b: str) -> Optional[float]:
+        rs = [rt[a] / rt[b] for rt in round_times if rt[b] > 0]
+        return statistics.median(rs) if rs else None
+
+    round_median_ratios = {
+        "persistent/untracked": _round_median("persistent", "untracked"),
+        "persistent/torchrec": _round_median("persistent", "torchrec"),
+        "torchrec/untracked": _round_median("torchrec", "untracked"),
+    }
     targets = {
         name: {"max": lim, "value": ratios[name], "met": ratios[name] is not None and ratios[name] <= lim}
         for name, lim in TARGETS.get(mode.name, {}).items()
@@ -208,6 +222,7 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
         ratios_by_mean=ratios,
         ratios_by_median=median_ratios,
         ratios_by_mean_quiet_rounds=quiet_ratios,
+        ratios_median_of_rounds=round_median_ratios,
         quiet_rounds=len(quiet),
         rounds=len(round_times),
         foreign_cpus=foreign,
