@@ -101,11 +101,32 @@ def compute_unique_rows(
     if mode == UpdateMode.NONE or states is None:
         return UniqueRows(ids=unique_ids(_cat(ids)), states=None)
     cat_ids = _cat(ids)
-    cat_states = torch.cat(list(states)) if len(states) > 1 else states[0]
     if cat_ids.numel() == 0:
-        return UniqueRows(ids=cat_ids.clone(), states=cat_states.clone())
+        return UniqueRows(ids=cat_ids.clone(), states=torch.cat(list(states)).clone())
     uniq, picked = first_or_last(cat_ids, mode)
-    return UniqueRows(ids=uniq, states=cat_states[picked])
+    return UniqueRows(ids=uniq, states=gather_rows(states, picked))
+
+
+def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(parts)[picked]`` without concatenating: only the picked rows are copied,
+    straight from each part (the parts may be views into LMDB's map)."""
+    if len(parts) == 1:
+        return parts[0][picked]
+    sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    which = torch.searchsorted(starts, picked, right=True) - 1
+    order = torch.argsort(which, stable=True)  # picked rows grouped by part
+    counts = torch.bincount(which, minlength=len(parts)).tolist()
+    chunks = []
+    pos = 0
+    for i, c in enumerate(counts):
+        if c:
+            chunks.append(parts[i].index_select(0, picked[order[pos:pos + c]] - starts[i]))
+            pos += c
+    grouped = torch.cat(chunks)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return grouped.index_select(0, inverse)
 
 
 def merge_unique(parts: List[UniqueRows], mode: UpdateMode) -> UniqueRows:
