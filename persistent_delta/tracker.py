@@ -86,6 +86,13 @@ def lookup_offsets(consumers: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
     return {k: int(v["offset"]) for k, v in consumers.items() if v.get("channel", LOOKUPS) == LOOKUPS}
 
 
+def has_external_lookups_consumer(consumers: Dict[str, Dict[str, Any]]) -> bool:
+    """Whether an out-of-process consumer reads the lookups channel."""
+    return any(
+        v.get("registered_by", "trainer") != "trainer" for v in consumers.values() if v.get("channel", LOOKUPS) == LOOKUPS
+    )
+
+
 def compact_split(w: WriteTxn, mode: UpdateMode, start: int, end: int, floor: Optional[int]) -> None:
     """Compact ``[start, end)``, split at the checkpoint floor so that no merged record mixes
     batches from before and after the last checkpoint (a restore re-reads those after it)."""
@@ -410,7 +417,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         def compact(w: WriteTxn) -> None:
             # The largest offset is read inside the transaction: an out-of-process consumer
             # may have committed since, and no offset may fall strictly inside the range.
-            offsets = lookup_offsets(w.consumers()).values()
+            consumers = w.consumers()
+            if has_external_lookups_consumer(consumers):
+                return  # see _consume: never merge across an out-of-process reader's position
+            offsets = lookup_offsets(consumers).values()
             compact_split(w, mode, max(0, max(offsets, default=0)), end, w.meta(META_CHECKPOINT_FLOOR))
 
         self._hand_off(self._take_batch(op=compact))
@@ -482,12 +492,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             )
         offsets = lookup_offsets(consumers)
         floor = w.meta(META_CHECKPOINT_FLOOR)
-        external = any(v.get("registered_by", "trainer") != "trainer" for v in consumers.values()
-                       if v.get("channel", LOOKUPS) == LOOKUPS)
         # TorchRec compacts [largest offset, end) here. It never changes an answer; it only
-        # makes later reads of that range cheaper. With the window filter on (FIRST/NONE, no
-        # out-of-process consumer) the range holds each id once already: skip the rewrite.
-        if not self._window.enabled or external:
+        # makes later reads of that range cheaper. Skipped (1) while an out-of-process consumer
+        # reads the lookups: it may hold an uncommitted position inside the range (polled, not
+        # yet committed), and a merged record stamped at the range start would be behind it;
+        # (2) with the window filter on (FIRST/NONE): the range holds each id once already.
+        if not self._window.enabled and not has_external_lookups_consumer(consumers):
             compact_split(w, self._update_mode, max(0, max(offsets.values())), end, floor)
         rows = read_unique(w, self._update_mode, from_idx=w.read_start(offsets[consumer]))
         entry = dict(entry)

@@ -18,15 +18,12 @@ consumer in a poll that could hold it, and no poll holds an id its batches did n
 union per table is exactly the ids fed; every offsets output is valid JSON, with no offset moving
 backwards or below the log start; the file stays bounded (retention); ``verify`` passes.
 
-A poll ``[start, end)`` may hold ids of later batches, up to the log end at the time of the poll:
-the trainer's ``get_unique`` compacts ``[largest committed offset, open batch]`` into one record
-stamped at the range start, which a consumer behind it reads early. So delivery is checked per
-id with that window: an id fed in batch ``b`` must be in a poll with ``start <= b <= log end
-seen by that poll``.
-
-Both tests are expected to fail with :class:`LostRowsError` until the package stops compacting
-across a consumer's polled but uncommitted position (see ``LOSES_ROWS``); every other check must
-pass, and runs before that error is raised.
+Delivery is checked per id with a window: an id fed in batch ``b`` must be in a poll with
+``start <= b <= log end seen by that poll`` (a compacted record stamped at a range start would be
+read early by a consumer behind it). Losses are raised last, as :class:`LostRowsError`, after
+every other check. (This soak found that compaction merged records across a consumer's polled
+but uncommitted position; the tracker no longer compacts while an out-of-process lookups
+consumer is registered.)
 """
 
 from __future__ import annotations
@@ -321,21 +318,10 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
     return summary
 
 
-# The trainer's get_unique compacts [largest *committed* offset, open batch] into one record
-# stamped at the range start. A consumer that polled past that start and has not committed yet
-# then resumes inside the merged range and never reads the rows merged below its position.
-LOSES_ROWS = pytest.mark.xfail(
-    raises=LostRowsError, strict=True,
-    reason="package bug: get_unique/auto_compact compaction merges records across an external consumer's "
-           "polled but uncommitted position, which then never receives them (remove this mark once fixed)")
-
-
-@LOSES_ROWS
 def test_soak_trainer_consumers_and_offsets_tool(tmp_path):
     run_soak(tmp_path, seconds=18)
 
 
-@LOSES_ROWS
 @pytest.mark.slow
 def test_soak_two_minutes(tmp_path):
     run_soak(tmp_path, seconds=120)
