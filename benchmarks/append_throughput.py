@@ -17,7 +17,9 @@ tensor bytes) per second and its ratio to the raw page-cache write:
   fed one ``WriteTask`` per step, timed until its barrier (payload = captured bytes; it
   writes fewer bytes after dedup).
 
-Configurations are interleaved over ``--reps`` repetitions; medians are reported. Files are
+Configurations are interleaved over ``--reps`` repetitions (the order rotates); the ratio to
+the raw page-cache write is the median over repetitions of the ratio within a repetition, and
+GB/s is the median too. Files are
 deleted right after each configuration, so dirty pages are dropped instead of written back
 during the next one. One JSON line per configuration.
 """
@@ -136,11 +138,11 @@ def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60, help="step groups per configuration (~17 MB each)")
+    ap.add_argument("--steps", type=int, default=24, help="step groups per configuration (~17 MB each)")
     ap.add_argument("--tables", type=int, default=4)
     ap.add_argument("--ids", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--distinct", type=int, default=8, help="distinct step groups cycled through")
     ap.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for a quiet machine")
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repetition")
@@ -192,6 +194,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     raw = [r for r in results[("raw_page_cache", None)]]
     raw_s = median(raw)
     raw_gbps = total / raw_s / 1e9
+
+    def secs_of(name: str, r: Any) -> float:
+        return float(r[0]) if name in ("store_append_many", "tracker_writer") else float(r)
     for name, d, _ in configs:
         rs = results[(name, d)]
         if not rs:
@@ -206,6 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             secs = median(rs)
         gbps = total / secs / 1e9
+        # Per repetition, against the raw write of the same repetition (run close in time):
+        # robust to load that comes and goes between repetitions.
+        per_rep = [raw[i] / secs_of(name, r) for i, r in enumerate(rs) if i < len(raw)]
         rec: Dict[str, Any] = dict(
             config=name,
             durability=d.value if d else None,
@@ -216,12 +224,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             seconds_median=secs,
             ms_per_step=1e3 * secs / args.steps,
             gbps=gbps,
-            ratio_to_raw_page_cache=gbps / raw_gbps,
+            ratio_to_raw_page_cache=median(per_rep) if per_rep else gbps / raw_gbps,
+            ratio_of_medians=gbps / raw_gbps,
+            ratio_per_rep=per_rep,
             foreign_cpus_max=max(foreign[(name, d)], default=None),
             **extra,
         )
         if name == "store_append_many" and d == Durability.ON_FLUSH:
-            rec["target"] = {"min_ratio": 0.5, "met": gbps / raw_gbps >= 0.5}
+            rec["target"] = {"min_ratio": 0.5, "met": rec["ratio_to_raw_page_cache"] >= 0.5}
         emit("append_throughput", **rec, machine=machine())
     rmtree(root)
     return 0
