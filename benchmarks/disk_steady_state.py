@@ -2,7 +2,8 @@
 
 ``--steps`` steps (default 5,000) with ``delete_on_read`` and one consumer that reads every
 ``--read-every`` (10) steps. The LMDB file never shrinks, so what matters is whether freed pages
-are reused: the report is the largest file size over the run divided by the peak live data
+are reused: the report is the largest file size (allocated blocks, as ``du``; the apparent size
+is reported too) over the run divided by the peak live data
 (the largest sum of record value bytes the log held at any read). Configurations:
 
 * ``tracker_dmp``: a real (small) sharded DMP trained with ``persistent_delta.attach(...,
@@ -51,6 +52,16 @@ def live_bytes(lg: DeltaLog) -> Tuple[int, int]:
 
 
 def file_size(path: str) -> int:
+    """Disk use of ``data.mdb``: allocated blocks (what ``du`` reports). With LMDB's writemap
+    the apparent size is the whole (sparse) map, so ``st_size`` would overstate it."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return 0
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def apparent_size(path: str) -> int:
     try:
         return os.path.getsize(os.path.join(path, "data.mdb"))
     except OSError:
@@ -81,6 +92,7 @@ class Recorder:
             steps=steps,
             max_file_bytes=self.max_file,
             final_file_bytes=final,
+            final_apparent_bytes=apparent_size(self.path),
             peak_live_bytes=self.peak_live,
             max_file_over_peak_live=r,
             target={"max_ratio": 1.5, "met": r is not None and r <= 1.5},
