@@ -167,13 +167,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             for temp in ("warm", "cold")
             for k in big["warm_ms"]
         }
-        met = ratios["warm_open_get_unique_last"] <= 2.0 and ratios["cold_open_get_unique_last"] <= 2.0
+        # A process restart finds the log in the page cache (warm); a machine restart does not.
         emit(
             "reopen_time_summary",
             largest_bytes=big["payload_bytes"],
             smallest_bytes=small["payload_bytes"],
             ratio_largest_over_smallest=ratios,
-            target={"max_ratio": 2.0, "on": "open_get_unique_last (warm and cold)", "met": met},
+            target={
+                "max_ratio": 2.0,
+                "on": "open_get_unique_last",
+                "met_warm": ratios["warm_open_get_unique_last"] <= 2.0,
+                "met_cold": ratios["cold_open_get_unique_last"] <= 2.0,
+            },
             machine=machine(),
         )
     return 0

@@ -30,6 +30,9 @@ over the rounds during which other processes used less than ``--noisy-cpus`` CPU
 holds one block of every model, so dropping whole rounds keeps the comparison fair), and
 ``ratios_median_of_rounds`` is the median over rounds of the per-round ratio (robust to bursts).
 
+``--null`` attaches no tracker at all (an A/A run): the three ratios should then be 1.0, and
+their spread is the noise floor of the comparison on this machine.
+
 Prints one JSON line per tracking mode. ``--cprofile DIR`` writes cProfile stats of the
 persistent model's training-thread time (``DIR/step_<mode>.prof``).
 """
@@ -71,8 +74,8 @@ TARGETS = {
 }
 
 
-def _attach(variant: str, dmp: Any, mode: TrackingMode, root: str, durability: Optional[str]) -> Any:
-    if variant == "untracked":
+def _attach(variant: str, dmp: Any, mode: TrackingMode, root: str, durability: Optional[str], null: bool = False) -> Any:
+    if variant == "untracked" or null:
         return None
     if variant == "torchrec":
         return dmp.init_torchrec_delta_tracker(
@@ -97,7 +100,7 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     log("%s: building %d batches and 3 DMPs", mode.name, total)
     batches = make_batches(w, total, seed=args.seed)
     dmps = {v: build_dmp(w, seed=args.seed) for v in VARIANTS}
-    trackers = {v: _attach(v, dmps[v], mode, root, args.durability) for v in VARIANTS}
+    trackers = {v: _attach(v, dmps[v], mode, root, args.durability, args.null) for v in VARIANTS}
     times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
     reads: Dict[str, List[float]] = {v: [] for v in VARIANTS}
     done = {v: 0 for v in VARIANTS}
@@ -155,7 +158,7 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     stats = {v: Stats.of(times[v]) for v in VARIANTS}
     pers = trackers["persistent"]
     writer_stats = pers.stats() if hasattr(pers, "stats") else {}
-    log_bytes = _file_size(os.path.join(pers.path, "data.mdb"))
+    log_bytes = _file_size(os.path.join(pers.path, "data.mdb")) if pers is not None else 0
     for v in ("torchrec", "persistent"):
         tr = trackers[v]
         if hasattr(tr, "close"):
@@ -209,6 +212,7 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     return emit(
         "step_overhead",
         mode=mode.name,
+        null_run=args.null,
         world_size=1,
         steps=stats["untracked"].n,
         warmup=args.warmup,
@@ -256,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cprofile", default=None, metavar="DIR")
+    ap.add_argument("--null", action="store_true",
+                    help="A/A run: no tracker on any model (the ratios then show the method's noise floor)")
     ap.add_argument("--wait-quiet", type=float, default=300.0,
                     help="wait up to this many seconds for other processes to go quiet before each mode")
     ap.add_argument("--noisy-cpus", type=float, default=0.3,
