@@ -8,6 +8,8 @@ be set with environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_MAP_SIZE``      initial LMDB map size in bytes (default 1 GiB)
 ``PERSISTENT_DELTA_MAX_MAP_SIZE``  largest map the log may grow to (default 16 TiB)
 ``PERSISTENT_DELTA_MAX_READERS``   LMDB reader slots, fixed by the first opener (default 256)
+``PERSISTENT_DELTA_TUNE_MALLOC``   ``0`` leaves glibc's malloc thresholds alone (default ``1``;
+                                   see :mod:`persistent_delta.alloc`)
 =================================  ==========================================================
 """
 
@@ -70,6 +72,9 @@ class LogOptions:
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
         readahead: OS readahead on the map. Leave it on: cold reads were 40x slower without.
+        tune_malloc: a writer raises glibc's malloc thresholds once per process so LMDB's
+            write buffers are reused instead of page-faulted in at every commit (appends up to
+            2x faster; process-wide, see :mod:`persistent_delta.alloc`). ``False`` opts out.
     """
 
     durability: Durability = Durability.ON_FLUSH
@@ -77,6 +82,7 @@ class LogOptions:
     max_map_size: int = 1 << 44
     max_readers: int = 256
     readahead: bool = True
+    tune_malloc: bool = True
 
     @staticmethod
     def from_env(**overrides: object) -> "LogOptions":
@@ -86,6 +92,7 @@ class LogOptions:
             map_size=_env_int("PERSISTENT_DELTA_MAP_SIZE", 1 << 30),
             max_map_size=_env_int("PERSISTENT_DELTA_MAX_MAP_SIZE", 1 << 44),
             max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", 256),
+            tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", 1) != 0,
         )
         kw = {k: v for k, v in overrides.items() if v is not None}
         if isinstance(kw.get("durability"), str):
@@ -104,8 +111,12 @@ class WriterOptions:
         max_pending_bytes: bytes of captured records the training thread may have queued
             before it waits for the writer (backpressure). Nothing is ever dropped.
         max_pending_steps: steps that may be queued before the training thread waits.
+        torch_threads: intra-op threads for the writer thread's tensor work (filtering,
+            dedup). The default 1 keeps it from starting a second OpenMP team that competes
+            with training's for the cores; 0 leaves torch's setting.
     """
 
     max_pending_bytes: int = 512 << 20
     max_pending_steps: int = 64
+    torch_threads: int = 1
 

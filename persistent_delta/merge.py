@@ -104,14 +104,31 @@ def compute_unique_rows(
     if cat_ids.numel() == 0:
         return UniqueRows(ids=cat_ids.clone(), states=torch.cat(list(states)).clone())
     uniq, picked = first_or_last(cat_ids, mode)
+    if uniq.numel() == cat_ids.numel() and len(states) > 1:
+        return UniqueRows(ids=uniq, states=scatter_rows(states, picked))
     return UniqueRows(ids=uniq, states=gather_rows(states, picked))
+
+
+def scatter_rows(parts: Sequence[torch.Tensor], perm: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(parts)[perm]`` for a permutation ``perm`` (no id repeats, e.g. records
+    the window filter wrote): each row is copied once, straight to its place."""
+    dest = torch.empty_like(perm)
+    dest[perm] = torch.arange(perm.numel())
+    out = torch.empty((perm.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    start = 0
+    for p in parts:
+        end = start + p.shape[0]
+        if end > start:
+            out.index_copy_(0, dest[start:end], p)
+        start = end
+    return out
 
 
 def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Tensor:
     """``torch.cat(parts)[picked]`` without concatenating: only the picked rows are copied,
     straight from each part (the parts may be views into LMDB's map)."""
     if len(parts) == 1:
-        return parts[0][picked]
+        return parts[0].index_select(0, picked)  # (row copies; advanced indexing is several x slower)
     sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
     starts = torch.cumsum(sizes, 0) - sizes
     which = torch.searchsorted(starts, picked, right=True) - 1

@@ -46,6 +46,7 @@ class AppendRecord:
     states: Optional[torch.Tensor] = None
     kind: int = codec.KIND_LOOKUP
     window_start: Optional[int] = None  # set by the writer's window filter (see codec)
+    unique: bool = False  # no id twice (set by the window filter; lets the writer skip its dedup)
 
 
 def check_batch_idx(batch_idx: object, what: str = "batch_idx") -> int:

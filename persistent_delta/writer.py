@@ -33,7 +33,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.config import WriterOptions
 from persistent_delta.errors import LogClosedError, WriterError
 from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.merge import compute_unique_rows, unique_ids
+from persistent_delta.merge import compute_unique_rows, first_or_last, unique_ids
 from persistent_delta.store import AppendRecord, encode_records, write_records
 
 logger = logging.getLogger(__name__)
@@ -63,13 +63,22 @@ def tensor_bytes(t: Optional[torch.Tensor]) -> int:
 
 
 def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendRecord]:
-    """Merge records that share (fqn, batch_idx) into one, keeping FIRST/LAST semantics."""
+    """Merge records that share (fqn, batch_idx) into one, keeping FIRST/LAST semantics.
+    Records the window filter marked ``unique`` hold no id twice, nor one another's ids: they
+    are kept as they are (one) or concatenated (several)."""
     groups: Dict[Tuple[str, int], List[AppendRecord]] = collections.OrderedDict()
     for r in records:
         groups.setdefault((r.fqn, r.batch_idx), []).append(r)
     out: List[AppendRecord] = []
     for (fqn, b), recs in groups.items():
         w = recs[0].window_start
+        if all(r.unique for r in recs):
+            if len(recs) == 1:
+                out.append(recs[0])
+                continue
+            states = None if recs[0].states is None else torch.cat([r.states for r in recs])  # type: ignore[misc]
+            out.append(AppendRecord(b, fqn, torch.cat([r.ids for r in recs]), states, window_start=w, unique=True))
+            continue
         if mode == UpdateMode.NONE:
             ids = [r.ids for r in recs]
             out.append(AppendRecord(b, fqn, unique_ids(torch.cat(ids) if len(ids) > 1 else ids[0]), window_start=w))
@@ -87,7 +96,10 @@ class WindowFilter:
     the window can never change any consumer's answer -- every consumer reads from an offset
     at or below the window start, and keeps each id's first occurrence -- so the writer does
     not write it: this is ``auto_compact`` done as the batches arrive, and it cuts the bytes
-    written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence.
+    written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence. Records
+    are filtered in log order, so repeats inside one record or across the records of one
+    commit go too: every id is written once per window (the records it keeps are marked
+    ``unique`` and need no per-batch dedup).
 
     While an out-of-process lookups consumer is registered the filter is off, so its polls
     are exactly-once. A position may still land inside a window filtered earlier (a consumer
@@ -95,7 +107,7 @@ class WindowFilter:
     record carries its window start, and readers start from there (``ReadTxn.read_start``), so
     such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
     row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
-    filtered.
+    filtered. Linear in the ids filtered (index_select/index_fill, no sort).
     """
 
     def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
@@ -107,63 +119,83 @@ class WindowFilter:
 
     def reset(self) -> None:
         """Forget the window (after clear(), a restore, or a deletion outside retention)."""
-        self._seen.clear()
+        self._seen = {}
         self._start = None
 
+    def _bitmap(self, fqn: str, need: int) -> torch.Tensor:
+        bitmap = self._seen.get(fqn)
+        if bitmap is None or bitmap.numel() < need:
+            grown = torch.zeros(max(need, 2 * (0 if bitmap is None else bitmap.numel())), dtype=torch.bool)
+            if bitmap is not None:
+                grown[: bitmap.numel()] = bitmap
+            bitmap = self._seen[fqn] = grown
+        return bitmap
+
+    @staticmethod
+    def _first_new(ids: torch.Tensor, bitmap: torch.Tensor) -> torch.Tensor:
+        """Positions in ``ids`` of the first occurrence of each id not set in ``bitmap``, in
+        ascending id order."""
+        pos = (~bitmap.index_select(0, ids)).nonzero().squeeze(1)
+        if pos.numel() == 0:
+            return pos
+        _, first = first_or_last(ids.index_select(0, pos), UpdateMode.FIRST)
+        return pos.index_select(0, first)
+
     def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
-        """Filter ``records`` inside the write transaction ``w``; returns the records to write
-        and a function that updates the window once the transaction has committed."""
+        """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
+        returns the records to write and an ``undo`` to call if the transaction does not commit
+        (it restores the window exactly)."""
         if not self.enabled:
             return records, lambda: None
         lookups = [v for v in w.consumers().values() if v.get("channel", "lookups") == "lookups"]
         if any(v.get("registered_by", "trainer") != "trainer" for v in lookups):
-            return records, self.reset  # exactly-once for out-of-process consumers: no filtering
+            self.reset()  # exactly-once for out-of-process consumers: no filtering
+            return records, lambda: None
         start = max((int(v["offset"]) for v in lookups), default=0)
-        seen = self._seen if start == self._start else {}
+        old_seen, old_start = self._seen, self._start
+        same_window = start == self._start
+        self._seen = dict(old_seen) if same_window else {}
+        self._start = start
+        marked: List[Tuple[str, torch.Tensor]] = []  # (fqn, ids newly set), for undo
         out: List[AppendRecord] = []
-        marks: List[Tuple[str, torch.Tensor]] = []
         dropped = 0
         for r in records:
-            if r.batch_idx < start or r.ids.numel() == 0 or r.ids.device.type != "cpu":
+            n = r.ids.numel()
+            if r.batch_idx < start or n == 0 or r.ids.device.type != "cpu":
                 out.append(r)
                 continue
             top = int(r.ids.max()) + 1
             if top > self._max_rows:
                 out.append(r)
                 continue
-            bitmap = seen.get(r.fqn)
-            ids = r.ids.long()
-            r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start)
-            if bitmap is not None:
-                new = ~bitmap[ids.clamp(max=bitmap.numel() - 1)] | (ids >= bitmap.numel())
-                if not bool(new.all()):
-                    # (a record whose rows were all recorded already is still written, empty:
-                    # it carries the window start that readers positioned after it need)
-                    dropped += int(new.numel() - new.sum())
-                    r = AppendRecord(
-                        r.batch_idx, r.fqn, r.ids[new], None if r.states is None else r.states[new], r.kind, start
-                    )
-                    ids = ids[new]
-            out.append(r)
+            ids = r.ids if r.ids.dtype == torch.int64 else r.ids.long()
+            bitmap = self._bitmap(r.fqn, top)
+            keep = self._first_new(ids, bitmap)
+            if keep.numel() == n:
+                r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start, unique=True)
+            else:
+                # (a record whose rows were all recorded already is still written, empty:
+                # it carries the window start that readers positioned after it need)
+                dropped += n - keep.numel()
+                states = None if r.states is None else r.states.index_select(0, keep)
+                r = AppendRecord(r.batch_idx, r.fqn, r.ids.index_select(0, keep), states, r.kind, start, unique=True)
+                ids = ids.index_select(0, keep)
             if ids.numel():
-                marks.append((r.fqn, ids))
+                bitmap.index_fill_(0, ids, True)
+                marked.append((r.fqn, ids))
+            out.append(r)
+        self.rows_dropped += dropped
 
-        def commit() -> None:
-            if start != self._start:
-                self._seen.clear()
-                self._start = start
-            for fqn, ids in marks:
-                bitmap = self._seen.get(fqn)
-                need = int(ids.max()) + 1
-                if bitmap is None or bitmap.numel() < need:
-                    grown = torch.zeros(max(need, 2 * (0 if bitmap is None else bitmap.numel())), dtype=torch.bool)
+        def undo() -> None:
+            if same_window:  # bitmaps are shared with old_seen (or grown copies of them)
+                for fqn, ids in marked:
+                    bitmap = old_seen.get(fqn)
                     if bitmap is not None:
-                        grown[: bitmap.numel()] = bitmap
-                    bitmap = self._seen[fqn] = grown
-                bitmap[ids] = True
-            self.rows_dropped += dropped
+                        bitmap.index_fill_(0, ids[ids < bitmap.numel()], False)  # each was unset before
+            self._seen, self._start = old_seen, old_start
+            self.rows_dropped -= dropped
 
-        return out, commit
+        return out, undo
 
 
 class BackgroundWriter:
@@ -201,8 +233,15 @@ class BackgroundWriter:
             "commit_time_s": 0.0,
             "op_time_s": 0.0,
         }
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"persistent-delta-writer:{log.path}", daemon=True)
+        threads = torch.get_num_threads()
         self._thread.start()
+        self._ready.wait()
+        if self._opts.torch_threads > 0:
+            # torch.set_num_threads also sets the default that threads started later pick
+            # up; the writer thread has set its own already: give the default back.
+            torch.set_num_threads(threads)
 
     # ------------------------------------------------------------------ training-thread side
     def submit(self, task: WriteTask) -> None:
@@ -285,6 +324,12 @@ class BackgroundWriter:
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
+        try:
+            if self._opts.torch_threads > 0:
+                torch.get_num_threads()  # this thread's lazy init first, so the setting sticks
+                torch.set_num_threads(self._opts.torch_threads)
+        finally:
+            self._ready.set()
         while True:
             with self._cv:
                 while not self._closed and (not self._queue or self._error is not None):
@@ -339,14 +384,18 @@ def commit_tasks(
     meta: Dict[str, Any] = {}
     for t in tasks:
         meta.update(t.meta)
-    done: List[Callable[[], None]] = []
+    undo: List[Callable[[], None]] = []
+
+    def rollback() -> None:
+        while undo:
+            undo.pop()()
 
     def apply(w: WriteTxn) -> Tuple[int, int]:
-        done.clear()
+        rollback()  # a retried transaction (map growth) filters again from the same window
         kept = records
         if window is not None and records:
-            kept, after = window.apply(w, records)
-            done.append(after)
+            kept, revert = window.apply(w, records)
+            undo.append(revert)
         if dedup:
             kept = dedup_records(kept, mode)
         encoded = encode_records(kept, mode)
@@ -357,10 +406,11 @@ def commit_tasks(
             op(w)
         return len(encoded), n
 
-    result = log.write(apply)
-    for fn in done:
-        fn()
-    return result
+    try:
+        return log.write(apply)
+    except BaseException:
+        rollback()  # nothing was committed: the window must not remember these rows
+        raise
 
 
 __all__ = ["BackgroundWriter", "WindowFilter", "WriteTask", "commit_tasks", "dedup_records"]

@@ -35,3 +35,19 @@ def test_results_own_their_memory():
     got.states += 100
     assert ids.tolist() == [3, 1, 3] and states[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert compute_unique_rows([ids], None, UpdateMode.NONE).ids.data_ptr() != ids.data_ptr()
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.FIRST, UpdateMode.LAST])
+@pytest.mark.parametrize("high", [10**4, 10**12])
+def test_disjoint_records_match_torchrec(mode, high):
+    """Records with no id in common (what the window filter writes) take the scatter path."""
+    g = torch.Generator().manual_seed(7)
+    pool = torch.unique(torch.randint(0, high, (400,), generator=g))
+    pool = pool[torch.randperm(pool.numel(), generator=g)]
+    ids = list(pool.split([100, 0, 150, pool.numel() - 250]))
+    states = [torch.randn(i.numel(), 4, generator=g) for i in ids]
+    got = compute_unique_rows(ids, states, mode)
+    want = _compute_unique_rows(ids, states, mode)
+    order = torch.argsort(want.ids)
+    assert torch.equal(got.ids, want.ids[order])
+    assert torch.equal(got.states, want.states[order])

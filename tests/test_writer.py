@@ -133,3 +133,33 @@ def test_group_commit_and_stats(tmp_path):
     assert log.read(lambda r: r.meta("curr_batch_idx")) == 9
     assert log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)]) == [[b] for b in range(10)]
     log.close()
+
+
+def test_a_retried_or_failed_commit_does_not_leave_rows_in_the_window(tmp_path):
+    """Map growth aborts and retries the transaction; a failed one is not committed: either way
+    the window must be as if the attempt never ran, or rows would be filtered and never written."""
+    from persistent_delta.config import LogOptions
+
+    mode = UpdateMode.FIRST
+    g = torch.Generator().manual_seed(3)
+    raw = [(b, torch.randint(0, 5000, (3000,), generator=g), None) for b in range(1, 9)]
+    raw = [(b, ids, torch.randn(ids.numel(), 64, generator=g)) for b, ids, _ in raw]
+    log = DeltaLog(str(tmp_path / "l"), update_mode=mode.value, options=LogOptions(map_size=256 << 10))
+    log.write(lambda w: w.set_consumer("a", {"offset": 0, "registered_by": "trainer", "channel": "lookups"}))
+    window = WindowFilter(mode)
+    size0 = log.stat()["map_size"]
+    write_all(log, mode, raw[:4], window)  # ~3 MB into a 256 KiB map: grows (and retries) on the way
+    assert log.stat()["map_size"] > size0
+
+    def fail(w):
+        raise RuntimeError("boom")
+
+    try:
+        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(5, "t", raw[4][1], raw[4][2])], op=fail)], window)
+    except RuntimeError:
+        pass
+    write_all(log, mode, raw[4:], window)
+    got = log.read(lambda r: read_unique(r, mode, 0)["t"])
+    want = truth(raw, mode, 0, 100)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
+    log.close()
