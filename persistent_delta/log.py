@@ -41,6 +41,7 @@ import lmdb
 import torch
 
 from persistent_delta import codec
+from persistent_delta.alloc import tune_malloc
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import (
     ConfigMismatchError,
@@ -595,6 +596,8 @@ class DeltaLog:
             except OSError as exc:
                 raise _translate(exc, self.path) from exc
             self._acquire_writer_lock()
+            if self.options.tune_malloc:
+                tune_malloc()
         try:
             with _REGISTRY_LOCK:
                 self._shared = _open_env(self.path, self.options, readonly)

@@ -258,3 +258,31 @@ def test_sigkill_during_compaction_and_deletion(log_dir, kill_after):
             ok &= torch.equal(got[fqn].ids, rows.ids[order]) and torch.equal(got[fqn].states, rows.states[order])
         matched |= ok
     assert matched, (k, got_batches)
+
+
+_MALLOC_PROBE = """
+import ctypes, os, sys, tempfile
+for kv in sys.argv[1:]:
+    k, v = kv.split("=", 1)
+    os.environ[k] = v
+from persistent_delta import alloc
+from persistent_delta.log import DeltaLog
+d = tempfile.mkdtemp()
+DeltaLog(d, readonly=False).close()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.sbrk.argtypes = [ctypes.c_size_t], [ctypes.c_ssize_t]
+p = libc.malloc(8 << 20)
+print(alloc._applied, p < libc.sbrk(0))  # a heap block lies below the program break
+"""
+
+
+@pytest.mark.parametrize(
+    "env, applied",
+    [((), "True"), (("PERSISTENT_DELTA_TUNE_MALLOC=0",), "None"), (("MALLOC_TRIM_THRESHOLD_=1000000",), "False")],
+)
+def test_a_writer_keeps_large_buffers_in_the_heap_unless_told_not_to(env, applied):
+    out = run_python(_MALLOC_PROBE, *env).stdout.split()
+    assert out[0] == applied
+    if applied == "True":
+        assert out[1] == "True"  # an 8 MiB block came from the heap, not from its own mmap
