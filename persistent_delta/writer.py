@@ -107,11 +107,16 @@ class WindowFilter:
     record carries its window start, and readers start from there (``ReadTxn.read_start``), so
     such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
     row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
-    filtered. Linear in the ids filtered (index_select/index_fill, no sort).
+    filtered. Linear in the ids filtered (index_select/index_fill, no sort) for tables up to
+    4M rows; bigger ones sort the ids not yet in the window.
     """
+
+    _UNSET = torch.iinfo(torch.int64).max
+    _SLOT_ROWS = 1 << 22  # tables up to this many rows dedup with a direct-address table (8 B/row)
 
     def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
         self.enabled = mode in (UpdateMode.FIRST, UpdateMode.NONE)
+        self._slot = torch.empty(0, dtype=torch.int64)  # scratch for _first_new, all _UNSET
         self._max_rows = max_rows
         self._seen: Dict[str, torch.Tensor] = {}
         self._start: Optional[int] = None
@@ -131,15 +136,27 @@ class WindowFilter:
             bitmap = self._seen[fqn] = grown
         return bitmap
 
-    @staticmethod
-    def _first_new(ids: torch.Tensor, bitmap: torch.Tensor) -> torch.Tensor:
-        """Positions in ``ids`` of the first occurrence of each id not set in ``bitmap``, in
-        ascending id order."""
+    def _first_new(self, ids: torch.Tensor, bitmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Positions in ``ids`` (ascending) of the first occurrence of each id not set in
+        ``bitmap``, and those ids."""
         pos = (~bitmap.index_select(0, ids)).nonzero().squeeze(1)
+        cand = ids.index_select(0, pos)
         if pos.numel() == 0:
-            return pos
-        _, first = first_or_last(ids.index_select(0, pos), UpdateMode.FIRST)
-        return pos.index_select(0, first)
+            return pos, cand
+        if bitmap.numel() > self._SLOT_ROWS:  # sparse fallback: sort the candidates
+            _, first = first_or_last(cand, UpdateMode.FIRST)
+            first = first.sort().values
+            return pos.index_select(0, first), cand.index_select(0, first)
+        if self._slot.numel() < bitmap.numel():
+            self._slot = torch.full((bitmap.numel(),), self._UNSET, dtype=torch.int64)
+        slot = self._slot  # direct-address table: first position per id, linear time
+        slot.scatter_reduce_(0, cand, pos, reduce="amin", include_self=True)
+        first = slot.index_select(0, cand) == pos
+        slot.index_fill_(0, cand, self._UNSET)  # back to unset, touching only these ids
+        if bool(first.all()):
+            return pos, cand
+        first = first.nonzero().squeeze(1)
+        return pos.index_select(0, first), cand.index_select(0, first)
 
     def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
         """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
@@ -170,7 +187,7 @@ class WindowFilter:
                 continue
             ids = r.ids if r.ids.dtype == torch.int64 else r.ids.long()
             bitmap = self._bitmap(r.fqn, top)
-            keep = self._first_new(ids, bitmap)
+            keep, ids = self._first_new(ids, bitmap)
             if keep.numel() == n:
                 r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start, unique=True)
             else:
@@ -178,8 +195,8 @@ class WindowFilter:
                 # it carries the window start that readers positioned after it need)
                 dropped += n - keep.numel()
                 states = None if r.states is None else r.states.index_select(0, keep)
-                r = AppendRecord(r.batch_idx, r.fqn, r.ids.index_select(0, keep), states, r.kind, start, unique=True)
-                ids = ids.index_select(0, keep)
+                kept = ids if r.ids.dtype == torch.int64 else ids.to(r.ids.dtype)
+                r = AppendRecord(r.batch_idx, r.fqn, kept, states, r.kind, start, unique=True)
             if ids.numel():
                 bitmap.index_fill_(0, ids, True)
                 marked.append((r.fqn, ids))
