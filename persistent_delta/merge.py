@@ -135,50 +135,14 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Te
     by_pos = picked.index_select(0, order)
     starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum_(0)
     bounds = torch.searchsorted(by_pos, starts).tolist()
+    offsets = starts.tolist()
     grouped = torch.empty((picked.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
     for i, p in enumerate(parts):
         a, b = bounds[i], bounds[i + 1]
         if b > a:
-            torch.index_select(p, 0, by_pos[a:b] - int(starts[i]), out=grouped[a:b])
+            torch.index_select(p, 0, by_pos[a:b] - offsets[i], out=grouped[a:b])
     out = torch.empty_like(grouped)
     return out.index_copy_(0, order, grouped)
-
-
-def scatter_rows(parts: Sequence[torch.Tensor], perm: torch.Tensor) -> torch.Tensor:
-    """``torch.cat(parts)[perm]`` for a permutation ``perm`` (no id repeats, e.g. records
-    the window filter wrote): each row is copied once, straight to its place."""
-    dest = torch.empty_like(perm)
-    dest[perm] = torch.arange(perm.numel())
-    out = torch.empty((perm.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
-    start = 0
-    for p in parts:
-        end = start + p.shape[0]
-        if end > start:
-            out.index_copy_(0, dest[start:end], p)
-        start = end
-    return out
-
-
-def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Tensor:
-    """``torch.cat(parts)[picked]`` without concatenating: only the picked rows are copied,
-    straight from each part (the parts may be views into LMDB's map)."""
-    if len(parts) == 1:
-        return parts[0].index_select(0, picked)  # (row copies; advanced indexing is several x slower)
-    sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-    starts = torch.cumsum(sizes, 0) - sizes
-    which = torch.searchsorted(starts, picked, right=True) - 1
-    order = torch.argsort(which, stable=True)  # picked rows grouped by part
-    counts = torch.bincount(which, minlength=len(parts)).tolist()
-    chunks = []
-    pos = 0
-    for i, c in enumerate(counts):
-        if c:
-            chunks.append(parts[i].index_select(0, picked[order[pos:pos + c]] - starts[i]))
-            pos += c
-    grouped = torch.cat(chunks)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    return grouped.index_select(0, inverse)
 
 
 def merge_unique(parts: List[UniqueRows], mode: UpdateMode) -> UniqueRows:
