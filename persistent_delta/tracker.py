@@ -128,6 +128,10 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
             on the training thread (simpler to reason about, slower).
         max_pending_bytes / max_pending_steps: writer backpressure bounds.
         map_size: initial LMDB map size (it grows by itself).
+        tune_malloc: raise glibc's malloc thresholds for this process (default, see
+            :mod:`persistent_delta.alloc`); ``False`` leaves the allocator alone.
+        writer_torch_threads: intra-op threads of the writer thread's tensor work (default 1;
+            0 leaves torch's setting).
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
     """
@@ -139,6 +143,8 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
     max_pending_bytes: int = WriterOptions.max_pending_bytes
     max_pending_steps: int = WriterOptions.max_pending_steps
     map_size: Optional[int] = None
+    tune_malloc: Optional[bool] = None  # None: LogOptions' default / PERSISTENT_DELTA_TUNE_MALLOC
+    writer_torch_threads: int = WriterOptions.torch_threads
     rank: Optional[int] = None
 
 
@@ -205,7 +211,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
-        opts = LogOptions.from_env(durability=config.durability, map_size=config.map_size)
+        opts = LogOptions.from_env(durability=config.durability, map_size=config.map_size, tune_malloc=config.tune_malloc)
         self._log = DeltaLog(self.path, options=opts)
         try:
             self._offsets: Dict[str, int] = {}
@@ -223,7 +229,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._writer = BackgroundWriter(
                 self._log,
                 self._update_mode,
-                WriterOptions(max_pending_bytes=config.max_pending_bytes, max_pending_steps=config.max_pending_steps),
+                WriterOptions(
+                    max_pending_bytes=config.max_pending_bytes,
+                    max_pending_steps=config.max_pending_steps,
+                    torch_threads=config.writer_torch_threads,
+                ),
                 self._window,
             )
         self._closed = False
