@@ -146,7 +146,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--distinct", type=int, default=8, help="distinct step groups cycled through")
     ap.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for a quiet machine")
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repetition")
+    ap.add_argument("--tune-malloc", action="store_true",
+                    help="opt in to LogOptions.tune_malloc (process-wide glibc thresholds) for every log opened here")
     args = ap.parse_args(argv)
+    if args.tune_malloc:
+        os.environ["PERSISTENT_DELTA_TUNE_MALLOC"] = "1"
     if args.quick:
         args.steps, args.reps, args.distinct, args.wait_quiet = 10, 1, 4, 5.0
     steps = make_steps(args.distinct, args.tables, args.ids, args.dim, seed=7)
@@ -232,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         if name == "store_append_many" and d == Durability.ON_FLUSH:
             rec["target"] = {"min_ratio": 0.5, "met": rec["ratio_to_raw_page_cache"] >= 0.5}
-        emit("append_throughput", **rec, machine=machine())
+        emit("append_throughput", **rec, tune_malloc=args.tune_malloc, machine=machine())
     rmtree(root)
     return 0
 

@@ -6,10 +6,12 @@ so each commit page-faults its buffers in afresh: transactions with large values
 slower here (see ``benchmarks/append_throughput.py``). Raising ``M_MMAP_THRESHOLD`` (to 32 MiB,
 glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps those buffers in the heap.
 
-The setting is process-wide: a writer process keeps up to 512 MiB of freed heap memory for
-reuse instead of returning it, and blocks below 32 MiB come from the heap instead of their own
-mappings. It is applied once per process, when a log is opened for writing, and skipped when
-``LogOptions(tune_malloc=False)`` / ``PERSISTENT_DELTA_TUNE_MALLOC=0``, when the process
+The setting is process-wide: the process keeps up to 512 MiB of freed heap memory for reuse
+instead of returning it, and blocks below 32 MiB come from the heap instead of their own
+mappings. It also changes what everything else in the process allocates (torch tensors
+included), so it is **opt-in**: ``LogOptions(tune_malloc=True)``,
+``PersistentTrackerConfig(tune_malloc=True)`` or ``PERSISTENT_DELTA_TUNE_MALLOC=1``. It is
+applied once per process, when a log is opened for writing, and skipped when the process
 already sets glibc's ``MALLOC_*_`` tunables in its environment, or off glibc (another
 allocator, e.g. jemalloc via ``LD_PRELOAD``, ignores ``mallopt``).
 """

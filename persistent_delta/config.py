@@ -8,7 +8,7 @@ be set with environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_MAP_SIZE``      initial LMDB map size in bytes (default 1 GiB)
 ``PERSISTENT_DELTA_MAX_MAP_SIZE``  largest map the log may grow to (default 16 TiB)
 ``PERSISTENT_DELTA_MAX_READERS``   LMDB reader slots, fixed by the first opener (default 256)
-``PERSISTENT_DELTA_TUNE_MALLOC``   ``0`` leaves glibc's malloc thresholds alone (default ``1``;
+``PERSISTENT_DELTA_TUNE_MALLOC``   ``1``: a writer raises glibc's malloc thresholds (default ``0``;
                                    see :mod:`persistent_delta.alloc`)
 =================================  ==========================================================
 """
@@ -72,9 +72,10 @@ class LogOptions:
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
         readahead: OS readahead on the map. Leave it on: cold reads were 40x slower without.
-        tune_malloc: a writer raises glibc's malloc thresholds once per process so LMDB's
-            write buffers are reused instead of page-faulted in at every commit (appends up to
-            2x faster; process-wide, see :mod:`persistent_delta.alloc`). ``False`` opts out.
+        tune_malloc: opt in to raising glibc's malloc thresholds once per process when a log
+            is opened for writing, so LMDB's write buffers are reused instead of page-faulted
+            in at every commit (appends of large values ~2x faster). Off by default because
+            it is process-wide (see :mod:`persistent_delta.alloc`).
     """
 
     durability: Durability = Durability.ON_FLUSH
@@ -82,7 +83,7 @@ class LogOptions:
     max_map_size: int = 1 << 44
     max_readers: int = 256
     readahead: bool = True
-    tune_malloc: bool = True
+    tune_malloc: bool = False
 
     @staticmethod
     def from_env(**overrides: object) -> "LogOptions":
@@ -92,7 +93,7 @@ class LogOptions:
             map_size=_env_int("PERSISTENT_DELTA_MAP_SIZE", 1 << 30),
             max_map_size=_env_int("PERSISTENT_DELTA_MAX_MAP_SIZE", 1 << 44),
             max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", 256),
-            tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", 1) != 0,
+            tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", 0) != 0,
         )
         kw = {k: v for k, v in overrides.items() if v is not None}
         if isinstance(kw.get("durability"), str):

@@ -128,8 +128,9 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
             on the training thread (simpler to reason about, slower).
         max_pending_bytes / max_pending_steps: writer backpressure bounds.
         map_size: initial LMDB map size (it grows by itself).
-        tune_malloc: raise glibc's malloc thresholds for this process (default, see
-            :mod:`persistent_delta.alloc`); ``False`` leaves the allocator alone.
+        tune_malloc: ``True`` raises glibc's malloc thresholds for this process (faster
+            commits of large records; process-wide, see :mod:`persistent_delta.alloc`). Default:
+            ``PERSISTENT_DELTA_TUNE_MALLOC``, else off.
         writer_torch_threads: intra-op threads of the writer thread's tensor work (default 1;
             0 leaves torch's setting).
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not

@@ -279,9 +279,13 @@ print(alloc._applied, p < libc.sbrk(0))  # a heap block lies below the program b
 
 @pytest.mark.parametrize(
     "env, applied",
-    [((), "True"), (("PERSISTENT_DELTA_TUNE_MALLOC=0",), "None"), (("MALLOC_TRIM_THRESHOLD_=1000000",), "False")],
+    [
+        ((), "None"),  # off by default: process-wide
+        (("PERSISTENT_DELTA_TUNE_MALLOC=1",), "True"),
+        (("PERSISTENT_DELTA_TUNE_MALLOC=1", "MALLOC_TRIM_THRESHOLD_=1000000"), "False"),  # the user's own tuning wins
+    ],
 )
-def test_a_writer_keeps_large_buffers_in_the_heap_unless_told_not_to(env, applied):
+def test_opted_in_writer_keeps_large_buffers_in_the_heap(env, applied):
     out = run_python(_MALLOC_PROBE, *env).stdout.split()
     assert out[0] == applied
     if applied == "True":
