@@ -115,9 +115,26 @@ class WriterOptions:
         torch_threads: intra-op threads for the writer thread's tensor work (filtering,
             dedup). The default 1 keeps it from starting a second OpenMP team that competes
             with training's for the cores; 0 leaves torch's setting.
+        linger_steps / linger_s: group commit. The writer starts a transaction once this many
+            steps are queued or the oldest queued one has waited ``linger_s`` seconds,
+            whichever comes first; a ``flush()`` (or anything that waits for the writer, such as
+            ``get_unique``), backpressure and ``close()`` start it at once. Fewer, larger
+            transactions cost less per step; a process crash loses at most what was not yet
+            committed, i.e. up to this window of unflushed steps. ``linger_steps=1`` commits
+            each step as soon as it is queued.
     """
 
     max_pending_bytes: int = 512 << 20
     max_pending_steps: int = 64
     torch_threads: int = 1
+    linger_steps: int = 8
+    linger_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.max_pending_bytes <= 0 or self.max_pending_steps <= 0:
+            raise ValueError("max_pending_bytes and max_pending_steps must be positive")
+        if self.linger_steps < 1 or self.linger_s < 0:
+            raise ValueError(f"linger_steps must be >= 1 and linger_s >= 0, got {self.linger_steps}, {self.linger_s}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
 

@@ -133,6 +133,8 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
             ``PERSISTENT_DELTA_TUNE_MALLOC``, else off.
         writer_torch_threads: intra-op threads of the writer thread's tensor work (default 1;
             0 leaves torch's setting).
+        linger_steps / linger_s: group commit window of the background writer (see
+            :class:`~persistent_delta.config.WriterOptions`).
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
     """
@@ -146,6 +148,8 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
     map_size: Optional[int] = None
     tune_malloc: Optional[bool] = None  # None: LogOptions' default / PERSISTENT_DELTA_TUNE_MALLOC
     writer_torch_threads: int = WriterOptions.torch_threads
+    linger_steps: int = WriterOptions.linger_steps
+    linger_s: float = WriterOptions.linger_s
     rank: Optional[int] = None
 
 
@@ -234,6 +238,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                     max_pending_bytes=config.max_pending_bytes,
                     max_pending_steps=config.max_pending_steps,
                     torch_threads=config.writer_torch_threads,
+                    linger_steps=config.linger_steps,
+                    linger_s=config.linger_s,
                 ),
                 self._window,
             )

@@ -4,13 +4,14 @@ Design note
 -----------
 The training thread only *captures* (keeps references to, or starts device-to-host copies of)
 what a batch looked up, and hands each step's records to :meth:`BackgroundWriter.submit` as one
-:class:`WriteTask`. A single writer thread then, for every run of queued tasks:
+:class:`WriteTask`. A single writer thread lets tasks gather (``linger_steps`` steps or
+``linger_s`` seconds, unless someone waits for it), then, for every run of queued tasks:
 
-1. waits for pending device-to-host copies (CUDA events), validates, deduplicates each
-   (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are unchanged), and
-   encodes -- all outside any transaction;
-2. commits the whole run in **one** LMDB write transaction (group commit), including any meta
-   values the tasks carry (the tracker's batch index) and any extra log operation (compaction).
+1. waits for pending device-to-host copies (CUDA events);
+2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
+   deduplicates each (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are
+   unchanged), encodes, appends, and sets any meta values the tasks carry (the tracker's batch
+   index) and runs any extra log operation (compaction).
 
 Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
 ``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
@@ -56,6 +57,7 @@ class WriteTask:
     dedup: bool = True
     events: List[Any] = field(default_factory=list)  # torch.cuda.Event to wait on
     nbytes: int = 0
+    submitted: float = 0.0  # time.monotonic() at submit
 
 
 def tensor_bytes(t: Optional[torch.Tensor]) -> int:
@@ -237,6 +239,7 @@ class BackgroundWriter:
         self._queue: Deque[WriteTask] = collections.deque()
         self._pending_bytes = 0
         self._inflight = 0  # tasks taken by the writer, not yet committed
+        self._urgent = 0  # threads waiting for the writer (barrier, backpressure): no lingering
         self._error: Optional[BaseException] = None
         self._closed = False
         self._stats: Dict[str, float] = {
@@ -271,16 +274,24 @@ class BackgroundWriter:
         with self._cv:
             self._raise_if_failed()
             t0 = time.perf_counter()
-            while self._over_budget(task.nbytes):
-                self._cv.wait()
-                self._raise_if_failed()
+            if self._over_budget(task.nbytes):
+                self._urgent += 1
+                self._cv.notify_all()
+                try:
+                    while self._over_budget(task.nbytes):
+                        self._cv.wait()
+                        self._raise_if_failed()
+                finally:
+                    self._urgent -= 1
             waited = time.perf_counter() - t0
             self._stats["total_wait_s"] += waited
             self._stats["max_wait_s"] = max(self._stats["max_wait_s"], waited)
+            task.submitted = time.monotonic()
             self._queue.append(task)
             self._pending_bytes += task.nbytes
             self._stats["bytes_captured"] += task.nbytes
-            self._cv.notify_all()
+            if len(self._queue) == 1 or len(self._queue) >= self._opts.linger_steps:
+                self._cv.notify_all()  # the writer starts lingering, or stops
 
     def _over_budget(self, incoming: int) -> bool:
         if not self._queue and not self._inflight:
@@ -297,8 +308,13 @@ class BackgroundWriter:
             WriterError: a commit failed.
         """
         with self._cv:
-            while (self._queue or self._inflight) and self._error is None:
-                self._cv.wait()
+            self._urgent += 1
+            self._cv.notify_all()
+            try:
+                while (self._queue or self._inflight) and self._error is None:
+                    self._cv.wait()
+            finally:
+                self._urgent -= 1
             self._raise_if_failed()
 
     def resume(self) -> None:
@@ -351,6 +367,7 @@ class BackgroundWriter:
             with self._cv:
                 while not self._closed and (not self._queue or self._error is not None):
                     self._cv.wait()
+                self._linger()
                 if self._closed:
                     return
                 tasks = list(self._queue)
@@ -370,6 +387,17 @@ class BackgroundWriter:
                 self._inflight = 0
                 self._pending_bytes -= sum(t.nbytes for t in tasks)
                 self._cv.notify_all()
+
+    def _linger(self) -> None:
+        """(Lock held.) Wait for more steps to group into one transaction, within limits."""
+        if not self._queue:
+            return
+        deadline = self._queue[0].submitted + self._opts.linger_s
+        while len(self._queue) < self._opts.linger_steps and not self._urgent and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _commit(self, tasks: List[WriteTask]) -> None:
         t0 = time.perf_counter()

@@ -167,3 +167,47 @@ def test_a_retried_or_failed_commit_does_not_leave_rows_in_the_window(tmp_path):
     want = truth(raw, mode, 0, 100)
     assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
     log.close()
+
+
+def _committed(log):
+    return log.read(lambda r: [b for b, _, _ in r.iter_record_keys(r.table("t").table_id)] if r.table("t") else [])
+
+
+def test_linger_groups_steps_until_enough_are_queued(tmp_path):
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=4, linger_s=30.0))
+    for b in range(3):
+        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.tensor([b]))]))
+    time.sleep(0.3)
+    assert _committed(log) == [] and writer.stats()["commits"] == 0  # still gathering
+    writer.submit(WriteTask(records=[AppendRecord(3, "t", torch.tensor([3]))]))
+    deadline = time.monotonic() + 10
+    while writer.stats()["commits"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _committed(log) == [0, 1, 2, 3] and writer.stats()["commits"] == 1  # one transaction
+    writer.close()
+
+
+def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=0.2))
+    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.tensor([0]))]))
+    deadline = time.monotonic() + 10
+    while not _committed(log) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _committed(log) == [0]  # committed after ~linger_s although far fewer than 100 steps
+    writer.close()
+
+    log2 = DeltaLog(str(tmp_path / "log2"), update_mode="none")
+    writer = BackgroundWriter(log2, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0))
+    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.tensor([0]))]))
+    t0 = time.monotonic()
+    writer.barrier()
+    assert time.monotonic() - t0 < 5 and _committed(log2) == [0]  # flush commits at once
+    writer.close()
+
+
+def test_writer_options_are_checked():
+    for bad in (dict(linger_steps=0), dict(linger_s=-1.0), dict(max_pending_steps=0), dict(torch_threads=-1)):
+        with pytest.raises(ValueError):
+            WriterOptions(**bad)
