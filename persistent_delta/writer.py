@@ -240,6 +240,7 @@ class BackgroundWriter:
         self._pending_bytes = 0
         self._inflight = 0  # tasks taken by the writer, not yet committed
         self._urgent = 0  # threads waiting for the writer (barrier, backpressure): no lingering
+        self._after_barrier = False  # the next transaction commits without lingering (see _linger)
         self._error: Optional[BaseException] = None
         self._closed = False
         self._stats: Dict[str, float] = {
@@ -315,6 +316,7 @@ class BackgroundWriter:
                     self._cv.wait()
             finally:
                 self._urgent -= 1
+                self._after_barrier = True
             self._raise_if_failed()
 
     def resume(self) -> None:
@@ -391,6 +393,13 @@ class BackgroundWriter:
     def _linger(self) -> None:
         """(Lock held.) Wait for more steps to group into one transaction, within limits."""
         if not self._queue:
+            return
+        if self._after_barrier:
+            # A barrier usually precedes a read that deletes (delete_on_read) in its own
+            # transaction. LMDB cannot reuse pages freed by the latest transaction in the very
+            # next one, so a large next transaction would grow the file by its whole size
+            # (measured: 1.96x peak live data instead of 1.19x). Keep that one small.
+            self._after_barrier = False
             return
         deadline = self._queue[0].submitted + self._opts.linger_s
         while len(self._queue) < self._opts.linger_steps and not self._urgent and not self._closed:

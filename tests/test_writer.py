@@ -211,3 +211,33 @@ def test_writer_options_are_checked():
     for bad in (dict(linger_steps=0), dict(linger_s=-1.0), dict(max_pending_steps=0), dict(torch_threads=-1)):
         with pytest.raises(ValueError):
             WriterOptions(**bad)
+
+
+@pytest.mark.parametrize("linger_steps", [1, 8])
+def test_the_file_stays_near_peak_live_data_with_read_and_delete_every_10_steps(tmp_path, linger_steps):
+    """A read that deletes in its own transaction frees pages the next transaction cannot reuse
+    (LMDB): a large grouped transaction right after it would grow the file by its whole size."""
+    import os
+
+    from persistent_delta.store import delete_below
+
+    log = DeltaLog(str(tmp_path / "log"), update_mode="first")
+    writer = BackgroundWriter(log, UpdateMode.FIRST, WriterOptions(linger_steps=linger_steps, linger_s=30.0))
+    g = torch.Generator().manual_seed(0)
+    peak_live = max_file = 0
+    step = 0
+    for window in range(30):
+        for _ in range(10):
+            step += 1
+            recs = [AppendRecord(step, f"t{t}", torch.randperm(4000, generator=g)[:1000], torch.randn(1000, 32, generator=g))
+                    for t in range(4)]
+            writer.submit(WriteTask(records=recs))
+            time.sleep(0.002)
+        writer.barrier()
+        live = log.read(lambda r: sum(len(v) for _, v in r.iter_raw()))
+        peak_live = max(peak_live, live)
+        log.write(lambda w: delete_below(w, step + 1))
+        max_file = max(max_file, os.path.getsize(os.path.join(log.path, "data.mdb")))
+    writer.close()
+    log.close()
+    assert max_file <= 1.5 * peak_live, (max_file, peak_live)
