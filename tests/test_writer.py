@@ -28,6 +28,13 @@ def truth(raw, mode, start, end):
     return compute_unique_rows([i for i, _ in sel], None if mode == UpdateMode.NONE else [s for _, s in sel], mode)
 
 
+def assert_reads_truth(log, mode, raw, start):
+    """A read from ``start`` equals TorchRec's rule over every raw batch from ``start`` on."""
+    got = log.read(lambda r: read_unique(r, mode, start)["t"])
+    want = truth(raw, mode, start, 10**9)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
+
+
 def log_with_consumer(path, mode, registered_by="trainer"):
     log = DeltaLog(path, update_mode=mode.value)
     log.write(lambda w: w.set_consumer("a", {"offset": 0, "registered_by": registered_by, "channel": "lookups"}))
@@ -96,9 +103,7 @@ def test_window_restarts_when_the_largest_offset_moves(tmp_path):
     log.write(lambda w: w.set_consumer("a", {"offset": 6, "registered_by": "trainer", "channel": "lookups"}))
     write_all(log, mode, raw[5:], window)
     # a consumer at the new offset gets every row touched from batch 6 on, with first values
-    got = log.read(lambda r: read_unique(r, mode, 6)["t"])
-    want = truth(raw, mode, 6, 100)
-    assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
+    assert_reads_truth(log, mode, raw, 6)
     log.close()
 
 
@@ -163,9 +168,7 @@ def test_a_retried_or_failed_commit_does_not_leave_rows_in_the_window(tmp_path):
     except RuntimeError:
         pass
     write_all(log, mode, raw[4:], window)
-    got = log.read(lambda r: read_unique(r, mode, 0)["t"])
-    want = truth(raw, mode, 0, 100)
-    assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
+    assert_reads_truth(log, mode, raw, 0)
     log.close()
 
 
