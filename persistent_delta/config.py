@@ -115,13 +115,16 @@ class WriterOptions:
         torch_threads: intra-op threads for the writer thread's tensor work (filtering,
             dedup). The default 1 keeps it from starting a second OpenMP team that competes
             with training's for the cores; 0 leaves torch's setting.
-        linger_steps / linger_s: group commit. The writer starts a transaction once this many
-            steps are queued or the oldest queued one has waited ``linger_s`` seconds,
-            whichever comes first; a ``flush()`` (or anything that waits for the writer, such as
-            ``get_unique``), backpressure and ``close()`` start it at once. Fewer, larger
-            transactions cost less per step; a process crash loses at most what was not yet
-            committed, i.e. up to this window of unflushed steps. ``linger_steps=1`` commits
-            each step as soon as it is queued.
+        linger_steps / linger_s / linger_bytes: group commit of small steps. The writer
+            starts a transaction once ``linger_steps`` steps or ``linger_bytes`` captured bytes
+            are queued, or the oldest queued step has waited ``linger_s`` seconds, whichever
+            comes first; a ``flush()`` (or anything that waits for the writer, such as
+            ``get_unique``), backpressure and ``close()`` start it at once. Small steps (ids
+            only) then share one transaction's fixed costs; large steps (embeddings) are
+            processed as soon as they arrive, overlapping training (lingering them measured
+            ~3% slower steps, the deferred work landing on the next read). A process crash
+            loses at most what was not yet committed. ``linger_steps=1`` commits each step as
+            soon as it is queued.
     """
 
     max_pending_bytes: int = 512 << 20
@@ -129,12 +132,16 @@ class WriterOptions:
     torch_threads: int = 1
     linger_steps: int = 8
     linger_s: float = 0.25
+    linger_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.max_pending_bytes <= 0 or self.max_pending_steps <= 0:
             raise ValueError("max_pending_bytes and max_pending_steps must be positive")
-        if self.linger_steps < 1 or self.linger_s < 0:
-            raise ValueError(f"linger_steps must be >= 1 and linger_s >= 0, got {self.linger_steps}, {self.linger_s}")
+        if self.linger_steps < 1 or self.linger_s < 0 or self.linger_bytes < 0:
+            raise ValueError(
+                f"linger_steps must be >= 1, linger_s and linger_bytes >= 0; got {self.linger_steps}, "
+                f"{self.linger_s}, {self.linger_bytes}"
+            )
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
 

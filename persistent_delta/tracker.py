@@ -133,7 +133,7 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
             ``PERSISTENT_DELTA_TUNE_MALLOC``, else off.
         writer_torch_threads: intra-op threads of the writer thread's tensor work (default 1;
             0 leaves torch's setting).
-        linger_steps / linger_s: group commit window of the background writer (see
+        linger_steps / linger_s / linger_bytes: group commit of small steps (see
             :class:`~persistent_delta.config.WriterOptions`).
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
@@ -150,6 +150,7 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
     writer_torch_threads: int = WriterOptions.torch_threads
     linger_steps: int = WriterOptions.linger_steps
     linger_s: float = WriterOptions.linger_s
+    linger_bytes: int = WriterOptions.linger_bytes
     rank: Optional[int] = None
 
 
@@ -240,6 +241,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                     torch_threads=config.writer_torch_threads,
                     linger_steps=config.linger_steps,
                     linger_s=config.linger_s,
+                    linger_bytes=config.linger_bytes,
                 ),
                 self._window,
             )

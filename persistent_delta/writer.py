@@ -4,8 +4,8 @@ Design note
 -----------
 The training thread only *captures* (keeps references to, or starts device-to-host copies of)
 what a batch looked up, and hands each step's records to :meth:`BackgroundWriter.submit` as one
-:class:`WriteTask`. A single writer thread lets tasks gather (``linger_steps`` steps or
-``linger_s`` seconds, unless someone waits for it), then, for every run of queued tasks:
+:class:`WriteTask`. A single writer thread lets small tasks gather (up to ``linger_steps``
+steps, ``linger_bytes`` or ``linger_s`` seconds, unless someone waits for it), then, for every run of queued tasks:
 
 1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
@@ -291,7 +291,11 @@ class BackgroundWriter:
             self._queue.append(task)
             self._pending_bytes += task.nbytes
             self._stats["bytes_captured"] += task.nbytes
-            if len(self._queue) == 1 or len(self._queue) >= self._opts.linger_steps:
+            if (
+                len(self._queue) == 1
+                or len(self._queue) >= self._opts.linger_steps
+                or self._pending_bytes >= self._opts.linger_bytes
+            ):
                 self._cv.notify_all()  # the writer starts lingering, or stops
 
     def _over_budget(self, incoming: int) -> bool:
@@ -402,7 +406,12 @@ class BackgroundWriter:
             self._after_barrier = False
             return
         deadline = self._queue[0].submitted + self._opts.linger_s
-        while len(self._queue) < self._opts.linger_steps and not self._urgent and not self._closed:
+        while (
+            len(self._queue) < self._opts.linger_steps
+            and self._pending_bytes < self._opts.linger_bytes
+            and not self._urgent
+            and not self._closed
+        ):
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -191,6 +191,18 @@ def test_linger_groups_steps_until_enough_are_queued(tmp_path):
     writer.close()
 
 
+def test_large_steps_do_not_linger(tmp_path):
+    """Steps above linger_bytes are processed at once (overlapping training), not deferred."""
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0, linger_bytes=4096))
+    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.arange(1000))]))  # 8 KB
+    deadline = time.monotonic() + 10
+    while not _committed(log) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _committed(log) == [0]
+    writer.close()
+
+
 def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=0.2))
@@ -211,7 +223,8 @@ def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
 
 
 def test_writer_options_are_checked():
-    for bad in (dict(linger_steps=0), dict(linger_s=-1.0), dict(max_pending_steps=0), dict(torch_threads=-1)):
+    for bad in (dict(linger_steps=0), dict(linger_s=-1.0), dict(linger_bytes=-1), dict(max_pending_steps=0),
+                dict(torch_threads=-1)):
         with pytest.raises(ValueError):
             WriterOptions(**bad)
 
@@ -225,7 +238,8 @@ def test_the_file_stays_near_peak_live_data_with_read_and_delete_every_10_steps(
     from persistent_delta.store import delete_below
 
     log = DeltaLog(str(tmp_path / "log"), update_mode="first")
-    writer = BackgroundWriter(log, UpdateMode.FIRST, WriterOptions(linger_steps=linger_steps, linger_s=30.0))
+    opts = WriterOptions(linger_steps=linger_steps, linger_s=30.0, linger_bytes=1 << 30)
+    writer = BackgroundWriter(log, UpdateMode.FIRST, opts)
     g = torch.Generator().manual_seed(0)
     peak_live = max_file = 0
     step = 0
