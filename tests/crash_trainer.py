@@ -5,17 +5,14 @@ Usage: python crash_trainer.py ROOT STEPS [MODE]. Consumer "a" reads every 3 ste
 ``FLUSHED <curr_batch_idx> <offset of a>``; at the end it prints ``DONE``.
 """
 
-import datetime
 import os
-import socket
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import build_sharded_model, make_batches, train_step  # noqa: E402
+from harness import build_sharded_model, init_gloo, make_batches, train_step  # noqa: E402
 from torchrec.distributed.model_tracker.types import TrackingMode  # noqa: E402
 
 from persistent_delta import PersistentTrackerConfig, attach  # noqa: E402
@@ -24,12 +21,7 @@ from persistent_delta import PersistentTrackerConfig, attach  # noqa: E402
 def main() -> None:
     root, steps = sys.argv[1], int(sys.argv[2])
     mode = TrackingMode[sys.argv[3]] if len(sys.argv) > 3 else TrackingMode.ID_ONLY
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    init_gloo()
     dmp = build_sharded_model(0, 1, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=500)
     tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, consumers=["a", "b"], path=root))
     print("START", tracker.curr_batch_idx, flush=True)

@@ -302,17 +302,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def init_gloo(rank: int = 0, world_size: int = 1, port: int = 0, timeout: float = 60.0) -> None:
+    """Join a gloo group on localhost (``port`` 0: a free one; one rank only), one torch thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+
+
 class SpawnError(RuntimeError):
     """A spawned rank raised; the message holds every failed rank's traceback, earliest first."""
 
 
 def _spawn_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int,
                  queue: Any, timeout: float, args: Tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    init_gloo(rank, world_size, port, timeout)
     try:
         result = fn(rank, world_size, *args)
         queue.put((rank, True, time.time(), pickle.dumps(result)))

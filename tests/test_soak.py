@@ -53,21 +53,15 @@ CONSUMERS = ("ext-a", "ext-b")
 TABLES = {f"{SPARSE_FQN}.embeddings.{t}": feats for t, feats in feature_names(2).items()}
 
 TRAINER = r"""
-import datetime, json, os, socket, sys, time
+import json, os, sys, time
 tests, root, ready, go, seconds, rows, num_batches, batch_size, seed = sys.argv[1:10]
 sys.path.insert(0, tests)
-import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import TrackingMode
-from harness import build_sharded_model, make_batches, train_step
+from harness import build_sharded_model, init_gloo, make_batches, train_step
 from persistent_delta import PersistentTrackerConfig, attach
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-torch.set_num_threads(1)
-dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+init_gloo()
 dmp = build_sharded_model(0, 1, "ec", "row_wise", "EXACT_SGD", rows=int(rows))
 tracker = attach(dmp, PersistentTrackerConfig(
     tracking_mode=TrackingMode.ID_ONLY, path=root, consumers=["trainer"], delete_on_read=True))
