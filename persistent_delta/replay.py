@@ -16,7 +16,7 @@ window's delta of each table that has rows is written as one safetensors file:
         ids.col<c>, states.col<c>   per column shard, when a column-split table's
                                     slices cannot be assembled into full rows
 
-With a checkpoint directory (:func:`persistent_delta.checkpoint.save_local_shards`), the current
+With a checkpoint directory (:func:`persistent_delta.shard_files.save_local_shards`), the current
 values of every changed row (union over the windows) are written as an incremental snapshot,
 ``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
 lists everything. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from persistent_delta.checkpoint import atomic_write_bytes, full_rows, load_shards
+from persistent_delta.shard_files import atomic_write_bytes, full_rows, load_shards
 from persistent_delta.consumer import (
     DeltaConsumer,
     MergedDelta,

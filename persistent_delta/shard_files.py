@@ -94,7 +94,7 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
     if not names:
         raise NotALogError(
             f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
-            "persistent_delta.checkpoint.save_local_shards)"
+            "persistent_delta.shard_files.save_local_shards)"
         )
     out: Dict[str, List[Tuple[ShardInfo, torch.Tensor]]] = {}
     for name in names:
