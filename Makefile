@@ -26,7 +26,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m persistent_delta.demo
+	$(PY) examples/demo.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all

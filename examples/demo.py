@@ -1,5 +1,5 @@
-"""The main job (``make demo``): online training that streams fresh rows to a serving replica
-and survives a crash.
+"""The main job (``make demo``, i.e. ``python examples/demo.py``): online training that streams
+fresh rows to a serving replica and survives a crash.
 
 What it does, end to end, on CPU:
 
@@ -13,19 +13,26 @@ What it does, end to end, on CPU:
    of the tables and commits its position;
 3. every ``--checkpoint-every`` steps, each rank saves its DMP state_dict, fused optimizer
    state and ``tracker.state_dict()`` (the ``checkpoint`` consumer reads the log then too);
+   the initial and final tables are saved with ``persistent_delta.shard_files.save_local_shards``
+   (``<out>/initial/`` and ``<out>/final/``, one ``rank-<r>.safetensors`` per rank) and
+   assembled into full tables with ``load_shards`` and ``full_rows``;
 4. at ``--kill-at`` the demo SIGKILLs the trainer (both ranks) and restarts it from its last
    checkpoint; ``tracker.load_state_dict`` re-delivers the rows touched after it;
 5. at the end it checks that the replica equals the trainer's tables bit for bit, prints the
    check, the ``offsets`` table and a one-line summary; the exit code is nonzero if it fails.
 
-``python -m persistent_delta.demo --help`` lists the flags.
+``python examples/demo.py --help`` (from the repository root) lists the flags. Third-party
+FutureWarnings/UserWarnings from torch and TorchRec internals are silenced in the demo's own
+processes (see ``_quiet_third_party_warnings``); warnings from ``persistent_delta`` still show.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -33,12 +40,24 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 SPARSE = "sparse_arch.embedding_bag_collection"  # DLRM's EBC path
 DENSE_IN = 13
+THIRD_PARTY = r"(torch|torchrec|fbgemm_gpu)(\.|$)"  # modules whose warnings the demo does not show
+
+
+def _quiet_third_party_warnings() -> None:
+    """Silence torch/TorchRec-internal deprecation noise in this process (the driver, the serving
+    and trainer processes and every spawned rank call it first): FutureWarnings and UserWarnings
+    attributed to torch, torchrec or fbgemm_gpu modules, and torch.fx's one-time
+    ``is_fx_tracing`` log warning. Warnings from the demo and from ``persistent_delta`` still show."""
+    for category in (FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 # ------------------------------------------------------------------------------- model & data
@@ -103,41 +122,28 @@ def make_batch(args: argparse.Namespace, step: int, rank: int) -> Tuple[torch.Te
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from persistent_delta.shard_files import atomic_write_bytes
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from persistent_delta.shard_files import atomic_write_bytes
 
-
-def save_tables(tracker: Any, path: str) -> None:
-    """This rank's local shards (fqn -> tensor) with their shard metadata, as safetensors."""
-    from safetensors.torch import save_file
-
-    tensors = {fqn: lt.weights().detach().clone().contiguous() for fqn, lt in tracker.local_tables.items()}
-    meta = {fqn: json.dumps(lt.metadata("ebc")) for fqn, lt in tracker.local_tables.items()}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode())
 
 
 def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) -> None:
     """One trainer rank: resume from the latest checkpoint if any, train, publish, checkpoint."""
+    _quiet_third_party_warnings()  # a spawned process: the parent's filters do not carry over
     import torch.distributed as dist
     from tqdm import tqdm
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     from persistent_delta import PersistentTrackerConfig, attach
+    from persistent_delta.shard_files import save_local_shards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -165,8 +171,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
             print(f"[trainer] restarted from checkpoint at step {start}: re-delivering "
                   f"{sum(redelivered.values())} rows touched after it", flush=True)
     else:
-        os.makedirs(os.path.join(out, "initial"), exist_ok=True)
-        save_tables(tracker, os.path.join(out, "initial", f"rank-{rank}.safetensors"))
+        save_local_shards(tracker, os.path.join(out, "initial"))
     opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "embedding_bags" not in n], lr=0.05)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     published = 0
@@ -204,7 +209,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
     tracker.flush()
     tracking_s += time.perf_counter() - t0
     stats = tracker.stats()
-    save_tables(tracker, os.path.join(out, f"final-rank-{rank}.safetensors"))
+    save_local_shards(tracker, os.path.join(out, "final"))
     tracker.close()
     _atomic_write(os.path.join(out, f"trainer-rank-{rank}.json"), json.dumps(
         {"published": published, "tracking_s": tracking_s, "wait_s": stats.get("total_wait_s", 0.0),
@@ -225,20 +230,19 @@ def run_trainer(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ serving
 
 
-def assemble(files: List[str]) -> Dict[str, torch.Tensor]:
-    """Full tables (fqn -> [rows, cols]) from per-rank shard files written by ``save_tables``."""
-    from safetensors import safe_open
+def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
+    return [os.path.join(ckpt_dir, f"rank-{r}.safetensors") for r in range(world_size)]
 
-    full: Dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(path, "pt") as f:
-            meta = f.metadata()
-            for fqn in f.keys():
-                md = json.loads(meta[fqn])
-                t = full.setdefault(fqn, torch.zeros(md["global_rows"], md["global_cols"]))
-                r, c = md["row_offset"], md["col_offset"]
-                t[r:r + md["local_rows"], c:c + md["local_cols"]] = f.get_tensor(fqn)
-    return full
+
+def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
+    """Full tables (fqn -> [rows, cols]) from the per-rank files that
+    ``persistent_delta.shard_files.save_local_shards`` wrote into ``ckpt_dir``."""
+    from persistent_delta.shard_files import full_rows, load_shards
+
+    return {
+        fqn: full_rows(fqn, shards, torch.arange(int(shards[0][0].global_rows or 0)))
+        for fqn, shards in load_shards(ckpt_dir).items()
+    }
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -247,9 +251,10 @@ def serve(args: argparse.Namespace) -> int:
     from persistent_delta import DeltaConsumer
 
     out = args.out
-    while not all(os.path.exists(os.path.join(out, "initial", f"rank-{r}.safetensors")) for r in range(args.world_size)):
+    initial = os.path.join(out, "initial")
+    while not all(os.path.exists(path) for path in _shard_files(initial, args.world_size)):
         time.sleep(0.1)
-    replica = assemble([os.path.join(out, "initial", f"rank-{r}.safetensors") for r in range(args.world_size)])
+    replica = assemble(initial)
     applied_rows = 0
     with DeltaConsumer(os.path.join(out, "log"), "replica", channel="snapshots") as consumer:
         while True:
@@ -278,7 +283,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _child(args: argparse.Namespace, role: str) -> subprocess.Popen:  # type: ignore[type-arg]
-    argv = [sys.executable, "-m", "persistent_delta.demo", f"--role={role}"] + [
+    """This script again, as the ``serve`` or ``train`` process (it calls
+    ``_quiet_third_party_warnings`` in its ``main``)."""
+    argv = [sys.executable, os.path.abspath(__file__), f"--role={role}"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("role",) and v is not None
     ]
     return subprocess.Popen(argv, start_new_session=True)
@@ -319,7 +326,7 @@ def drive(args: argparse.Namespace) -> int:
 
     from safetensors.torch import load_file
 
-    trainer_tables = assemble([os.path.join(out, f"final-rank-{r}.safetensors") for r in range(args.world_size)])
+    trainer_tables = assemble(os.path.join(out, "final"))
     replica = load_file(os.path.join(out, "replica.safetensors"))
     ok = True
     print("\n[demo] replica check (bit for bit, every row of every table):")
@@ -345,7 +352,7 @@ def drive(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m persistent_delta.demo",
+        prog="python examples/demo.py",
         description="Online training on 2 CPU ranks that streams fresh rows to a serving replica and survives a SIGKILL.",
     )
     p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
@@ -371,6 +378,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    _quiet_third_party_warnings()
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
     if args.role == "train":
