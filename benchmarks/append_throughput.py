@@ -38,7 +38,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from benchmarks._common import CpuMonitor, ZipfIds, emit, free_bytes, log, machine, median, rmtree, wait_for_quiet, workdir
 from persistent_delta import Durability, LmdbDeltaStore
 from persistent_delta import codec
-from persistent_delta.store import AppendRecord
+from persistent_delta.records import AppendRecord
 
 Step = List[Tuple[str, torch.Tensor, torch.Tensor]]
 
@@ -101,7 +101,7 @@ def _store(path: str, steps: List[Step], n: int, durability: Durability) -> Tupl
 
 
 def _log_preencoded(path: str, steps: List[Step], n: int, durability: Durability) -> float:
-    from persistent_delta.store import write_records
+    from persistent_delta.records import write_records
 
     store = LmdbDeltaStore(os.path.join(path, "log"), UpdateMode.FIRST, durability=durability)
     try:
@@ -121,7 +121,7 @@ def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability
     from persistent_delta.writer import BackgroundWriter, WriteTask
 
     lg = DeltaLog(os.path.join(path, "log"), update_mode=UpdateMode.FIRST.value,
-                  options=LogOptions.from_env(durability=durability))
+                  options=LogOptions.resolve(durability=durability))
     wr = BackgroundWriter(lg, UpdateMode.FIRST)
     try:
         t0 = time.perf_counter()

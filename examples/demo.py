@@ -122,7 +122,7 @@ def make_batch(args: argparse.Namespace, step: int, rank: int) -> Tuple[torch.Te
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    from persistent_delta.shard_files import atomic_write_bytes
+    from persistent_delta.layout import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -130,7 +130,7 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    from persistent_delta.shard_files import atomic_write_bytes
+    from persistent_delta.layout import atomic_write_bytes
 
     atomic_write_bytes(path, text.encode())
 

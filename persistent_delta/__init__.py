@@ -4,13 +4,14 @@ TorchRec's ``ModelDeltaTracker`` keeps "which rows changed" in process memory; p
 writes it to an append-only LMDB log, so deltas and consumer offsets survive restarts.
 """
 
-from persistent_delta.config import Durability, LogOptions
-from persistent_delta.consumer import DeltaConsumer, DeltaPoll
+from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
+from persistent_delta.consumer import DeltaConsumer
 from persistent_delta.errors import (
     ConfigMismatchError,
     CorruptRecordError,
     ForkedProcessError,
     FormatMismatchError,
+    InexactRangeError,
     InvalidInputError,
     LogClosedError,
     LogFullError,
@@ -23,6 +24,8 @@ from persistent_delta.errors import (
     WriterError,
 )
 from persistent_delta.log import DeltaLog
+from persistent_delta.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
+from persistent_delta.schema import ConsumerEntry, Delivery, ShardInfo
 from persistent_delta.store import LmdbDeltaStore
 from persistent_delta.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
 
@@ -30,6 +33,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigMismatchError",
+    "ConsumerEntry",
+    "Delivery",
+    "InexactRangeError",
+    "MergedDelta",
+    "RankDelta",
+    "RetentionBound",
+    "ShardInfo",
+    "TableDelta",
+    "WriterOptions",
     "CorruptRecordError",
     "DeltaConsumer",
     "DeltaLog",

@@ -50,9 +50,13 @@ KEY_SIZE = _KEY.size
 MAX_BATCH_IDX = (1 << 64) - 1
 MAX_SEQ = (1 << 32) - 1
 
-# torch.frombuffer warns on read-only buffers (LMDB maps are read-only). The views we build are
-# never written to and never outlive their transaction (see log.py), so the warning is noise.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# torch.frombuffer warns once per process (TORCH_WARN_ONCE) on a read-only buffer, and LMDB's
+# map is read-only. Our views are never written to and never outlive their transaction (see
+# log.py), so the warning is noise: spend the one warning here, inside a scoped filter, instead
+# of installing a process-wide filter that would hide it from the rest of the program.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(8), dtype=torch.uint8)
 
 _DTYPES: Dict[str, torch.dtype] = {
     name: dt

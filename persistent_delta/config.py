@@ -1,7 +1,9 @@
 """Tunables and durability levels, in one place.
 
-Every default here can be overridden by a constructor argument; the ones operators need can also
-be set with environment variables (read when a log is opened):
+Owns: every tunable's default and how a setting is resolved. Everywhere (trackers, stores,
+consumers, tools) a setting resolves the same way: **an explicit argument, then the
+``PERSISTENT_DELTA_*`` environment variable, then the default** (:meth:`LogOptions.resolve`).
+The environment variables (read when a log is opened):
 
 =================================  ==========================================================
 ``PERSISTENT_DELTA_DURABILITY``    ``sync`` | ``no_metasync`` | ``on_flush`` (default)
@@ -10,6 +12,8 @@ be set with environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_MAX_READERS``   LMDB reader slots, fixed by the first opener (default 256)
 ``PERSISTENT_DELTA_TUNE_MALLOC``   ``1``: a writer raises glibc's malloc thresholds (default ``0``;
                                    see :mod:`persistent_delta.alloc`)
+``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
+                                   off; see :class:`RetentionBound`)
 =================================  ==========================================================
 """
 
@@ -17,7 +21,10 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Union
+
+from persistent_delta.errors import InvalidInputError
 
 
 class Durability(enum.Enum):
@@ -46,7 +53,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise InvalidInputError(f"{name}={raw!r} is not an integer") from None
 
 
 def _env_durability(default: Durability) -> Durability:
@@ -57,7 +64,7 @@ def _env_durability(default: Durability) -> Durability:
         return Durability(raw)
     except ValueError:
         choices = ", ".join(d.value for d in Durability)
-        raise ValueError(f"PERSISTENT_DELTA_DURABILITY={raw!r}: choose one of {choices}") from None
+        raise InvalidInputError(f"PERSISTENT_DELTA_DURABILITY={raw!r}: choose one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -86,22 +93,46 @@ class LogOptions:
     tune_malloc: bool = False
 
     @staticmethod
-    def from_env(**overrides: object) -> "LogOptions":
-        """Defaults, then environment variables, then ``overrides`` (non-None values)."""
+    def resolve(
+        durability: Optional[Union[Durability, str]] = None,
+        map_size: Optional[int] = None,
+        max_map_size: Optional[int] = None,
+        max_readers: Optional[int] = None,
+        tune_malloc: Optional[bool] = None,
+    ) -> "LogOptions":
+        """The options in force: each explicit (non-None) argument, else its environment
+        variable, else the default.
+
+        Raises:
+            InvalidInputError: a bad value (argument or environment variable).
+        """
+        d = LogOptions()
         base = LogOptions(
-            durability=_env_durability(Durability.ON_FLUSH),
-            map_size=_env_int("PERSISTENT_DELTA_MAP_SIZE", 1 << 30),
-            max_map_size=_env_int("PERSISTENT_DELTA_MAX_MAP_SIZE", 1 << 44),
-            max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", 256),
-            tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", 0) != 0,
+            durability=_env_durability(d.durability),
+            map_size=_env_int("PERSISTENT_DELTA_MAP_SIZE", d.map_size),
+            max_map_size=_env_int("PERSISTENT_DELTA_MAX_MAP_SIZE", d.max_map_size),
+            max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", d.max_readers),
+            tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", int(d.tune_malloc)) != 0,
         )
-        kw = {k: v for k, v in overrides.items() if v is not None}
+        explicit = dict(durability=durability, map_size=map_size, max_map_size=max_map_size,
+                        max_readers=max_readers, tune_malloc=tune_malloc)
+        kw = {k: v for k, v in explicit.items() if v is not None}
         if isinstance(kw.get("durability"), str):
-            kw["durability"] = Durability(kw["durability"])
-        opts = replace(base, **kw)  # type: ignore[arg-type]
-        if opts.map_size <= 0 or opts.max_map_size < opts.map_size:
-            raise ValueError(f"bad map sizes: map_size={opts.map_size}, max_map_size={opts.max_map_size}")
-        return opts
+            try:
+                kw["durability"] = Durability(kw["durability"])
+            except ValueError:
+                raise InvalidInputError(f"unknown durability {kw['durability']!r}") from None
+        return replace(base, **kw)  # type: ignore[arg-type]
+
+    from_env = resolve  # the name before 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.durability, Durability):
+            raise InvalidInputError(f"durability must be a Durability, got {self.durability!r}")
+        if self.map_size <= 0 or self.max_map_size < self.map_size:
+            raise InvalidInputError(f"bad map sizes: map_size={self.map_size}, max_map_size={self.max_map_size}")
+        if self.max_readers < 1:
+            raise InvalidInputError(f"max_readers must be positive, got {self.max_readers}")
 
 
 @dataclass(frozen=True)
@@ -136,12 +167,64 @@ class WriterOptions:
 
     def __post_init__(self) -> None:
         if self.max_pending_bytes <= 0 or self.max_pending_steps <= 0:
-            raise ValueError("max_pending_bytes and max_pending_steps must be positive")
+            raise InvalidInputError("max_pending_bytes and max_pending_steps must be positive")
         if self.linger_steps < 1 or self.linger_s < 0 or self.linger_bytes < 0:
-            raise ValueError(
+            raise InvalidInputError(
                 f"linger_steps must be >= 1, linger_s and linger_bytes >= 0; got {self.linger_steps}, "
                 f"{self.linger_s}, {self.linger_bytes}"
             )
         if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
+            raise InvalidInputError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
+
+    def with_overrides(self, **overrides: object) -> "WriterOptions":
+        """These options with each non-None override applied (validated)."""
+        names = {f.name for f in fields(self)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise InvalidInputError(f"unknown writer options {sorted(unknown)}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RetentionBound:
+    """How far a registered consumer may fall behind the log end before it is expired (see
+    :mod:`persistent_delta.delivery`). Off by default: a registered consumer then holds back
+    ``delete_on_read`` retention without limit, like a durable subscription.
+
+    Args:
+        max_batches: expire a consumer more than this many batches behind the log end.
+        max_bytes: expire consumers, oldest first, while the lookups they hold back (stored
+            bytes from the lowest position to the log end) exceed this.
+
+    An expired consumer no longer holds back retention; its next read gets
+    :class:`~persistent_delta.errors.OffsetOutOfRangeError` (or its reset policy), and a commit
+    re-arms it. Environment: ``PERSISTENT_DELTA_RETENTION_MAX_BATCHES``,
+    ``PERSISTENT_DELTA_RETENTION_MAX_BYTES``.
+    """
+
+    max_batches: Optional[int] = None
+    max_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batches", "max_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise InvalidInputError(f"RetentionBound.{name} must be a positive int or None, got {v!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batches is not None or self.max_bytes is not None
+
+    @staticmethod
+    def resolve(max_batches: Optional[int] = None, max_bytes: Optional[int] = None) -> "RetentionBound":
+        """Explicit arguments, then the environment variables, then off."""
+
+        def env(name: str) -> Optional[int]:
+            v = _env_int(name, 0)
+            return v if v > 0 else None
+
+        return RetentionBound(
+            max_batches=max_batches if max_batches is not None else env("PERSISTENT_DELTA_RETENTION_MAX_BATCHES"),
+            max_bytes=max_bytes if max_bytes is not None else env("PERSISTENT_DELTA_RETENTION_MAX_BYTES"),
+        )

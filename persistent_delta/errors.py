@@ -66,3 +66,9 @@ class OffsetOutOfRangeError(PersistentDeltaError):
 
 class WriterError(PersistentDeltaError):
     """The background writer failed; the original error is chained as ``__cause__``."""
+
+
+class InexactRangeError(PersistentDeltaError):
+    """A batch range the log cannot answer exactly: the trainer's window filter stored each
+    row once per read window, so a range starting inside such a window would miss the rows
+    recorded earlier in it. The message names the exact alternatives."""

@@ -1,126 +1,75 @@
-"""The delta log: one LMDB environment in one directory, and its transactions.
+"""The log: typed access to one log directory's tables, records, consumers and meta.
+
+Owns: the transaction discipline and what "a log" is. It stores the entries of
+:mod:`persistent_delta.schema` and the records of :mod:`persistent_delta.codec`; what a
+position or a batch range *means* is :mod:`persistent_delta.delivery`'s, and what a record
+operation does is :mod:`persistent_delta.records`'.
 
 Design note
 -----------
-Named DBs of the environment:
-
-* ``records``   record key (see :mod:`persistent_delta.codec`) -> record value
-* ``snapshots`` same keys -> snapshot records (current row values written by ``publish``)
-* ``tables``    fqn (utf-8) -> msgpack table entry: small table id, last appended batch_idx,
-                dtypes, whether the table is listed, and free-form metadata (sharding)
-* ``consumers`` name (utf-8) -> msgpack {offset, commit_time, ...}
-* ``meta``      name -> msgpack value (format version, update mode, tracker state, ...)
-
 Every public mutation is exactly one write transaction, built by a function that receives a
 :class:`WriteTxn` and run by :meth:`DeltaLog.write`. If LMDB's map is full the transaction is
 aborted, the map doubled and the function run again, so it must not change in-memory state;
-:class:`WriteTxn` stages its cache updates and applies them only after the commit.
+:class:`WriteTxn` stages its table-cache updates and applies them only after the commit.
 
-One writer process per log: a writable open takes an exclusive ``flock`` on ``writer.lock``
-(released by the kernel when the process dies, SIGKILL included) and writes its pid there, so a
-second writer is refused with a message that names the holder. Readers take no lock.
+What a directory is (one definition, used by every opener):
 
-LMDB forbids opening one environment twice in a process (closing either breaks its locks), so
-environments are shared per process through a small registry, and each handle records the pid
-that opened it: a forked child that uses it gets :class:`ForkedProcessError`.
+* **not a log yet** -- no directory, no ``data.mdb``, a 0-byte one, or an LMDB file whose
+  main database is empty or holds only our databases without persistent_delta's meta (a
+  creation that was killed). A writer creates the log (databases and meta in one
+  transaction); a reader gets :class:`NotALogError` saying so.
+* **not ours** -- an LMDB file whose main database names other databases: refused with
+  :class:`NotALogError`, never written.
+* **ours** -- our meta with a format version, which must be this release's
+  (:class:`FormatMismatchError` otherwise).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import lmdb
 import torch
 
-from persistent_delta import codec
+from persistent_delta import codec, lmdbenv
 from persistent_delta.alloc import tune_malloc
-from persistent_delta.config import Durability, LogOptions
+from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     ConfigMismatchError,
-    CorruptRecordError,
     ForkedProcessError,
     FormatMismatchError,
-    InvalidInputError,
     LogClosedError,
-    LogFullError,
-    LogLockedError,
     NotALogError,
     PersistentDeltaError,
     ReadOnlyLogError,
+)
+from persistent_delta.layout import DATA_FILE, FileState, file_state
+from persistent_delta.schema import (
+    DB_CONSUMERS,
+    DB_META,
+    DB_NAMES,
+    DB_OF_CHANNEL,
+    DB_TABLES,
+    LOOKUPS,
+    META_CREATED_TIME,
+    META_FORMAT_VERSION,
+    META_LOG_ID,
+    META_NEXT_TABLE_ID,
+    META_TABLES_VERSION,
+    META_UPDATE_MODE,
+    ConsumerEntry,
+    TableEntry,
+    check_fqn,
 )
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-LOCK_FILE = "writer.lock"
-DATA_FILE = "data.mdb"
-_DB_NAMES = (b"records", b"snapshots", b"tables", b"consumers", b"meta")
-RECORDS = "records"  # what batches looked up (ids, states): the delta log proper
-SNAPSHOTS = "snapshots"  # current row values written by publish()
-_MAX_FQN_BYTES = 400  # LMDB keys are limited to 511 bytes
-
-
-@dataclass
-class TableEntry:
-    """One table of the log (an embedding table fqn on this rank)."""
-
-    fqn: str
-    table_id: int
-    last_batch_idx: int = -1  # highest batch_idx ever appended; appends below it are refused
-    listed: bool = True  # False after delete(None), until the next append (DeltaStoreTrec view)
-    ids_dtype: str = "int64"
-    states_dtype: Optional[str] = None
-    states_tail: Optional[List[int]] = None  # states shape after the first dim
-    meta: Dict[str, Any] = field(default_factory=dict)
-
-    def to_bytes(self) -> bytes:
-        return codec.pack(
-            {
-                "id": self.table_id,
-                "last": self.last_batch_idx,
-                "listed": self.listed,
-                "ids_dtype": self.ids_dtype,
-                "states_dtype": self.states_dtype,
-                "states_tail": self.states_tail,
-                "meta": self.meta,
-            }
-        )
-
-    @staticmethod
-    def from_bytes(fqn: str, buf: bytes) -> "TableEntry":
-        d = codec.unpack(buf, f"table entry {fqn!r}")
-        if not isinstance(d, dict):
-            raise CorruptRecordError(f"table entry {fqn!r} is not a map")
-        return TableEntry(
-            fqn=fqn,
-            table_id=int(d["id"]),
-            last_batch_idx=int(d["last"]),
-            listed=bool(d["listed"]),
-            ids_dtype=str(d["ids_dtype"]),
-            states_dtype=d.get("states_dtype"),
-            states_tail=d.get("states_tail"),
-            meta=dict(d.get("meta") or {}),
-        )
-
-    def copy(self) -> "TableEntry":
-        return TableEntry.from_bytes(self.fqn, self.to_bytes())
-
-    def empty_ids(self) -> torch.Tensor:
-        return torch.empty(0, dtype=codec.dtype_from_name(self.ids_dtype))
-
-    def empty_states(self) -> Optional[torch.Tensor]:
-        if self.states_dtype is None:
-            return None
-        return torch.empty([0, *(self.states_tail or [])], dtype=codec.dtype_from_name(self.states_dtype))
 
 
 @dataclass
@@ -137,175 +86,6 @@ class StoredRecord:
     window_start: Optional[int] = None
 
 
-# ------------------------------------------------------------------ per-process env registry
-
-
-@dataclass
-class _SharedEnv:
-    env: lmdb.Environment
-    dbs: Dict[bytes, Any]
-    pid: int
-    readonly: bool
-    refs: int
-    # One lock per environment serialises this process's transactions, so that the map can be
-    # resized (which needs no open transaction in the process) and py-lmdb objects are never
-    # used from two threads at once.
-    lock: threading.RLock
-    opts: LogOptions
-    # Set after an I/O failure (disk full, EIO): LMDB may have flagged the environment as
-    # fatally broken, so it is closed and reopened (at its last commit) before the next use.
-    broken: bool = False
-
-
-_REGISTRY: Dict[str, _SharedEnv] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
-    """Take the log's exclusive writer lock (``flock`` on ``writer.lock``, released by the
-    kernel when the process dies) and write our pid there; returns the descriptor.
-
-    Raises:
-        LogLockedError: another process (or another handle of this one) holds it; the message
-            names the holder's pid.
-    """
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise _translate(exc, path) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = ""
-        try:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        except OSError:
-            pass
-        os.close(fd)
-        who = f"pid {holder}" if holder else "an unknown process"
-        if holder == str(os.getpid()):
-            who += " (this process: close the other handle first)"
-        raise LogLockedError(
-            f"{path}: another writer holds the writer lock: {who}, so this process cannot {action}. One writer "
-            "process per log; open it read-only (DeltaConsumer, the tools) to read while it is written"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def _lmdb_flags(opts: LogOptions) -> Dict[str, Any]:
-    d = opts.durability
-    return {
-        "sync": d in (Durability.SYNC, Durability.NO_METASYNC),
-        "metasync": d == Durability.SYNC,
-    }
-
-
-def _open_env(path: str, opts: LogOptions, readonly: bool) -> _SharedEnv:
-    """Open (or share) the environment at ``path``. Caller holds ``_REGISTRY_LOCK``."""
-    shared = _REGISTRY.get(path)
-    if shared is not None and shared.pid != os.getpid():
-        # Inherited through fork: never touch the parent's environment; forget it.
-        del _REGISTRY[path]
-        shared = None
-    if shared is not None:
-        if shared.readonly and not readonly:
-            raise ReadOnlyLogError(
-                f"{path} is open read-only in this process; close those handles before opening it for writing"
-            )
-        shared.refs += 1
-        return shared
-    env, dbs = _lmdb_open(path, opts, readonly)
-    shared = _SharedEnv(env=env, dbs=dbs, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock(), opts=opts)
-    _REGISTRY[path] = shared
-    return shared
-
-
-def _lmdb_open(path: str, opts: LogOptions, readonly: bool) -> Tuple[lmdb.Environment, Dict[bytes, Any]]:
-    lock_ok = True
-    if readonly:
-        lock_ok = os.access(path, os.W_OK) or os.path.exists(os.path.join(path, "lock.mdb")) and os.access(
-            os.path.join(path, "lock.mdb"), os.W_OK
-        )
-    try:
-        env = lmdb.open(
-            path,
-            map_size=opts.map_size,
-            max_dbs=len(_DB_NAMES) + 2,
-            max_readers=opts.max_readers,
-            readonly=readonly,
-            lock=lock_ok,
-            readahead=opts.readahead,
-            subdir=True,
-            create=not readonly,
-            meminit=False,
-            **_lmdb_flags(opts),
-        )
-    except lmdb.Error as exc:
-        raise _translate(exc, path) from exc
-    dbs: Dict[bytes, Any] = {}
-    try:
-        for name in _DB_NAMES:
-            dbs[name] = env.open_db(name, create=not readonly)
-    except lmdb.NotFoundError as exc:
-        env.close()
-        raise NotALogError(f"{path} is not a persistent_delta log (no {name.decode()} DB)") from exc
-    except lmdb.Error as exc:
-        env.close()
-        raise _translate(exc, path) from exc
-    return env, dbs
-
-
-def _reopen(path: str, shared: _SharedEnv) -> None:
-    """Close and reopen a broken environment in place (caller holds ``shared.lock``)."""
-    try:
-        shared.env.close()
-    except lmdb.Error:
-        pass
-    shared.env, shared.dbs = _lmdb_open(path, shared.opts, shared.readonly)
-    shared.broken = False
-    logger.warning("reopened the LMDB environment of %s after an I/O failure", path)
-
-
-def _release_env(path: str, shared: _SharedEnv) -> None:
-    with _REGISTRY_LOCK:
-        shared.refs -= 1
-        if shared.refs > 0:
-            return
-        if _REGISTRY.get(path) is shared:
-            del _REGISTRY[path]
-    if shared.pid == os.getpid():
-        with shared.lock:
-            shared.env.close()
-
-
-def _is_io_failure(exc: BaseException) -> bool:
-    err = getattr(exc, "errno", None)
-    text = str(exc)
-    return (
-        isinstance(exc, (lmdb.DiskError, lmdb.PanicError))
-        or err in (errno.ENOSPC, errno.EIO, errno.EDQUOT)
-        or "No space left" in text
-        or "Input/output error" in text
-    )
-
-
-def _translate(exc: BaseException, path: str) -> PersistentDeltaError:
-    """Map a py-lmdb / OS error to the error a caller can act on."""
-    if isinstance(exc, lmdb.MapFullError):
-        return LogFullError(f"{path}: the LMDB map is full and may not grow further: raise max_map_size")
-    err = getattr(exc, "errno", None)
-    text = str(exc)
-    if err == errno.ENOSPC or "No space left" in text:
-        return LogFullError(f"{path}: no space left on the device; free disk space and retry (nothing committed was lost)")
-    if err in (errno.EACCES, errno.EROFS, errno.EPERM) or isinstance(exc, lmdb.ReadonlyError) or "Read-only" in text or "Permission denied" in text:
-        return ReadOnlyLogError(f"{path}: not writable ({text}); open it read-only or fix the permissions")
-    if isinstance(exc, lmdb.InvalidError) or "MDB_INVALID" in text or "MDB_VERSION_MISMATCH" in text:
-        return NotALogError(f"{path}: not an LMDB environment ({text})")
-    return PersistentDeltaError(f"{path}: LMDB error: {text}")
-
-
 # ----------------------------------------------------------------------------- transactions
 
 
@@ -320,6 +100,10 @@ class ReadTxn:
         self.txn = txn
         self._dbs = log._shared.dbs
 
+    @property
+    def path(self) -> str:
+        return self._log.path
+
     # tables ---------------------------------------------------------------------------
     def tables(self) -> Dict[str, TableEntry]:
         """All tables (listed or not), by fqn, as of this transaction."""
@@ -329,16 +113,20 @@ class ReadTxn:
         return self.tables().get(fqn)
 
     # records --------------------------------------------------------------------------
+    def _cursor_at(self, table_id: int, start_idx: int, channel: str) -> Optional[lmdb.Cursor]:
+        cur = self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]])
+        return cur if cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)) else None
+
     def iter_records(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
-        db: str = RECORDS,
+        channel: str = LOOKUPS,
     ) -> Iterator[StoredRecord]:
-        """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open), in
-        (batch_idx, seq) order, i.e. append order. ``db`` is ``RECORDS`` or ``SNAPSHOTS``."""
-        prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[db.encode()])
-        if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
+        """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open) in a
+        channel, in (batch_idx, seq) order, i.e. append order."""
+        cur = self._cursor_at(table_id, start_idx, channel)
+        if cur is None:
             return
+        prefix = codec.table_prefix(table_id)
         for key, value in cur:
             if key[:4] != prefix:
                 break
@@ -349,13 +137,13 @@ class ReadTxn:
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start)
 
     def iter_record_keys(
-        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, db: str = RECORDS
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
     ) -> Iterator[Tuple[int, int, int]]:
-        """``(batch_idx, seq, value_bytes)`` of records in ``[start_idx, end_idx)``, without decoding."""
-        prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[db.encode()])
-        if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
+        """``(batch_idx, seq, value_bytes)`` of records in ``[start_idx, end_idx)``, undecoded."""
+        cur = self._cursor_at(table_id, start_idx, channel)
+        if cur is None:
             return
+        prefix = codec.table_prefix(table_id)
         for key, value in cur:
             if key[:4] != prefix:
                 break
@@ -364,79 +152,47 @@ class ReadTxn:
                 break
             yield b, s, len(value)
 
-    def iter_raw(self, db: str = RECORDS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
-        """Every (key, value) of a records DB, in key order, undecoded (for verify)."""
-        for k, v in self.txn.cursor(db=self._dbs[db.encode()]):
+    def first_record_at(self, table_id: int, start_idx: int, channel: str = LOOKUPS) -> Optional[Tuple[int, bytes]]:
+        """``(batch_idx, value)`` of the table's first record at or after ``start_idx`` (the
+        value copied out of the map), or None."""
+        cur = self._cursor_at(table_id, start_idx, channel)
+        if cur is None or cur.key()[:4] != codec.table_prefix(table_id):
+            return None
+        return codec.decode_record_key(cur.key())[1], bytes(cur.value())
+
+    def iter_raw(self, channel: str = LOOKUPS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
+        """Every (key, value) of a channel, in key order, undecoded (for verify)."""
+        for k, v in self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]]):
             yield bytes(k), v
 
-    def first_batch_idx(self, table_id: int, db: str = RECORDS) -> Optional[int]:
-        """The lowest batch_idx stored for the table, or None when it has no records."""
-        cur = self.txn.cursor(db=self._dbs[db.encode()])
-        if not cur.set_range(codec.table_prefix(table_id)):
-            return None
-        key = cur.key()
-        if key[:4] != codec.table_prefix(table_id):
-            return None
-        return codec.decode_record_key(key)[1]
+    def first_batch_idx(self, table_id: int, channel: str = LOOKUPS) -> Optional[int]:
+        """The lowest batch_idx stored for the table in a channel, or None."""
+        found = self.first_record_at(table_id, 0, channel)
+        return None if found is None else found[0]
 
     # consumers & meta ----------------------------------------------------------------
-    def consumers(self) -> Dict[str, Dict[str, Any]]:
-        """Every registered consumer: name -> {"offset": int, "commit_time": float, ...}."""
-        out: Dict[str, Dict[str, Any]] = {}
-        for k, v in self.txn.cursor(db=self._dbs[b"consumers"]):
-            name = bytes(k).decode()
-            d = codec.unpack(v, f"consumer {name!r}")
-            if not isinstance(d, dict):
-                raise CorruptRecordError(f"consumer entry {name!r} is not a map")
-            out[name] = d
-        return out
+    def consumers(self) -> Dict[str, ConsumerEntry]:
+        """Every registered consumer, by name."""
+        return {
+            bytes(k).decode(): ConsumerEntry.from_bytes(bytes(k).decode(), bytes(v))
+            for k, v in self.txn.cursor(db=self._dbs[DB_CONSUMERS])
+        }
 
-    def consumer(self, name: str) -> Optional[Dict[str, Any]]:
-        v = self.txn.get(name.encode(), db=self._dbs[b"consumers"])
-        if v is None:
-            return None
-        d = codec.unpack(v, f"consumer {name!r}")
-        return d if isinstance(d, dict) else None
+    def iter_consumer_bytes(self) -> Iterator[Tuple[str, bytes]]:
+        """Every consumer entry undecoded (for verify, which reports a bad one by name)."""
+        for k, v in self.txn.cursor(db=self._dbs[DB_CONSUMERS]):
+            yield bytes(k).decode(errors="replace"), bytes(v)
+
+    def consumer(self, name: str) -> Optional[ConsumerEntry]:
+        v = self.txn.get(name.encode(), db=self._dbs[DB_CONSUMERS])
+        return None if v is None else ConsumerEntry.from_bytes(name, bytes(v))
 
     def meta(self, key: str, default: Any = None) -> Any:
-        v = self.txn.get(key.encode(), db=self._dbs[b"meta"])
+        v = self.txn.get(key.encode(), db=self._dbs[DB_META])
         return default if v is None else codec.unpack(v, f"meta {key!r}")
 
-    def read_start(self, position: int, db: str = RECORDS) -> int:
-        """Where a reader positioned at ``position`` must start reading to miss nothing.
-
-        The writer's window filter omits ids already recorded since its window start; a
-        position strictly inside such a window moves back to the window start (the rows of
-        ``[window_start, position)`` are delivered again: at-least-once, never lost).
-        """
-        best = position
-        cur = self.txn.cursor(db=self._dbs[db.encode()])
-        for entry in self.tables().values():
-            if not cur.set_range(codec.record_key(entry.table_id, max(0, position), 0)):
-                continue
-            key = cur.key()
-            if key[:4] != codec.table_prefix(entry.table_id):
-                continue
-            w = codec.record_window_start(cur.value())
-            if w is not None and w < best:
-                best = w
-        return max(min(best, position), min(self.log_start(), position))
-
-    def log_start(self) -> int:
-        """Batches below this were deleted (retention, ``clear``): a position below it cannot
-        be served."""
-        return int(self.meta("log_start", 0))
-
-    def log_end(self) -> int:
-        """One past the last *complete* batch: the tracker's persisted batch index (the batch
-        it is recording is not complete yet); for a plain store, one past the last appended."""
-        if self.meta("tracker") is not None:
-            # the batch being recorded is complete once the trainer closed (closed_end)
-            return max(int(self.meta("curr_batch_idx", 0)), int(self.meta("closed_end", 0)))
-        return max((e.last_batch_idx for e in self.tables().values()), default=-1) + 1
-
     def all_meta(self) -> Dict[str, Any]:
-        return {bytes(k).decode(): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[b"meta"])}
+        return {bytes(k).decode(): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
 
 
 class WriteTxn(ReadTxn):
@@ -462,7 +218,7 @@ class WriteTxn(ReadTxn):
 
     def stage_table(self, entry: TableEntry) -> None:
         """Write a table entry (new or changed) in this transaction."""
-        if not self.txn.put(entry.fqn.encode(), entry.to_bytes(), db=self._dbs[b"tables"]):
+        if not self.txn.put(entry.fqn.encode(), entry.to_bytes(), db=self._dbs[DB_TABLES]):
             raise PersistentDeltaError(f"could not write table entry {entry.fqn!r}")
         self._staged[entry.fqn] = entry
 
@@ -473,43 +229,38 @@ class WriteTxn(ReadTxn):
         existing = self._log._tables.get(fqn)
         if existing is not None:
             return existing.copy()
-        raw = fqn.encode()
-        if not fqn or len(raw) > _MAX_FQN_BYTES:
-            raise InvalidInputError(f"table fqn must be a non-empty string of at most {_MAX_FQN_BYTES} bytes, got {fqn!r}")
-        next_id = int(self.meta("next_table_id", 0))
-        self.set_meta("next_table_id", next_id + 1)
+        check_fqn(fqn)
+        next_id = int(self.meta(META_NEXT_TABLE_ID, 0))
+        self.set_meta(META_NEXT_TABLE_ID, next_id + 1)
         return TableEntry(fqn=fqn, table_id=next_id)
 
-    def put_record(self, table_id: int, batch_idx: int, value: bytes, db: str = RECORDS) -> int:
+    def put_record(self, table_id: int, batch_idx: int, value: bytes, channel: str = LOOKUPS) -> int:
         """Store ``value`` as the next record of (table_id, batch_idx); returns its seq."""
-        dbh = self._dbs[db.encode()]
+        dbh = self._dbs[DB_OF_CHANNEL[channel]]
         cur = self.txn.cursor(db=dbh)
         seq = 0
         # The last record of (table, batch) is just before (table, batch + 1, 0).
-        if cur.set_range(codec.record_key(table_id, batch_idx + 1, 0)):
-            found = cur.prev()
-        else:
-            found = cur.last()
+        found = cur.prev() if cur.set_range(codec.record_key(table_id, batch_idx + 1, 0)) else cur.last()
         if found:
             t, b, s = codec.decode_record_key(cur.key())
             if t == table_id and b == batch_idx:
                 seq = s + 1
         if seq > codec.MAX_SEQ:
-            raise InvalidInputError(f"too many records for one (table, batch_idx={batch_idx})")
+            raise PersistentDeltaError(f"too many records for one (table, batch_idx={batch_idx})")
         # append=False on purpose: put(append=True) silently returns False out of order.
         if not self.txn.put(codec.record_key(table_id, batch_idx, seq), value, db=dbh, overwrite=False):
             raise PersistentDeltaError(f"record key (table {table_id}, batch {batch_idx}, seq {seq}) already exists")
         return seq
 
     def delete_records(
-        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, db: str = RECORDS
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
     ) -> Tuple[int, int]:
         """Delete the table's records in ``[start_idx, end_idx)``; returns (records, bytes)."""
-        prefix = codec.table_prefix(table_id)
-        cur = self.txn.cursor(db=self._dbs[db.encode()])
-        n = nbytes = 0
-        if not cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)):
+        cur = self._cursor_at(table_id, start_idx, channel)
+        if cur is None:
             return 0, 0
+        prefix = codec.table_prefix(table_id)
+        n = nbytes = 0
         while True:
             key = cur.key()
             if not key or key[:4] != prefix:
@@ -522,20 +273,15 @@ class WriteTxn(ReadTxn):
                 break
         return n, nbytes
 
-    def raise_log_start(self, start: int) -> None:
-        """Record that batches below ``start`` are gone (never lowers it)."""
-        if start > self.log_start():
-            self.set_meta("log_start", start)
-
-    def set_consumer(self, name: str, entry: Dict[str, Any]) -> None:
-        if not self.txn.put(name.encode(), codec.pack(entry), db=self._dbs[b"consumers"]):
+    def set_consumer(self, name: str, entry: ConsumerEntry) -> None:
+        if not self.txn.put(name.encode(), entry.to_bytes(), db=self._dbs[DB_CONSUMERS]):
             raise PersistentDeltaError(f"could not write consumer {name!r}")
 
     def delete_consumer(self, name: str) -> bool:
-        return bool(self.txn.delete(name.encode(), db=self._dbs[b"consumers"]))
+        return bool(self.txn.delete(name.encode(), db=self._dbs[DB_CONSUMERS]))
 
     def set_meta(self, key: str, value: Any) -> None:
-        if not self.txn.put(key.encode(), codec.pack(value), db=self._dbs[b"meta"]):
+        if not self.txn.put(key.encode(), codec.pack(value), db=self._dbs[DB_META]):
             raise PersistentDeltaError(f"could not write meta {key!r}")
 
 
@@ -553,13 +299,13 @@ class DeltaLog:
 
     Args:
         path: the log directory (created for a writable open).
-        readonly: open for reading only; never creates anything.
-        create: with a writable open, create the log when the directory holds none.
+        readonly: open for reading only; never creates or writes anything.
+        create: with a writable open, create the log when the directory holds none yet.
         writer_lock: with a writable open, take the writer lock (the trainer, a store). Without
             it (``DeltaConsumer``, the offsets tool), the handle may only commit consumer
-            offsets and must not append, compact or delete: the trainer owns those.
-        update_mode: the :class:`UpdateMode` value (string) of the records. On create it is
-            stored; on open it must match the stored one (:class:`ConfigMismatchError`).
+            offsets and must not append, compact or delete: the writer owns those.
+        update_mode: the :class:`UpdateMode` value (string) of the lookups channel. On create
+            it is stored; on open it must match the stored one (:class:`ConfigMismatchError`).
         options: :class:`LogOptions` (durability, map size, readers).
     """
 
@@ -577,103 +323,122 @@ class DeltaLog:
         self.readonly = readonly
         # Only the lock holder's table cache is authoritative; other handles reload it.
         self.owns_tables = not readonly and writer_lock
-        self.options = options or LogOptions.from_env()
+        self.options = options or LogOptions.resolve()
         self._pid = os.getpid()
         self._closed = True
         self._lock_fd: Optional[int] = None
         self._tables: Dict[str, TableEntry] = {}
-        self._tables_by_id: Dict[int, TableEntry] = {}
         self._tables_seen_version = -1
-        if readonly or not writer_lock:
-            if not os.path.isfile(os.path.join(self.path, DATA_FILE)):
-                raise NotALogError(f"{self.path} is not a persistent_delta log (no {DATA_FILE})")
-        if not readonly and writer_lock:
-            exists = os.path.isfile(os.path.join(self.path, DATA_FILE))
-            if not exists and not create:
-                raise NotALogError(f"{self.path} is not a persistent_delta log and create=False")
+        may_create = self.owns_tables and create
+        if file_state(self.path) is not FileState.PRESENT and not may_create:
+            raise NotALogError(self._not_yet("no data"))
+        if self.owns_tables:
             try:
                 os.makedirs(self.path, exist_ok=True)
             except OSError as exc:
-                raise _translate(exc, self.path) from exc
-            self._acquire_writer_lock()
+                raise lmdbenv.translate(exc, self.path) from exc
+            self._lock_fd = lmdbenv.acquire_writer_lock(self.path)
             if self.options.tune_malloc:
                 tune_malloc()
         try:
-            with _REGISTRY_LOCK:
-                self._shared = _open_env(self.path, self.options, readonly)
+            self._shared = lmdbenv.acquire(self.path, self.options, readonly)
         except BaseException:
             self._release_writer_lock()
             raise
         self._closed = False
         try:
-            self._init_meta(update_mode)
+            with self._shared.lock:
+                if not self._shared.dbs:
+                    self._open_dbs(may_create, update_mode)
+            self._check_meta(update_mode)
             self._reload_tables()
         except BaseException:
             self.close()
             raise
 
-    # ------------------------------------------------------------------ lifecycle
-    def _acquire_writer_lock(self) -> None:
-        self._lock_fd = acquire_writer_lock(self.path)
+    # ------------------------------------------------------------------ opening
+    def _not_yet(self, why: str) -> str:
+        return (
+            f"{self.path} is not a persistent_delta log yet ({why}): start the trainer (or open a store) there "
+            "first, or check the path"
+        )
 
-    def _release_writer_lock(self) -> None:
-        if self._lock_fd is not None:
-            try:
-                os.ftruncate(self._lock_fd, 0)
-            except OSError:
-                pass
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = None
+    def _open_dbs(self, may_create: bool, update_mode: Optional[str]) -> None:
+        """Classify the file (see the module docs) and open our databases; a writer creates
+        the log in one transaction."""
+        env = self._shared.env
+        try:
+            with env.begin(write=False) as txn:
+                names = {bytes(k).decode(errors="replace") for k in txn.cursor().iternext(keys=True, values=False)}
+            if names - set(DB_NAMES):
+                raise NotALogError(
+                    f"{self.path} is an LMDB file of another application (databases {sorted(names)[:8]}), not a "
+                    "persistent_delta log; it was not changed"
+                )
+            ours = set(DB_NAMES) <= names
+            if ours:
+                self._shared.dbs = lmdbenv.open_dbs(env, DB_NAMES)
+                with env.begin(write=False) as txn:
+                    ours = txn.get(META_FORMAT_VERSION.encode(), db=self._shared.dbs[DB_META]) is not None
+            if not ours:
+                if not may_create:
+                    self._shared.dbs = {}
+                    raise NotALogError(self._not_yet("its creation has not committed"))
+                with env.begin(write=True) as txn:
+                    self._shared.dbs = lmdbenv.open_dbs(env, DB_NAMES, txn=txn, create=True)
+                    for key, value in self._initial_meta(update_mode).items():
+                        txn.put(key.encode(), codec.pack(value), db=self._shared.dbs[DB_META])
+                logger.info("created the log %s", self.path)
+        except lmdb.Error as exc:
+            self._shared.dbs = {}
+            raise lmdbenv.translate(exc, self.path) from exc
+        self._shared.db_names = DB_NAMES
 
-    def _init_meta(self, update_mode: Optional[str]) -> None:
-        def check(r: ReadTxn) -> Dict[str, Any]:
-            return r.all_meta()
+    @staticmethod
+    def _initial_meta(update_mode: Optional[str]) -> Dict[str, Any]:
+        meta: Dict[str, Any] = {
+            META_FORMAT_VERSION: codec.FORMAT_VERSION,
+            META_LOG_ID: uuid.uuid4().hex,
+            META_CREATED_TIME: time.time(),
+            META_NEXT_TABLE_ID: 0,
+            META_TABLES_VERSION: 0,
+        }
+        if update_mode is not None:
+            meta[META_UPDATE_MODE] = update_mode
+        return meta
 
-        meta = self.read(check)
-        if "format_version" not in meta:
-            if self.readonly:
-                raise NotALogError(f"{self.path} is not a persistent_delta log (no format version)")
-
-            def init(w: WriteTxn) -> None:
-                if w.meta("format_version") is not None:
-                    return
-                w.set_meta("format_version", codec.FORMAT_VERSION)
-                w.set_meta("log_id", uuid.uuid4().hex)
-                w.set_meta("created_time", time.time())
-                w.set_meta("next_table_id", 0)
-                w.set_meta("tables_version", 0)
-                if update_mode is not None:
-                    w.set_meta("update_mode", update_mode)
-
-            self.write(init)
-            meta = self.read(check)
-        version = meta.get("format_version")
+    def _check_meta(self, update_mode: Optional[str]) -> None:
+        version, stored = self.read(lambda r: (r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE)), refresh_tables=False)
         if version != codec.FORMAT_VERSION:
             raise FormatMismatchError(
                 f"{self.path} was written with log format version {version}; this persistent_delta reads "
                 f"version {codec.FORMAT_VERSION}. Use the matching persistent_delta release, or start a fresh log"
             )
-        stored = meta.get("update_mode")
-        if update_mode is not None:
-            if stored is None and not self.readonly:
-                self.write(lambda w: w.set_meta("update_mode", update_mode))
-            elif stored is not None and stored != update_mode:
-                raise ConfigMismatchError(
-                    f"{self.path} holds records with update mode {stored!r}, not {update_mode!r}: open it with "
-                    f"updateMode={stored!r}, or use another path for a fresh log"
-                )
+        if update_mode is None:
+            return
+        if stored is None and not self.readonly:
+            self.write(lambda w: w.set_meta(META_UPDATE_MODE, update_mode))
+        elif stored is not None and stored != update_mode:
+            raise ConfigMismatchError(
+                f"{self.path} holds records with update mode {stored!r}, not {update_mode!r}: open it with "
+                f"updateMode={stored!r}, or use another path for a fresh log"
+            )
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_fd is not None:
+            lmdbenv.release_writer_lock(self._lock_fd)
+            self._lock_fd = None
 
     def _reload_tables(self, txn: Optional[lmdb.Transaction] = None) -> None:
         def load(r: ReadTxn) -> None:
-            version = r.meta("tables_version", 0)
+            version = r.meta(META_TABLES_VERSION, 0)
             if version == self._tables_seen_version:
                 return
             tables: Dict[str, TableEntry] = {}
-            for k, v in r.txn.cursor(db=self._shared.dbs[b"tables"]):
+            for k, v in r.txn.cursor(db=self._shared.dbs[DB_TABLES]):
                 fqn = bytes(k).decode()
                 tables[fqn] = TableEntry.from_bytes(fqn, bytes(v))
             self._tables = tables
-            self._tables_by_id = {e.table_id: e for e in tables.values()}
             self._tables_seen_version = version
 
         if txn is not None:
@@ -687,7 +452,7 @@ class DeltaLog:
             return
         self._closed = True
         if os.getpid() == self._pid:
-            _release_env(self.path, self._shared)
+            lmdbenv.release(self.path, self._shared)
             self._release_writer_lock()
 
     @property
@@ -727,10 +492,9 @@ class DeltaLog:
                             self._reload_tables(txn)
                         return fn(ReadTxn(self, txn))
                 except lmdb.MapResizedError:
-                    # Another process grew the map: adopt its size, then retry.
-                    shared.env.set_mapsize(0)
+                    shared.env.set_mapsize(0)  # another process grew the map: adopt its size, retry
                 except lmdb.Error as exc:
-                    raise _translate(exc, self.path) from exc
+                    raise lmdbenv.translate(exc, self.path) from exc
         raise PersistentDeltaError(f"{self.path}: the map kept being resized under a reader")
 
     def write(self, fn: Callable[[WriteTxn], T]) -> T:
@@ -754,19 +518,19 @@ class DeltaLog:
                 try:
                     txn = shared.env.begin(write=True, buffers=True)
                 except lmdb.Error as exc:
-                    shared.broken = _is_io_failure(exc)
-                    raise _translate(exc, self.path) from exc
+                    shared.broken = lmdbenv.is_io_failure(exc)
+                    raise lmdbenv.translate(exc, self.path) from exc
                 if not self.owns_tables:
                     self._reload_tables(txn)
                 w = WriteTxn(self, txn)
                 try:
                     result = fn(w)
                     if w._staged:
-                        w.set_meta("tables_version", int(w.meta("tables_version", 0)) + 1)
+                        w.set_meta(META_TABLES_VERSION, int(w.meta(META_TABLES_VERSION, 0)) + 1)
                     txn.commit()
                 except lmdb.MapFullError:
                     txn.abort()
-                    self._grow()
+                    lmdbenv.grow(self.path, shared, self.options.max_map_size)
                     continue
                 except lmdb.MapResizedError:
                     txn.abort()
@@ -774,37 +538,22 @@ class DeltaLog:
                     continue
                 except lmdb.Error as exc:
                     txn.abort()
-                    shared.broken = _is_io_failure(exc)
-                    raise _translate(exc, self.path) from exc
+                    shared.broken = lmdbenv.is_io_failure(exc)
+                    raise lmdbenv.translate(exc, self.path) from exc
                 except BaseException:
                     txn.abort()
                     raise
                 if w._staged:
                     for entry in w._staged.values():
                         self._tables[entry.fqn] = entry
-                        self._tables_by_id[entry.table_id] = entry
                     self._tables_seen_version += 1
                 return result
 
     def _recover(self) -> None:
         """Reopen the environment after an I/O failure; caches reload from the log."""
-        _reopen(self.path, self._shared)
+        lmdbenv.reopen(self.path, self._shared)
         self._tables_seen_version = -1
         self._reload_tables()
-
-    def _grow(self) -> None:
-        info = self._shared.env.info()
-        cur = int(info["map_size"])
-        new = min(cur * 2, self.options.max_map_size)
-        if new <= cur:
-            raise LogFullError(
-                f"{self.path}: the map is full at {cur} bytes and max_map_size is {self.options.max_map_size}: raise max_map_size"
-            )
-        logger.info("growing the LMDB map of %s from %d to %d bytes", self.path, cur, new)
-        try:
-            self._shared.env.set_mapsize(new)
-        except lmdb.Error as exc:
-            raise _translate(exc, self.path) from exc
 
     # ------------------------------------------------------------------ helpers
     def flush(self) -> None:
@@ -816,7 +565,7 @@ class DeltaLog:
             try:
                 self._shared.env.sync(True)
             except lmdb.Error as exc:
-                raise _translate(exc, self.path) from exc
+                raise lmdbenv.translate(exc, self.path) from exc
 
     def tables(self) -> Dict[str, TableEntry]:
         """A snapshot of the table entries, by fqn."""
@@ -824,9 +573,6 @@ class DeltaLog:
         if not self.owns_tables:
             self._reload_tables()
         return dict(self._tables)
-
-    def table_by_id(self, table_id: int) -> Optional[TableEntry]:
-        return self._tables_by_id.get(table_id)
 
     def stat(self) -> Dict[str, int]:
         """File size, map size, and last transaction id."""
@@ -846,9 +592,8 @@ class DeltaLog:
             return int(self._shared.env.reader_check())
 
     def reader_pids(self) -> List[int]:
-        """Pids of the processes holding a reader slot of the environment (this one included):
-        every process with the log open that has read it. Slots of dead processes are cleared
-        first. Used by ``vacuum`` to refuse while another process has the log open."""
+        """Pids of the processes holding a reader slot of the environment (this one included).
+        Slots of dead processes are cleared first."""
         self._check()
         with self._shared.lock:
             self._shared.env.reader_check()
@@ -865,15 +610,3 @@ class DeltaLog:
         self._check()
         with self._shared.lock:
             self._shared.env.copy(dest, compact=True)
-
-
-def open_in_process(path: str) -> bool:
-    """Whether this process has the log at ``path`` open (through any :class:`DeltaLog`)."""
-    with _REGISTRY_LOCK:
-        shared = _REGISTRY.get(os.path.realpath(os.fspath(path)))
-        return shared is not None and shared.pid == os.getpid()
-
-
-def is_log(path: str) -> bool:
-    """Whether ``path`` looks like a log directory (has an LMDB data file)."""
-    return os.path.isfile(os.path.join(os.fspath(path), DATA_FILE))

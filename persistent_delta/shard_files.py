@@ -1,4 +1,8 @@
-"""Local shard checkpoints for ``replay --checkpoint``, and atomic file writes.
+"""Shard files: each rank's table shards as safetensors, for ``replay --checkpoint``.
+
+Owns: the shard-file format. (A *shard file* is not a model checkpoint: it holds embedding
+weights only, to assemble the current values of changed rows; the tracker's part of a model
+checkpoint is :mod:`persistent_delta.restore`'s.)
 
 ``save_local_shards(tracker, ckpt_dir)`` writes ``<ckpt_dir>/rank-<r>.safetensors``: every
 tracked table's local shard (``tracker.local_tables[fqn].weights()``) keyed by fqn, with the
@@ -6,8 +10,7 @@ shard placement (row/column offsets and sizes) in the file's metadata. Every ran
 the same directory. ``replay`` reads the files of all ranks to assemble the current values of
 changed rows as full rows in global row ids (an incremental snapshot).
 
-Files are written to a temp file in the same directory, fsynced, then renamed (and the directory
-fsynced), so a crash never leaves a partial file under the final name.
+Files are written atomically (:func:`persistent_delta.layout.atomic_write_bytes`).
 """
 
 from __future__ import annotations
@@ -15,47 +18,31 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, List, Protocol, Tuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from persistent_delta.consumer import PathLike, ShardInfo
 from persistent_delta.errors import InvalidInputError, NotALogError
-
-if TYPE_CHECKING:
-    from persistent_delta.tracker import PersistentDeltaTracker
+from persistent_delta.layout import PathLike, atomic_write_bytes
+from persistent_delta.schema import ShardInfo
+from persistent_delta.sharding import LocalTable
 
 CHECKPOINT_FORMAT = "persistent_delta.shards/1"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.safetensors$")
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, rename,
-    fsync of the directory."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+class ShardSource(Protocol):
+    """What :func:`save_local_shards` reads: a tracker (``PersistentDeltaTracker`` fits)."""
+
+    rank: int
+
+    @property
+    def local_tables(self) -> Dict[str, LocalTable]: ...
 
 
-def save_local_shards(tracker: "PersistentDeltaTracker", ckpt_dir: PathLike) -> str:
+def save_local_shards(tracker: ShardSource, ckpt_dir: PathLike) -> str:
     """Write this rank's shard of every tracked table to ``<ckpt_dir>/rank-<r>.safetensors``.
 
     Call it on every rank (the training thread, between steps) with the same directory.

@@ -130,7 +130,3 @@ def feature_index(emb_module: nn.Module) -> Dict[str, int]:
         for f in t.feature_names:
             out.setdefault(f, i)
     return out
-
-
-def table_names_of(emb_module: nn.Module) -> List[str]:
-    return [t.name for t in emb_module._config.embedding_tables]  # type: ignore[union-attr]

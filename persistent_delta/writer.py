@@ -16,7 +16,9 @@ steps, ``linger_bytes`` or ``linger_s`` seconds, unless someone waits for it), t
 Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
 ``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
 (disk full, ...), the failed tasks stay at the head of the queue, the writer stops, and the next
-``submit``/``barrier`` raises :class:`WriterError`; :meth:`resume` retries them.
+``submit``/``barrier`` raises :class:`WriterError`; :meth:`BackgroundWriter.resume` retries
+them (the tracker exposes no recovery yet: a tracker whose writer failed is closed and the
+trainer restarted from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.config import WriterOptions
 from persistent_delta.errors import LogClosedError, WriterError
 from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.merge import compute_unique_rows, first_or_last, unique_ids
-from persistent_delta.store import AppendRecord, encode_records, write_records
+from persistent_delta.records import AppendRecord, encode_records, write_records
+from persistent_delta.rows import compute_unique_rows, unique_ids
+from persistent_delta.window import WindowFilter
 
 logger = logging.getLogger(__name__)
 
@@ -90,133 +93,6 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
     return out
 
 
-class WindowFilter:
-    """Drops rows whose id was already recorded in the current read window.
-
-    The window starts at the largest offset of the trainer's lookup consumers (where the next
-    ``get_unique`` compacts from). For ``UpdateMode.FIRST`` and ``NONE`` a repeated id inside
-    the window can never change any consumer's answer -- every consumer reads from an offset
-    at or below the window start, and keeps each id's first occurrence -- so the writer does
-    not write it: this is ``auto_compact`` done as the batches arrive, and it cuts the bytes
-    written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence. Records
-    are filtered in log order, so repeats inside one record or across the records of one
-    commit go too: every id is written once per window (the records it keeps are marked
-    ``unique`` and need no per-batch dedup).
-
-    While an out-of-process lookups consumer is registered the filter is off, so its polls
-    are exactly-once. A position may still land inside a window filtered earlier (a consumer
-    registered later that stops with ``poll(max_batches)``, an offset reset): every filtered
-    record carries its window start, and readers start from there (``ReadTxn.read_start``), so
-    such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
-    row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
-    filtered. Linear in the ids filtered (index_select/index_fill, no sort) for tables up to
-    4M rows; bigger ones sort the ids not yet in the window.
-    """
-
-    _UNSET = torch.iinfo(torch.int64).max
-    _SLOT_ROWS = 1 << 22  # tables up to this many rows dedup with a direct-address table (8 B/row)
-
-    def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
-        self.enabled = mode in (UpdateMode.FIRST, UpdateMode.NONE)
-        self._slot = torch.empty(0, dtype=torch.int64)  # scratch for _first_new, all _UNSET
-        self._max_rows = max_rows
-        self._seen: Dict[str, torch.Tensor] = {}
-        self._start: Optional[int] = None
-        self.rows_dropped = 0
-
-    def reset(self) -> None:
-        """Forget the window (after clear(), a restore, or a deletion outside retention)."""
-        self._seen = {}
-        self._start = None
-
-    def _bitmap(self, fqn: str, need: int) -> torch.Tensor:
-        bitmap = self._seen.get(fqn)
-        if bitmap is None or bitmap.numel() < need:
-            grown = torch.zeros(max(need, 2 * (0 if bitmap is None else bitmap.numel())), dtype=torch.bool)
-            if bitmap is not None:
-                grown[: bitmap.numel()] = bitmap
-            bitmap = self._seen[fqn] = grown
-        return bitmap
-
-    def _first_new(self, ids: torch.Tensor, bitmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Positions in ``ids`` (ascending) of the first occurrence of each id not set in
-        ``bitmap``, and those ids."""
-        pos = (~bitmap.index_select(0, ids)).nonzero().squeeze(1)
-        cand = ids.index_select(0, pos)
-        if pos.numel() == 0:
-            return pos, cand
-        if bitmap.numel() > self._SLOT_ROWS:  # sparse fallback: sort the candidates
-            _, first = first_or_last(cand, UpdateMode.FIRST)
-            first = first.sort().values
-            return pos.index_select(0, first), cand.index_select(0, first)
-        if self._slot.numel() < bitmap.numel():
-            self._slot = torch.full((bitmap.numel(),), self._UNSET, dtype=torch.int64)
-        slot = self._slot  # direct-address table: first position per id, linear time
-        slot.scatter_reduce_(0, cand, pos, reduce="amin", include_self=True)
-        first = slot.index_select(0, cand) == pos
-        slot.index_fill_(0, cand, self._UNSET)  # back to unset, touching only these ids
-        if bool(first.all()):
-            return pos, cand
-        first = first.nonzero().squeeze(1)
-        return pos.index_select(0, first), cand.index_select(0, first)
-
-    def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
-        """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
-        returns the records to write and an ``undo`` to call if the transaction does not commit
-        (it restores the window exactly)."""
-        if not self.enabled:
-            return records, lambda: None
-        lookups = [v for v in w.consumers().values() if v.get("channel", "lookups") == "lookups"]
-        if any(v.get("registered_by", "trainer") != "trainer" for v in lookups):
-            self.reset()  # exactly-once for out-of-process consumers: no filtering
-            return records, lambda: None
-        start = max((int(v["offset"]) for v in lookups), default=0)
-        old_seen, old_start = self._seen, self._start
-        same_window = start == self._start
-        self._seen = dict(old_seen) if same_window else {}
-        self._start = start
-        marked: List[Tuple[str, torch.Tensor]] = []  # (fqn, ids newly set), for undo
-        out: List[AppendRecord] = []
-        dropped = 0
-        for r in records:
-            n = r.ids.numel()
-            if r.batch_idx < start or n == 0 or r.ids.device.type != "cpu":
-                out.append(r)
-                continue
-            top = int(r.ids.max()) + 1
-            if top > self._max_rows:
-                out.append(r)
-                continue
-            ids = r.ids if r.ids.dtype == torch.int64 else r.ids.long()
-            bitmap = self._bitmap(r.fqn, top)
-            keep, ids = self._first_new(ids, bitmap)
-            if keep.numel() == n:
-                r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start, unique=True)
-            else:
-                # (a record whose rows were all recorded already is still written, empty:
-                # it carries the window start that readers positioned after it need)
-                dropped += n - keep.numel()
-                states = None if r.states is None else r.states.index_select(0, keep)
-                kept = ids if r.ids.dtype == torch.int64 else ids.to(r.ids.dtype)
-                r = AppendRecord(r.batch_idx, r.fqn, kept, states, r.kind, start, unique=True)
-            if ids.numel():
-                bitmap.index_fill_(0, ids, True)
-                marked.append((r.fqn, ids))
-            out.append(r)
-        self.rows_dropped += dropped
-
-        def undo() -> None:
-            if same_window:  # bitmaps are shared with old_seen (or grown copies of them)
-                for fqn, ids in marked:
-                    bitmap = old_seen.get(fqn)
-                    if bitmap is not None:
-                        bitmap.index_fill_(0, ids[ids < bitmap.numel()], False)  # each was unset before
-            self._seen, self._start = old_seen, old_start
-            self.rows_dropped -= dropped
-
-        return out, undo
-
-
 class BackgroundWriter:
     """Commits :class:`WriteTask` s to a :class:`DeltaLog` from a daemon thread.
 
@@ -269,7 +145,7 @@ class BackgroundWriter:
         """Queue ``task``; waits while the queue is over budget (backpressure).
 
         Raises:
-            WriterError: an earlier commit failed (see ``__cause__``); call :meth:`resume`.
+            WriterError: an earlier commit failed (see ``__cause__``); :meth:`resume` retries.
         """
         task.nbytes = sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in task.records)
         with self._cv:
@@ -335,8 +211,9 @@ class BackgroundWriter:
             raise LogClosedError(f"{self._log.path}: the writer is closed")
         if self._error is not None:
             raise WriterError(
-                f"{self._log.path}: the background writer failed: {self._error}. Nothing queued was dropped; "
-                "fix the cause and call resume(), or close the tracker"
+                f"{self._log.path}: the background writer failed: {self._error}. Nothing queued was dropped yet. "
+                "Fix the cause (e.g. free disk space); a tracker cannot continue past this error: close it and "
+                "restart the trainer from its last checkpoint (used directly, BackgroundWriter.resume() retries)"
             ) from self._error
 
     def stats(self) -> Dict[str, float]:
@@ -476,4 +353,4 @@ def commit_tasks(
         raise
 
 
-__all__ = ["BackgroundWriter", "WindowFilter", "WriteTask", "commit_tasks", "dedup_records"]
+__all__ = ["BackgroundWriter", "WriteTask", "commit_tasks", "dedup_records"]

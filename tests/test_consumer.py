@@ -24,9 +24,12 @@ from persistent_delta import (
     OffsetOutOfRangeError,
     UnknownConsumerError,
 )
-from persistent_delta.consumer import ShardInfo, TableDelta, merge_table
+from persistent_delta.results import TableDelta, merge_table
+from persistent_delta.schema import ShardInfo
 from persistent_delta import codec
-from persistent_delta.log import SNAPSHOTS, DeltaLog
+from persistent_delta.log import DeltaLog
+from persistent_delta.schema import SNAPSHOTS, Delivery
+from persistent_delta import delivery
 from procs import popen_python, run_python
 
 
@@ -102,7 +105,8 @@ def test_registration_and_refusals(tmp_path):
     # registration is durable: an external consumer entry a trainer would count
     with DeltaLog(os.path.join(root, "rank-0"), readonly=True) as log:
         entry = log.read(lambda r: r.consumer("x"))
-    assert entry["offset"] == 0 and entry["registered_by"] == "external" and entry["channel"] == "lookups"
+    assert entry.offset == 0 and entry.registered_by == "external" and entry.channel == "lookups"
+    assert entry.delivery == Delivery.POLL_COMMIT
 
 
 def test_offset_out_of_range_and_reset_policies(tmp_path):
@@ -149,7 +153,7 @@ def test_snapshots_channel(tmp_path):
         def publish(stamp: int, ids: List[int], values: List[float]) -> None:
             def write(w: Any) -> None:
                 rec = codec.encode_record(torch.tensor(ids), torch.tensor(values).unsqueeze(1), codec.KIND_SNAPSHOT)
-                w.put_record(w.tables()["t"].table_id, stamp, rec, db=SNAPSHOTS)
+                w.put_record(w.tables()["t"].table_id, stamp, rec, channel=SNAPSHOTS)
                 w.set_meta("snapshot_end", stamp + 1)
             s.log.write(write)
 
@@ -168,7 +172,7 @@ def test_snapshots_channel(tmp_path):
         with DeltaConsumer(root, "replica", channel="snapshots") as c:
             assert c.poll().merged()["t"].states.flatten().tolist() == [200.0]
         entry = s.log.read(lambda r: r.consumer("replica"))
-        assert entry["channel"] == "snapshots" and entry["offset"] == 6
+        assert entry.channel == "snapshots" and entry.offset == 6
 
 
 def _part(rank: int, ids: List[int], col: int, width: int, rows: int = 10, row_offset: int = 0) -> TableDelta:
@@ -202,7 +206,7 @@ def _fast_writer_code() -> str:
     import os, sys, time, torch
     from torchrec.distributed.model_tracker.types import UpdateMode
     from persistent_delta import LmdbDeltaStore
-    from persistent_delta.store import AppendRecord
+    from persistent_delta.records import AppendRecord
     s = LmdbDeltaStore(os.path.join(sys.argv[1], "rank-0"), UpdateMode.NONE)
     print("READY", flush=True)
     for b in range(int(sys.argv[2])):
@@ -287,7 +291,7 @@ def paced_trainer(rank: int, world_size: int, root: str, go: str, steps: int) ->
     t.step()  # no more lookups of the last batch: make it complete for external readers
     t.close()
     with DeltaLog(t.path, readonly=True) as log:
-        return int(log.read(lambda r: r.log_end()))
+        return int(log.read(delivery.lookups_end))
 
 
 def _wait(path: str, timeout: float = 120.0) -> None:

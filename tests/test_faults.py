@@ -22,7 +22,7 @@ from persistent_delta import (
 )
 from persistent_delta.config import LogOptions
 from persistent_delta.log import DeltaLog
-from persistent_delta.store import AppendRecord
+from persistent_delta.records import AppendRecord
 from persistent_delta.writer import BackgroundWriter, WriteTask
 from procs import popen_python
 

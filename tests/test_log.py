@@ -89,7 +89,7 @@ def test_sigkill_mid_append_leaves_log_as_of_last_commit(log_dir):
         """
         import sys, torch
         from persistent_delta import LmdbDeltaStore
-        from persistent_delta.store import AppendRecord
+        from persistent_delta.records import AppendRecord
         s = LmdbDeltaStore(sys.argv[1], __import__("torchrec").distributed.model_tracker.types.UpdateMode.FIRST)
         b = 0
         while True:

@@ -18,9 +18,10 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from persistent_delta import DeltaConsumer, LmdbDeltaStore
 from persistent_delta.cli import main
+from persistent_delta import records
 from persistent_delta.log import DeltaLog
-from persistent_delta.replay import load_export, replay
-from persistent_delta.store import read_unique
+from persistent_delta.cli.replay import load_export, replay
+from persistent_delta.records import read_unique
 
 
 def _fill(root: str, ranks: int = 2, batches: int = 10) -> None:
@@ -171,7 +172,7 @@ def trainer_with_external_reader(rank: int, world_size: int, base: str) -> Dict[
     for name, t in trackers.items():
         train_step(dmps[name], batches[0])
         t.get_unique("a")
-        out[name]["log_start_after"] = t.log.read(lambda r: r.log_start())
+        out[name]["log_start_after"] = t.log.read(records.log_start)
         t.close()
     return out
 

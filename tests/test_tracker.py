@@ -4,6 +4,7 @@ import pytest
 
 from harness import feature_names, run_spawn
 from tracker_cases import (
+    compaction_and_settings_case,
     config_checks,
     consumers_while_training,
     differential,
@@ -117,3 +118,11 @@ def test_restore_without_redelivery_diverges(tmp_path):
     """The check above can fail: skipping load_state_dict leaves lost-timeline values behind."""
     results = run_spawn(publish_restore_case, 2, str(tmp_path / "log"), "ID_ONLY", False)
     assert any(n > 0 for r in results for n in r["mismatched"].values())
+
+
+def test_public_compact_splits_at_positions_and_settings_resolve_from_the_environment(tmp_path):
+    (r,) = run_spawn(compaction_and_settings_case, 1, str(tmp_path / "log"))
+    assert r["env_durability"], "PERSISTENT_DELTA_DURABILITY must reach a tracker as it reaches a store"
+    assert r["compacted"], "the compaction did nothing: the test would prove nothing"
+    assert r["same"], "compact() changed what a consumer or a restore reads"
+    assert r["sd_batch"] == 5

@@ -16,8 +16,9 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import LmdbDeltaStore
 from persistent_delta import codec
 from persistent_delta.cli import main
-from persistent_delta.log import RECORDS, SNAPSHOTS, DeltaLog
-from persistent_delta.verify import verify
+from persistent_delta.log import DeltaLog
+from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ConsumerEntry
+from persistent_delta.cli.verify import verify
 from procs import popen_python
 
 MARK = 12345.6789
@@ -81,14 +82,14 @@ def test_structural_damage(tmp_path):
         _fill(os.path.join(root, f"rank-{r}"))
     with DeltaLog(os.path.join(root, "rank-1"), writer_lock=False) as log:
         def damage(w: Any) -> None:
-            w.set_consumer("far", {"offset": 99, "commit_time": 1.0, "channel": "lookups"})
-            w.set_consumer("odd", {"offset": "x"})
+            w.set_consumer("far", ConsumerEntry(offset=99, commit_time=1.0))
+            w.txn.put(b"odd", codec.pack({"offset": "x"}), db=w._dbs["consumers"])  # a damaged entry
             t = w.tables()["t"].table_id
             w.put_record(77, 2, codec.encode_record(torch.tensor([1]), None))  # no such table
             w.put_record(t, 40, codec.encode_record(torch.tensor([1]), torch.zeros(1, 2, dtype=torch.float64)))
             w.put_record(t, 1, codec.encode_record(torch.tensor([1]), None, codec.KIND_SNAPSHOT))
-            w.txn.put(b"short", b"x", db=w._dbs[RECORDS.encode()])
-            w.put_record(t, 9, codec.encode_record(torch.tensor([1]), None, codec.KIND_SNAPSHOT), db=SNAPSHOTS)
+            w.txn.put(b"short", b"x", db=w._dbs["records"])
+            w.put_record(t, 9, codec.encode_record(torch.tensor([1]), None, codec.KIND_SNAPSHOT), channel=SNAPSHOTS)
             w.set_meta("tracker", {"tables": ["t", "gone"], "rank": 3, "tracking_mode": "id_only"})
         log.write(damage)
     code, data = _report(root)
@@ -96,8 +97,8 @@ def test_structural_damage(tmp_path):
     assert data["ranks"][0]["problems"] == []  # rank 0 is fine
     found = {(w, m.split(" (")[0]) for _, w, m in _problems(data)}
     want = {
-        ("consumer 'far'", "offset 99 outside [0, 1]"),  # the tracker settings make curr_batch_idx (0) the end
-        ("consumer 'odd'", "offset is not an int: 'x'"),
+        ("consumer 'far'", "offset 99 is past the lookups end 0"),  # the tracker settings: curr_batch_idx (0) is the end
+        ("consumer 'odd'", "consumer entry 'odd': offset is not a non-negative int: 'x'"),
         ("records record (table 77, batch 2, seq 0)", "unknown table id 77"),
         ("table 't'", "stores batch 40 but its last_batch_idx is 5"),
         ("records record (table 't', batch 1, seq 1)", "record kind 1 in the records DB"),
@@ -119,7 +120,7 @@ def _dump(path: str) -> Dict[str, Any]:
     with DeltaLog(path, readonly=True) as log:
         def read(r: Any) -> Dict[str, Any]:
             return {
-                "records": [(k, bytes(v)) for k, v in r.iter_raw(RECORDS)],
+                "records": [(k, bytes(v)) for k, v in r.iter_raw(LOOKUPS)],
                 "snapshots": [(k, bytes(v)) for k, v in r.iter_raw(SNAPSHOTS)],
                 "tables": {f: e.to_bytes() for f, e in r.tables().items()},
                 "consumers": r.consumers(),

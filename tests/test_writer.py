@@ -7,11 +7,14 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
+from persistent_delta import delivery
 from persistent_delta.config import WriterOptions
+from persistent_delta.schema import ConsumerEntry, Delivery
 from persistent_delta.log import DeltaLog
-from persistent_delta.merge import compute_unique_rows
-from persistent_delta.store import AppendRecord, read_unique
-from persistent_delta.writer import BackgroundWriter, WindowFilter, WriteTask, commit_tasks
+from persistent_delta.rows import compute_unique_rows
+from persistent_delta.records import AppendRecord, read_unique
+from persistent_delta.window import WindowFilter
+from persistent_delta.writer import BackgroundWriter, WriteTask, commit_tasks
 
 
 def batches(n, seed=0, rows=40, size=30):
@@ -35,9 +38,9 @@ def assert_reads_truth(log, mode, raw, start):
     assert torch.equal(got.ids, want.ids) and torch.equal(got.states, want.states)
 
 
-def log_with_consumer(path, mode, registered_by="trainer"):
+def log_with_consumer(path, mode, delivery_=Delivery.IN_TRANSACTION):
     log = DeltaLog(path, update_mode=mode.value)
-    log.write(lambda w: w.set_consumer("a", {"offset": 0, "registered_by": registered_by, "channel": "lookups"}))
+    log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(0, "lookups", delivery_)))
     return log
 
 
@@ -72,9 +75,9 @@ def test_a_position_inside_a_window_is_redelivered_never_lost(tmp_path):
     log = log_with_consumer(str(tmp_path / "log"), mode)
     write_all(log, mode, raw, WindowFilter(mode))
     for pos in range(1, 13):
-        start = log.read(lambda r: r.read_start(pos))
+        start = log.read(lambda r: delivery.read_start(r, pos))
         assert start <= pos
-        got = log.read(lambda r: read_unique(r, mode, r.read_start(pos))["t"])
+        got = log.read(lambda r: read_unique(r, mode, delivery.read_start(r, pos))["t"])
         want = truth(raw, mode, pos, 100)
         assert set(want.ids.tolist()) <= set(got.ids.tolist()), pos  # nothing missed
         assert torch.equal(truth(raw, mode, start, 100).ids, got.ids)  # exactly the window's rows
@@ -83,14 +86,14 @@ def test_a_position_inside_a_window_is_redelivered_never_lost(tmp_path):
 
 def test_no_window_filter_for_last_mode_or_external_consumers(tmp_path):
     raw = batches(6, seed=3)
-    for mode, by in ((UpdateMode.LAST, "trainer"), (UpdateMode.FIRST, "external")):
-        log = log_with_consumer(str(tmp_path / f"{mode.value}-{by}"), mode, registered_by=by)
+    for mode, by in ((UpdateMode.LAST, Delivery.IN_TRANSACTION), (UpdateMode.FIRST, Delivery.POLL_COMMIT)):
+        log = log_with_consumer(str(tmp_path / f"{mode.value}-{by.value}"), mode, delivery_=by)
         window = WindowFilter(mode)
         write_all(log, mode, raw, window)
         assert window.rows_dropped == 0
         starts = log.read(lambda r: {rec.window_start for rec in r.iter_records(r.table("t").table_id)})
         assert starts == {None}
-        assert log.read(lambda r: r.read_start(4)) == 4
+        assert log.read(lambda r: delivery.read_start(r, 4)) == 4
         log.close()
 
 
@@ -100,7 +103,7 @@ def test_window_restarts_when_the_largest_offset_moves(tmp_path):
     log = log_with_consumer(str(tmp_path / "log"), mode)
     window = WindowFilter(mode)
     write_all(log, mode, raw[:5], window)
-    log.write(lambda w: w.set_consumer("a", {"offset": 6, "registered_by": "trainer", "channel": "lookups"}))
+    log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(6, "lookups", Delivery.IN_TRANSACTION)))
     write_all(log, mode, raw[5:], window)
     # a consumer at the new offset gets every row touched from batch 6 on, with first values
     assert_reads_truth(log, mode, raw, 6)
@@ -154,7 +157,7 @@ def test_a_retried_or_failed_commit_does_not_leave_rows_in_the_window(tmp_path):
     raw = [(b, torch.randint(0, 5000, (3000,), generator=g), None) for b in range(1, 9)]
     raw = [(b, ids, torch.randn(ids.numel(), 64, generator=g)) for b, ids, _ in raw]
     log = DeltaLog(str(tmp_path / "l"), update_mode=mode.value, options=LogOptions(map_size=256 << 10))
-    log.write(lambda w: w.set_consumer("a", {"offset": 0, "registered_by": "trainer", "channel": "lookups"}))
+    log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(0, "lookups", Delivery.IN_TRANSACTION)))
     window = WindowFilter(mode)
     size0 = log.stat()["map_size"]
     write_all(log, mode, raw[:4], window)  # ~3 MB into a 256 KiB map: grows (and retries) on the way
@@ -235,7 +238,7 @@ def test_the_file_stays_near_peak_live_data_with_read_and_delete_every_10_steps(
     (LMDB): a large grouped transaction right after it would grow the file by its whole size."""
     import os
 
-    from persistent_delta.store import delete_below
+    from persistent_delta.records import delete_below
 
     log = DeltaLog(str(tmp_path / "log"), update_mode="first")
     opts = WriterOptions(linger_steps=linger_steps, linger_s=30.0, linger_bytes=1 << 30)

@@ -4,13 +4,14 @@ Checks, per rank (each log opened read-only, one read transaction):
 
 * the log opens: format version, table entries decode;
 * meta: format version, a known update mode, the tracker's table list has a table entry for
-  every fqn, its rank matches the directory, ``curr_batch_idx``/``log_start`` are sane;
+  every fqn, its rank matches the directory, batch indices are non-negative ints;
 * table entries: unique ids, ``next_table_id`` above every id;
 * every record of ``records`` and ``snapshots``: a well-formed 16-byte key, a known table id,
   the value decodes and its crc32c matches, the kind matches the DB, states have one row per id;
   per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
   ``snapshot_end``;
-* consumers: each entry decodes, its channel is known, its offset lies in ``[0, end + 1]``.
+* consumers: each entry decodes, its channel is known, its offset is not past the channel end
+  (:func:`persistent_delta.delivery.position_status`).
 
 Damage is an ``error`` (nonzero exit from the CLI); oddities that a valid log can show (records
 left below the log start, unlisted leftovers of an older table set) are ``warning``.
@@ -20,16 +21,29 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import codec
-from persistent_delta.consumer import CHANNELS, PathLike, channel_bounds, rank_paths
+from persistent_delta import codec, delivery
 from persistent_delta.errors import CorruptRecordError, PersistentDeltaError
-from persistent_delta.log import RECORDS, SNAPSHOTS, DeltaLog, ReadTxn
+from persistent_delta.layout import PathLike, rank_of_dir, rank_paths
+from persistent_delta.log import DeltaLog, ReadTxn
+from persistent_delta.schema import (
+    DB_OF_CHANNEL,
+    LOOKUPS,
+    META_CHECKPOINT_FLOOR,
+    META_CURR_BATCH,
+    META_FORMAT_VERSION,
+    META_LOG_START,
+    META_NEXT_TABLE_ID,
+    META_SNAPSHOT_END,
+    META_TRACKER,
+    META_UPDATE_MODE,
+    SNAPSHOTS,
+    ConsumerEntry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +127,8 @@ class _Checker:
         self.check_meta(meta, set(tables))
         self.check_tables(r, meta)
         by_id = {e.table_id: fqn for fqn, e in tables.items()}
-        last_lookup = self.check_db(r, RECORDS, codec.KIND_LOOKUP, by_id, int(meta.get("log_start", 0) or 0), None)
-        snap_end = int(meta.get("snapshot_end", 0) or 0)
-        self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, snap_end)
+        last_lookup = self.check_db(r, LOOKUPS, codec.KIND_LOOKUP, by_id, _int(meta.get(META_LOG_START)), None)
+        self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, _int(meta.get(META_SNAPSHOT_END)))
         for fqn, e in tables.items():
             top = last_lookup.get(e.table_id)
             if top is not None and top > e.last_batch_idx:
@@ -124,18 +137,18 @@ class _Checker:
         self.flush()
 
     def check_meta(self, meta: Dict[str, object], fqns: Set[str]) -> None:
-        if meta.get("format_version") != codec.FORMAT_VERSION:
-            self.bad("meta format_version", f"is {meta.get('format_version')!r}, expected {codec.FORMAT_VERSION}")
-        mode = meta.get("update_mode")
+        if meta.get(META_FORMAT_VERSION) != codec.FORMAT_VERSION:
+            self.bad("meta format_version", f"is {meta.get(META_FORMAT_VERSION)!r}, expected {codec.FORMAT_VERSION}")
+        mode = meta.get(META_UPDATE_MODE)
         if mode is None:
             self.bad("meta update_mode", "missing (a log written before its first append?)", "warning")
         elif mode not in {m.value for m in UpdateMode}:
             self.bad("meta update_mode", f"unknown update mode {mode!r}")
-        for key in ("log_start", "curr_batch_idx", "snapshot_end", "checkpoint_floor"):
+        for key in (META_LOG_START, META_CURR_BATCH, META_SNAPSHOT_END, META_CHECKPOINT_FLOOR):
             v = meta.get(key)
             if v is not None and (not isinstance(v, int) or v < 0):
                 self.bad(f"meta {key}", f"must be a non-negative int, got {v!r}")
-        tracker = meta.get("tracker")
+        tracker = meta.get(META_TRACKER)
         if tracker is None:
             return
         if not isinstance(tracker, dict) or not isinstance(tracker.get("tables"), list):
@@ -144,14 +157,11 @@ class _Checker:
         missing = sorted(set(tracker["tables"]) - fqns)
         if missing:
             self.bad("meta tracker", f"tracked tables without a table entry: {missing}")
-        if "curr_batch_idx" not in meta:
+        if META_CURR_BATCH not in meta:
             self.bad("meta curr_batch_idx", "missing although a tracker wrote this log")
-        m = re.match(r"^rank-(\d+)$", os.path.basename(self.rc.path))
-        if m and tracker.get("rank") is not None and int(tracker["rank"]) != int(m.group(1)):
-            self.bad("meta tracker", f"written by rank {tracker['rank']} but stored in {os.path.basename(self.rc.path)}")
-        start, end = meta.get("log_start", 0), meta.get("curr_batch_idx", 0)
-        if isinstance(start, int) and isinstance(end, int) and start > end + 1:
-            self.bad("meta log_start", f"log start {start} is past the log end {end}")
+        dir_rank = rank_of_dir(self.rc.path)
+        if dir_rank is not None and tracker.get("rank") is not None and int(tracker["rank"]) != dir_rank:
+            self.bad("meta tracker", f"written by rank {tracker['rank']} but stored in rank-{dir_rank}")
 
     def check_tables(self, r: ReadTxn, meta: Dict[str, object]) -> None:
         ids: Dict[int, str] = {}
@@ -165,17 +175,18 @@ class _Checker:
                     codec.dtype_from_name(e.states_dtype)
             except CorruptRecordError as exc:
                 self.bad(f"table {fqn!r}", str(exc))
-        nxt = meta.get("next_table_id")
+        nxt = meta.get(META_NEXT_TABLE_ID)
         if ids and (not isinstance(nxt, int) or nxt <= max(ids)):
             self.bad("meta next_table_id", f"is {nxt!r} but table id {max(ids)} exists")
 
-    def check_db(self, r: ReadTxn, db: str, kind: int, by_id: Dict[int, str], log_start: Optional[int],
+    def check_db(self, r: ReadTxn, channel: str, kind: int, by_id: Dict[int, str], log_start: Optional[int],
                  stamp_end: Optional[int]) -> Dict[int, int]:
-        """Check every record of ``db``; returns the highest batch_idx per table id."""
+        """Check every record of a channel; returns the highest batch_idx per table id."""
         top: Dict[int, int] = {}
-        for key, value in r.iter_raw(db):
+        db = DB_OF_CHANNEL[channel]
+        for key, value in r.iter_raw(channel):
             self.tick()
-            if db == RECORDS:
+            if channel == LOOKUPS:
                 self.rc.records += 1
             else:
                 self.rc.snapshots += 1
@@ -205,28 +216,22 @@ class _Checker:
         return top
 
     def check_consumers(self, r: ReadTxn) -> None:
-        try:
-            consumers = r.consumers()
-        except CorruptRecordError as exc:
-            self.bad("consumers", f"an entry does not decode: {exc}")
-            return
-        self.rc.consumers = len(consumers)
-        for name, entry in consumers.items():
+        for name, raw in r.iter_consumer_bytes():
+            self.rc.consumers += 1
             where = f"consumer {name!r}"
-            offset = entry.get("offset")
-            channel = entry.get("channel", "lookups")
-            if channel not in CHANNELS:
-                self.bad(where, f"unknown channel {channel!r}")
+            try:
+                entry = ConsumerEntry.from_bytes(name, raw)
+            except CorruptRecordError as exc:
+                self.bad(where, str(exc))
                 continue
-            if not isinstance(offset, int) or isinstance(offset, bool):
-                self.bad(where, f"offset is not an int: {offset!r}")
-                continue
-            end = channel_bounds(r, str(channel))[1]
-            if not 0 <= offset <= end + 1:
-                self.bad(where, f"offset {offset} outside [0, {end + 1}] ({channel} end {end})")
-            ct = entry.get("commit_time")
-            if ct is not None and not isinstance(ct, (int, float)):
-                self.bad(where, f"commit_time is not a number: {ct!r}")
+            start, end = delivery.bounds(r, entry.channel)
+            status = delivery.position_status(entry, start, end)
+            if status == delivery.PAST_END:
+                self.bad(where, f"offset {entry.offset} is past the {entry.channel} end {end}")
+
+
+def _int(v: object) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def verify(root: PathLike, progress: Optional[ProgressFn] = None) -> VerifyReport:

@@ -1,4 +1,8 @@
-"""Merging records into unique rows: the FIRST/LAST rule of TorchRec's ``UpdateMode``.
+"""Unique rows of some records: the FIRST/LAST rule of TorchRec's ``UpdateMode``, written once.
+
+Owns: the update-mode rule. Every reader (store, consumer, replay), the writer's dedup, compaction
+and restore call :func:`compute_unique_rows`; nothing else decides which state of a repeated id
+wins, or what ``UpdateMode.NONE`` returns (ids only, states ``None``).
 
 Design note
 -----------
@@ -15,7 +19,7 @@ one stable sort instead. The result is ascending by id, which is what ``get_uniq
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
@@ -143,9 +147,3 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Te
             torch.index_select(p, 0, by_pos[a:b] - offsets[i], out=grouped[a:b])
     out = torch.empty_like(grouped)
     return out.index_copy_(0, order, grouped)
-
-
-def merge_unique(parts: List[UniqueRows], mode: UpdateMode) -> UniqueRows:
-    """Merge per-range unique rows given in log order (the same FIRST/LAST rule)."""
-    states = None if mode == UpdateMode.NONE else [p.states for p in parts if p.states is not None]
-    return compute_unique_rows([p.ids for p in parts], states, mode)  # type: ignore[arg-type]

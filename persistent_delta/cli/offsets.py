@@ -1,7 +1,9 @@
 """The offsets tool's data functions: describe consumers, reset, register and delete offsets.
 
 Anchor: Kafka's ``kafka-consumer-groups`` (``--describe``, ``--reset-offsets`` with a dry run by
-default). Every function here returns data (dataclasses); :mod:`persistent_delta.cli` renders it.
+default). Every function here returns data (dataclasses); :mod:`persistent_delta.cli.main`
+renders it. Bounds, statuses and pending counts come from :mod:`persistent_delta.delivery`
+(pending rows are counted from the same read start a consumer's poll would use).
 
 ``describe`` opens each rank's log read-only and never creates anything. The changing functions
 plan per rank inside a read transaction (dry run, the default) or plan *and* apply inside one
@@ -13,15 +15,23 @@ its next ``commit``: stop it first (as Kafka requires an inactive group).
 
 from __future__ import annotations
 
-import bisect
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from persistent_delta.consumer import CHANNELS, PathLike, channel_bounds, channel_db, rank_paths
+from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
-from persistent_delta.log import SNAPSHOTS, DeltaLog, ReadTxn, WriteTxn
-from persistent_delta.tracker import LOOKUPS, check_consumer_name
+from persistent_delta.layout import PathLike, rank_paths
+from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.records import pending_stats
+from persistent_delta.schema import (
+    LOOKUPS,
+    SNAPSHOTS,
+    ConsumerEntry,
+    Delivery,
+    ShardInfo,
+    check_channel,
+    check_consumer_name,
+)
 
 
 # ------------------------------------------------------------------------------- describe
@@ -32,8 +42,11 @@ class ConsumerOffsets:
     """One consumer on one rank.
 
     ``lag`` = ``max(0, log_end - offset)`` batches; ``pending_rows`` / ``pending_bytes`` count
-    the stored records in ``[offset, log_end)`` (ids as stored, before de-duplication; value
-    bytes). ``log_start``/``log_end`` are those of the consumer's channel.
+    the stored records a poll at ``offset`` would read, ``[read_start, log_end)`` (ids as
+    stored, before de-duplication; value bytes). ``log_start``/``log_end`` are those of the
+    consumer's channel. ``status`` is :func:`persistent_delta.delivery.position_status`:
+    ``ok``, ``read the open batch`` (a trainer consumer that read the batch being recorded:
+    legal, one past the end), ``below log start``, ``past log end`` or ``expired``.
     """
 
     name: str
@@ -47,7 +60,8 @@ class ConsumerOffsets:
     pending_bytes: int
     commit_time: Optional[float]
     registered_by: str
-    status: str  # "ok", "below log start", "past log end"
+    status: str
+    delivery: str = Delivery.IN_TRANSACTION.value
 
 
 @dataclass
@@ -81,30 +95,6 @@ class RankOffsets:
     tables: Optional[List[TableStats]] = None
 
 
-class _Pending:
-    """Prefix sums of (records, rows, bytes) over the records of one DB, by batch_idx."""
-
-    def __init__(self, r: ReadTxn, db: str) -> None:
-        items: List[Tuple[int, int, int]] = []
-        for entry in r.tables().values():
-            for rec in r.iter_records(entry.table_id, 0, None, verify=False, db=db):
-                items.append((rec.batch_idx, int(rec.ids.numel()), rec.nbytes))
-        items.sort()
-        self.batches = [b for b, _, _ in items]
-        self.rows = [0]
-        self.bytes = [0]
-        for _, n, nb in items:
-            self.rows.append(self.rows[-1] + n)
-            self.bytes.append(self.bytes[-1] + nb)
-
-    def between(self, start: int, end: int) -> Tuple[int, int, int]:
-        """(records, rows, bytes) with ``start <= batch_idx < end``."""
-        if end <= start:
-            return 0, 0, 0
-        i, j = bisect.bisect_left(self.batches, start), bisect.bisect_left(self.batches, end)
-        return j - i, self.rows[j] - self.rows[i], self.bytes[j] - self.bytes[i]
-
-
 def _table_stats(r: ReadTxn) -> List[TableStats]:
     out = []
     for fqn, e in sorted(r.tables().items()):
@@ -113,41 +103,28 @@ def _table_stats(r: ReadTxn) -> List[TableStats]:
         for rec in r.iter_records(e.table_id, 0, None, verify=False):
             first = rec.batch_idx if first is None else first
             recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
-        snaps = list(r.iter_record_keys(e.table_id, 0, None, db=SNAPSHOTS))
-        shard = e.meta.get("shard") or {}
+        snaps = list(r.iter_record_keys(e.table_id, 0, None, channel=SNAPSHOTS))
+        shard = ShardInfo.from_entry(e) or ShardInfo()
         out.append(TableStats(
             fqn=fqn, table_id=e.table_id, records=recs, rows=rows, bytes=nbytes, first_batch=first,
             last_batch_idx=e.last_batch_idx, snapshot_records=len(snaps), snapshot_bytes=sum(n for _, _, n in snaps),
-            sharding_type=str(shard.get("sharding_type", "")), row_offset=int(shard.get("row_offset", 0)),
-            col_offset=int(shard.get("col_offset", 0)),
+            sharding_type=shard.sharding_type, row_offset=shard.row_offset, col_offset=shard.col_offset,
         ))
     return out
 
 
 def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffsets:
-    out = RankOffsets(rank=rank, path=path, log_start=r.log_start(), log_end=r.log_end(),
-                      snapshot_end=channel_bounds(r, "snapshots")[1])
-    pending: Dict[str, _Pending] = {}
+    start, end = delivery.bounds(r, LOOKUPS)
+    out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=delivery.bounds(r, SNAPSHOTS)[1])
     for name, entry in sorted(r.consumers().items()):
-        channel = str(entry.get("channel", LOOKUPS))
-        if channel not in CHANNELS:
-            channel = LOOKUPS
-        if channel not in pending:
-            pending[channel] = _Pending(r, channel_db(channel))
-        start, end = channel_bounds(r, channel)
-        offset = int(entry.get("offset", 0))
-        n, rows, nbytes = pending[channel].between(offset, end)
-        status = "ok"
-        if channel == LOOKUPS and offset < start:
-            status = "below log start"
-        elif offset > end + 1:
-            status = "past log end"
-        commit_time = entry.get("commit_time")
+        start, end = delivery.bounds(r, entry.channel)
+        begin = delivery.read_start(r, entry.offset, entry.channel)
+        n, rows, nbytes = pending_stats(r, entry.channel, begin, end)
         out.consumers.append(ConsumerOffsets(
-            name=name, channel=channel, offset=offset, log_start=start, log_end=end, lag=max(0, end - offset),
-            pending_records=n, pending_rows=rows, pending_bytes=nbytes,
-            commit_time=float(commit_time) if isinstance(commit_time, (int, float)) else None,
-            registered_by=str(entry.get("registered_by", "")), status=status,
+            name=name, channel=entry.channel, offset=entry.offset, log_start=start, log_end=end,
+            lag=max(0, end - entry.offset), pending_records=n, pending_rows=rows, pending_bytes=nbytes,
+            commit_time=entry.commit_time or None, registered_by=entry.registered_by,
+            status=delivery.position_status(entry, start, end), delivery=entry.delivery.value,
         ))
     if tables:
         out.tables = _table_stats(r)
@@ -265,17 +242,15 @@ def reset_offsets(root: PathLike, consumer: str, target: ResetTarget, execute: b
 
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
         entry = r.consumer(consumer)
-        start, end = r.log_start(), r.log_end()
         if entry is None:
+            start, end = delivery.bounds(r, LOOKUPS)
             return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
-        start, end = channel_bounds(r, str(entry.get("channel", LOOKUPS)))
-        old = int(entry.get("offset", 0))
-        new, note = target.resolve(old, start, end)
-        if new == old:
-            return OffsetChange(rank, path, consumer, "unchanged", old, new, start, end, note), None
-        updated = dict(entry)
-        updated.update(offset=new, commit_time=time.time())
-        return (OffsetChange(rank, path, consumer, "reset", old, new, start, end, note),
+        start, end = delivery.bounds(r, entry.channel)
+        new, note = target.resolve(entry.offset, start, end)
+        if new == entry.offset and not entry.expired:
+            return OffsetChange(rank, path, consumer, "unchanged", entry.offset, new, start, end, note), None
+        updated = entry.committed(new)
+        return (OffsetChange(rank, path, consumer, "reset", entry.offset, new, start, end, note),
                 lambda w: w.set_consumer(consumer, updated))
 
     changes = _run(root, plan, execute)
@@ -290,8 +265,9 @@ def register_consumer(
     channel: str = LOOKUPS,
     execute: bool = False,
 ) -> List[OffsetChange]:
-    """Register ``consumer`` on every rank where it is missing (an external consumer: it holds
-    back retention of its channel from now on).
+    """Register ``consumer`` on every rank where it is missing (a ``POLL_COMMIT`` consumer, as
+    :class:`~persistent_delta.DeltaConsumer` registers: it holds back retention of its channel
+    from now on).
 
     Args:
         target: its first offset (default: the channel start); ``shift`` counts from the start.
@@ -302,17 +278,15 @@ def register_consumer(
         One :class:`OffsetChange` per rank (``exists`` where it was registered already).
     """
     check_consumer_name(consumer)
-    if channel not in CHANNELS:
-        raise InvalidInputError(f"channel must be one of {CHANNELS}, got {channel!r}")
+    check_channel(channel)
 
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
-        start, end = channel_bounds(r, channel)
+        start, end = delivery.bounds(r, channel)
         entry = r.consumer(consumer)
         if entry is not None:
-            old = int(entry.get("offset", 0))
-            return OffsetChange(rank, path, consumer, "exists", old, old, start, end), None
+            return OffsetChange(rank, path, consumer, "exists", entry.offset, entry.offset, start, end), None
         new, note = target.resolve(start, start, end)
-        fresh = {"offset": new, "commit_time": time.time(), "registered_by": "external", "channel": channel}
+        fresh = ConsumerEntry.new(new, channel, Delivery.POLL_COMMIT)
         return (OffsetChange(rank, path, consumer, "register", None, new, start, end, note),
                 lambda w: w.set_consumer(consumer, fresh))
 
@@ -329,12 +303,12 @@ def delete_consumer(root: PathLike, consumer: str, execute: bool = False) -> Lis
 
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
         entry = r.consumer(consumer)
-        start, end = r.log_start(), r.log_end()
+        start, end = delivery.bounds(r, LOOKUPS if entry is None else entry.channel)
         if entry is None:
             return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
-        old = int(entry.get("offset", 0))
+        old = entry.offset
         note = ""
-        if entry.get("registered_by") == "trainer":
+        if entry.delivery == Delivery.IN_TRANSACTION:
             note = "declared by the trainer: its get_unique() fails until add_consumer()"
 
         def drop(w: WriteTxn) -> None:

@@ -3,18 +3,24 @@
 Design note
 -----------
 The range is either explicit (``[from_batch, to_batch)``, half-open, the same on every rank) or a
-consumer's pending range (per rank, ``[committed offset, log end)``). It is cut into windows of
-``window`` batches aligned on batch_idx (the same windows on every rank). For each window, each
-rank's log is read in one read transaction (``consumer.read_range``: unique rows per table with
-the log's update mode), the ranks are merged per table (``consumer.merge_table``: row-wise
-shards concatenated, column-wise shards assembled into full rows when they can be), and the
-window's delta of each table that has rows is written as one safetensors file:
+consumer's pending range (per rank, from where its poll would start reading to the log end:
+``[read_start(offset), log end)``, reported as such). It is cut into windows of ``window``
+batches aligned on batch_idx (the same windows on every rank). For each window, each rank's log
+is read in one read transaction (``results.read_range``: unique rows per table with the log's
+update mode), the ranks are merged per table (``results.merge_table``: row-wise shards
+concatenated, column-wise shards assembled into full rows when they can be), and the window's
+delta of each table that has rows is written as one safetensors file:
 
     <out>/window-<start:012d>-<end:012d>/<fqn>.safetensors
         ids      int64 global row ids, ascending
         states   rows aligned with ids (when the log tracks states and they assemble)
         ids.col<c>, states.col<c>   per column shard, when a column-split table's
                                     slices cannot be assembled into full rows
+
+Exactness: on a log written without an out-of-process consumer the trainer stored each row
+once per read window (:mod:`persistent_delta.delivery`), so a window starting inside such a
+read window cannot be answered exactly; replay refuses it (:class:`InexactRangeError`, naming
+the batch to start from) instead of labelling rows of earlier batches with the asked range.
 
 With a checkpoint directory (:func:`persistent_delta.shard_files.save_local_shards`), the current
 values of every changed row (union over the windows) are written as an incremental snapshot,
@@ -38,20 +44,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from persistent_delta.shard_files import atomic_write_bytes, full_rows, load_shards
-from persistent_delta.consumer import (
-    DeltaConsumer,
-    MergedDelta,
-    PathLike,
-    TableDelta,
-    log_update_mode,
-    merge_table,
-    rank_paths,
-    read_range,
-)
+from persistent_delta import delivery
+from persistent_delta.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError
-from persistent_delta.log import DeltaLog
-from persistent_delta.tracker import LOOKUPS
+from persistent_delta.layout import PathLike, atomic_write_bytes, rank_paths
+from persistent_delta.log import DeltaLog, ReadTxn
+from persistent_delta.results import MergedDelta, RankDelta, TableDelta, merge_table, read_range
+from persistent_delta.schema import LOOKUPS
+from persistent_delta.shard_files import full_rows, load_shards
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,12 @@ def _check_idx(value: object, what: str) -> int:
 def plan_ranges(
     logs: Dict[int, DeltaLog], from_batch: Optional[int], to_batch: Optional[int], consumer: Optional[str]
 ) -> Tuple[Dict[int, Tuple[int, int]], List[str]]:
-    """Per rank ``[start, end)`` to replay, and notes.
+    """Per rank ``[start, end)`` to replay (the range that will actually be read), and notes.
 
     Raises:
         InvalidInputError: neither or both of a range and a consumer, or a bad range.
         OffsetOutOfRangeError: part of the range was deleted.
+        InexactRangeError: an explicit range starts inside a filtered read window.
         UnknownConsumerError: the consumer is missing on a rank.
     """
     explicit = from_batch is not None or to_batch is not None
@@ -112,31 +113,49 @@ def plan_ranges(
     ranges: Dict[int, Tuple[int, int]] = {}
     notes: List[str] = []
     for rank, log in logs.items():
-        start, end, entry = log.read(lambda r: (r.log_start(), r.log_end(), r.consumer(consumer) if consumer else None))
         if consumer is None:
             a, b = _check_idx(from_batch, "--from-batch"), _check_idx(to_batch, "--to-batch")
             if a > b:
                 raise InvalidInputError(f"--from-batch {a} is after --to-batch {b} (the range is [from, to))")
-            if a < start:
-                raise OffsetOutOfRangeError(
-                    f"rank {rank}: batches [{a}, {start}) were deleted from {log.path} (log start {start}); "
-                    f"replay from --from-batch {start} or later"
-                )
+
+            def explicit_range(r: ReadTxn, a: int = a, b: int = b) -> Tuple[int, int]:
+                start, end = delivery.bounds(r, LOOKUPS)
+                if a < start:
+                    raise OffsetOutOfRangeError(
+                        f"rank {rank}: batches [{a}, {start}) were deleted from {log.path} (log start {start}); "
+                        f"replay from --from-batch {start} or later"
+                    )
+                if a < b:
+                    delivery.check_exact(r, a, f"a replay of [{a}, {b})")
+                return start, end
+
+            _, end = log.read(explicit_range)
             if b > end:
                 notes.append(f"rank {rank}: batches from the log end {end} on may be incomplete while the trainer runs")
             ranges[rank] = (a, b)
             continue
-        if entry is None:
-            raise UnknownConsumerError(f"consumer {consumer!r} is not registered in {log.path}")
-        if entry.get("channel", LOOKUPS) != LOOKUPS:
-            raise InvalidInputError(f"consumer {consumer!r} reads snapshots; replay exports lookups consumers only")
-        offset = int(entry["offset"])
-        if offset < start:
-            raise OffsetOutOfRangeError(
-                f"consumer {consumer!r} is at batch {offset} on rank {rank}, below the log start {start}: reset it "
-                f"(persistent-delta offsets ROOT --reset {consumer} --to-earliest --execute)"
-            )
-        ranges[rank] = (offset, max(offset, end))
+
+        def pending(r: ReadTxn) -> Tuple[int, int]:
+            entry = r.consumer(consumer)  # type: ignore[arg-type]
+            if entry is None:
+                raise UnknownConsumerError(f"consumer {consumer!r} is not registered in {log.path}")
+            if entry.channel != LOOKUPS:
+                raise InvalidInputError(f"consumer {consumer!r} reads snapshots; replay exports lookups consumers only")
+            start, end = delivery.bounds(r, LOOKUPS)
+            if entry.offset < start:
+                raise OffsetOutOfRangeError(
+                    f"consumer {consumer!r} is at batch {entry.offset} on rank {rank}, below the log start {start}: "
+                    f"reset it (persistent-delta offsets ROOT --reset {consumer} --to-earliest --execute)"
+                )
+            begin = entry.offset
+            while delivery.read_start(r, begin) < begin:  # a fixed point: reading there is exact
+                begin = delivery.read_start(r, begin)
+            if begin < entry.offset:
+                notes.append(f"rank {rank}: consumer {consumer!r} is at batch {entry.offset}, inside a read window that "
+                             f"the trainer filtered from batch {begin}: replaying from {begin} (at-least-once)")
+            return begin, max(entry.offset, end)
+
+        ranges[rank] = log.read(pending)
     return ranges, notes
 
 
@@ -232,7 +251,7 @@ def replay(
         ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
         report = ReplayReport(root=root, out_dir=out, consumer=consumer, ranges=ranges, window=window,
                               windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)
-        mode = next(iter(logs.values())).read(lambda r: log_update_mode(r)).value
+        mode = next(iter(logs.values())).read(lambda r: delivery.update_mode(r)).value
         touched: Dict[str, List[torch.Tensor]] = {}
         for i, (ws, we) in enumerate(report.windows):
             parts: Dict[str, List[TableDelta]] = {}
@@ -240,7 +259,7 @@ def replay(
                 a, b = max(ws, ranges[rank][0]), min(we, ranges[rank][1])
                 if a >= b:
                     continue
-                delta = log.read(lambda r: read_range(r, rank, log.path, a, b, LOOKUPS, tables))
+                delta = log.read(lambda r: _read_window(r, rank, log.path, a, b, tables))
                 for fqn, t in delta.tables.items():
                     parts.setdefault(fqn, []).append(t)
             for fqn, ps in sorted(parts.items()):
@@ -272,6 +291,13 @@ def replay(
                 c.seek(end, rank=rank)
             report.committed = c.commit()
     return report
+
+
+def _read_window(r: ReadTxn, rank: int, path: str, a: int, b: int, tables: Optional[Sequence[str]]) -> RankDelta:
+    """One rank's part of one window, exactly ``[a, b)``: a window may not move back into an
+    earlier one (it would export rows twice, labelled with the wrong range)."""
+    delivery.check_exact(r, a, f"the window [{a}, {b}) (replay without --window, or from a read-window start)")
+    return read_range(r, rank, path, a, b, LOOKUPS, tables)
 
 
 def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool) -> ReplayFile:

@@ -19,12 +19,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
-from persistent_delta import offsets
+from persistent_delta.cli import offsets
 from persistent_delta.errors import PersistentDeltaError
-from persistent_delta.offsets import ResetTarget
-from persistent_delta.replay import replay
-from persistent_delta.vacuum import vacuum
-from persistent_delta.verify import verify
+from persistent_delta.cli.offsets import ResetTarget
+from persistent_delta.cli.replay import replay
+from persistent_delta.cli.vacuum import vacuum
+from persistent_delta.cli.verify import verify
 
 PROG = "persistent-delta"
 JSONValue = Union[None, bool, int, float, str, List["JSONValue"], Dict[str, "JSONValue"]]

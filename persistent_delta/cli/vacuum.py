@@ -21,18 +21,17 @@ file; the window is the few microseconds of a lock test and a rename.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
-import struct
 import tempfile
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
-from persistent_delta.consumer import PathLike, rank_paths
 from persistent_delta.errors import LogLockedError
-from persistent_delta.log import DATA_FILE, DeltaLog, acquire_writer_lock, open_in_process
+from persistent_delta.layout import DATA_FILE, PathLike, fsync_path, rank_paths
+from persistent_delta.lmdbenv import acquire_writer_lock, open_in_process, other_opener, release_writer_lock
+from persistent_delta.log import DeltaLog
 
 logger = logging.getLogger(__name__)
 
@@ -47,40 +46,8 @@ class VacuumResult:
     bytes_after: int
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _take_writer_lock(path: str) -> int:
     return acquire_writer_lock(path, action="vacuum it (stop the trainer or close the store first)")
-
-
-_LMDB_LOCK_FILE = "lock.mdb"
-# struct flock on Linux: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid
-# (32 bytes with padding).
-_FLOCK = struct.Struct("hhqqi4x")
-
-
-def other_opener(path: str) -> Optional[int]:
-    """The pid of another process that has the LMDB environment at ``path`` open, or None.
-
-    Must not be called while this process has it open: closing the descriptor used here
-    would drop this process's own LMDB locks on ``lock.mdb`` (POSIX lock semantics).
-    """
-    lock = os.path.join(path, _LMDB_LOCK_FILE)
-    if not os.path.exists(lock):
-        return None
-    fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-        l_type, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, probe))
-    finally:
-        os.close(fd)
-    return None if l_type == fcntl.F_UNLCK else int(pid)
 
 
 def _refuse_if_open(path: str) -> None:
@@ -109,7 +76,7 @@ def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
             with DeltaLog(path, readonly=True) as log:
                 txn_before = log.stat()["last_txnid"]
                 log.copy_compacted(tmp)
-                _fsync_path(os.path.join(tmp, DATA_FILE))
+                fsync_path(os.path.join(tmp, DATA_FILE))
                 others = [p for p in log.reader_pids() if p != os.getpid()]
                 if others:
                     raise LogLockedError(f"{path}: processes {others} opened the log during vacuum; run it again")
@@ -117,12 +84,11 @@ def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
                     raise LogLockedError(f"{path}: the log was written during vacuum; run it again")
             _refuse_if_open(path)
             os.replace(os.path.join(tmp, DATA_FILE), data)
-            _fsync_path(path)
+            fsync_path(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        os.ftruncate(lock_fd, 0)
-        os.close(lock_fd)
+        release_writer_lock(lock_fd)
     after = os.path.getsize(data)
     logger.info("vacuum %s: %d -> %d bytes", path, before, after)
     return VacuumResult(rank=rank, path=path, bytes_before=before, bytes_after=after)

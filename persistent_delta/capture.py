@@ -1,0 +1,179 @@
+"""Capture: which TorchRec modules are tracked, where the tracker hooks in, and what a lookup
+hands to the writer.
+
+Owns: table discovery (TorchRec's own fqn rules), hook registration, and the hot-path split of
+a lookup into per-table records. Everything here runs on the training thread and does no copy
+on CPU: records keep references (or start non-blocking device-to-host copies) and the
+background writer does the rest (:mod:`persistent_delta.writer`).
+
+Hooks, as TorchRec's tracker: ``post_lookup_tracker_fn`` of ``ShardedEmbeddingCollection`` /
+``ShardedEmbeddingBagCollection`` (ID_ONLY, EMBEDDING) or ``optim_state_tracker_fn`` of their
+grouped lookups (MOMENTUM_*, ROWWISE_ADAGRAD), and ``post_odist_tracker_fn`` for
+``auto_compact``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
+from torchrec.distributed.model_tracker.types import TrackingMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from persistent_delta.errors import InvalidInputError
+from persistent_delta.records import AppendRecord
+from persistent_delta.sharding import feature_index
+
+Hooked = List[Tuple[nn.Module, str]]
+
+
+class Discovery:
+    """TorchRec's table discovery (``fqns_to_skip``, DMP/DDP prefix stripping), run through its
+    own ``ModelDeltaTrackerTrec.fqn_to_feature_names`` so fqns match its tracker's exactly."""
+
+    _clean_fqn_fn = ModelDeltaTrackerTrec._clean_fqn_fn
+
+    def __init__(self, model: nn.Module, fqns_to_skip: List[str]) -> None:
+        self._model = model
+        self._fqns_to_skip = list(fqns_to_skip)
+        self._fqn_to_feature_map: Dict[str, List[str]] = {}
+        self.tracked_modules: Dict[str, nn.Module] = {}
+        self.table_to_fqn: Dict[str, str] = {}
+        ModelDeltaTrackerTrec.fqn_to_feature_names(self)  # type: ignore[arg-type]
+        self.feature_to_fqn: Dict[str, str] = {}
+        for fqn, features in self._fqn_to_feature_map.items():
+            for f in features:
+                self.feature_to_fqn.setdefault(f, fqn)
+
+    @property
+    def fqn_to_feature_map(self) -> Dict[str, List[str]]:
+        return self._fqn_to_feature_map
+
+    def module_kind(self, fqn: str) -> str:
+        """``"ebc"`` or ``"ec"``: the kind of sharded module that holds table ``fqn``."""
+        module = self.tracked_modules.get(fqn.rsplit(".", 2)[0])
+        return "ebc" if isinstance(module, ShardedEmbeddingBagCollection) else "ec"
+
+
+def check_mode(mode: TrackingMode, modules: Dict[str, nn.Module]) -> None:
+    """Refuse a tracking mode the modules cannot serve (as TorchRec does)."""
+    for module in modules.values():
+        if isinstance(module, ShardedEmbeddingBagCollection) and mode == TrackingMode.EMBEDDING:
+            raise InvalidInputError(
+                "TrackingMode.EMBEDDING is not supported for EmbeddingBagCollection: its lookup returns pooled "
+                "embeddings (as in TorchRec). Use ID_ONLY or an optimizer-state mode"
+            )
+
+
+def register_hooks(
+    modules: Dict[str, nn.Module], mode: TrackingMode, record: Callable[..., None],
+    compact: Optional[Callable[[], None]],
+) -> Hooked:
+    """Register ``record`` (and ``compact`` for ``auto_compact``) on the tracked modules;
+    returns what was hooked, for :func:`unregister_hooks`."""
+    hooked: Hooked = []
+    for module in modules.values():
+        if mode in (TrackingMode.ID_ONLY, TrackingMode.EMBEDDING):
+            module.register_post_lookup_tracker_fn(record)  # type: ignore[operator]
+            hooked.append((module, "post_lookup_tracker_fn"))
+        else:
+            for lookup in module._lookups:  # type: ignore[union-attr]
+                inner = lookup.module if isinstance(lookup, torch.nn.parallel.DistributedDataParallel) else lookup
+                if not isinstance(inner, (GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup)):
+                    continue
+                for emb in inner._emb_modules:
+                    states = emb._emb_module.split_optimizer_states()
+                    if states in ([], None) or not any(s for s in states):
+                        raise InvalidInputError(
+                            f"tracking mode {mode.name} needs an optimizer with state (EXACT_ADAGRAD, "
+                            "EXACT_ROWWISE_ADAGRAD, ...); this table group's optimizer keeps none (e.g. EXACT_SGD)"
+                        )
+                inner.register_optim_state_tracker_fn(record)
+                hooked.append((inner, "optim_state_tracker_fn"))
+        if compact is not None:
+            module.register_post_odist_tracker_fn(compact)  # type: ignore[operator]
+            hooked.append((module, "post_odist_tracker_fn"))
+    return hooked
+
+
+def unregister_hooks(hooked: Hooked, owner: object) -> None:
+    """Remove the callables of ``owner`` that :func:`register_hooks` installed."""
+    for module, attr in hooked:
+        fn = getattr(module, attr, None)
+        if fn is not None and getattr(fn, "__self__", None) is owner:
+            setattr(module, attr, None)
+
+
+class Capture:
+    """The records of the batch being recorded, captured without copies on CPU.
+
+    Training thread only.
+    """
+
+    def __init__(self, mode: TrackingMode, feature_to_fqn: Dict[str, str]) -> None:
+        self._mode = mode
+        self._feature_to_fqn = feature_to_fqn
+        self._feature_index: Dict[int, Dict[str, int]] = {}
+        self.pending: List[AppendRecord] = []
+        self.events: List[Any] = []
+
+    def take(self) -> Tuple[List[AppendRecord], List[Any]]:
+        """The records and device events captured so far (and forget them)."""
+        out = (self.pending, self.events)
+        self.pending, self.events = [], []
+        return out
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        """A detached reference on CPU; on a device, a non-blocking copy into pinned host
+        memory, waited for by the writer (the stream is not stalled)."""
+        t = t.detach()
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        if t.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events.append(ev)
+        return host
+
+    def _add(self, batch_idx: int, feature: str, ids: torch.Tensor, states: Optional[torch.Tensor]) -> None:
+        fqn = self._feature_to_fqn[feature]
+        self.pending.append(AppendRecord(batch_idx, fqn, self._keep(ids), None if states is None else self._keep(states)))
+
+    def lookup(self, batch_idx: int, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module]) -> None:
+        """Split one lookup into one record per feature (the writer merges a table's records
+        of a batch with the FIRST/LAST rule, off the training thread)."""
+        keys = kjt.keys()
+        if not keys:
+            return
+        values = kjt.values()
+        lengths = kjt.length_per_key()
+        per_key = values.split(lengths)
+        if self._mode == TrackingMode.ID_ONLY:
+            for key, ids in zip(keys, per_key):
+                self._add(batch_idx, key, ids, None)
+        elif self._mode == TrackingMode.EMBEDDING:
+            n = values.numel()
+            if n == 0:
+                return
+            if states.numel() % n != 0:
+                raise InvalidInputError(f"ids and embeddings size mismatch: {n} ids, {states.numel()} values")
+            for key, ids, emb in zip(keys, per_key, states.view(n, -1).split(lengths)):
+                self._add(batch_idx, key, ids, emb)
+        else:
+            if emb_module is None:
+                raise InvalidInputError(f"tracking mode {self._mode.name} needs the embedding module")
+            index = self._feature_index.get(id(emb_module))
+            if index is None:
+                index = self._feature_index[id(emb_module)] = feature_index(emb_module)
+            opt_states = emb_module._emb_module.split_optimizer_states()  # type: ignore[union-attr, operator]
+            for key, ids in zip(keys, per_key):
+                rows = opt_states[index[key]][0][ids]
+                if self._mode == TrackingMode.MOMENTUM_LAST:
+                    rows = rows.norm(dim=1) if rows.dim() > 1 else rows.abs()
+                self._add(batch_idx, key, ids, rows)

@@ -1,0 +1,354 @@
+"""Delivery: what a consumer position means. The one home of the rule.
+
+Owns: channel bounds, where a read at a position starts, whether a position or a range can be
+served (exactly), the retention floor and the retention bound, which compactions are safe, and
+TorchRec's consume rule. The tracker, :class:`~persistent_delta.DeltaConsumer`, replay, the
+offsets tool and verify all ask this module; none of them decides it on its own.
+
+Design note
+-----------
+**Positions.** A position is the next batch_idx to read. A read at ``p`` covers
+``[read_start(p), end)``, half-open, where ``end`` is the channel end:
+
+* lookups: one past the last *complete* batch. For a tracker's log that is its persisted batch
+  index (the batch being recorded is open), or ``closed_end`` once the tracker closed or was
+  restarted after a crash (a dead writer's open batch is complete: nothing more can come).
+  A plain store's end is one past its last append. The end is never below ``log_start``.
+* snapshots: one past the newest publish stamp.
+
+Positions in ``[start, end]`` can be served; ``end + 1`` too, on the lookups channel: the
+trainer's own consumers read *through* the open batch (TorchRec's ``get_unique`` includes the
+current batch), so while the trainer runs they sit one past the end. That is legal, not
+damage, and the tools show it as "read the open batch".
+
+**Read start.** For ``UpdateMode.FIRST``/``NONE`` the writer's window filter stores each id once
+per read window (it cannot change any answer of a reader whose position is at or below the
+window start). A position strictly inside such a window reads from the window start instead:
+``[window_start, p)`` is delivered again (at-least-once, never a lost row), and the result
+reports the range it actually read. A range whose start moves back cannot be answered exactly
+(:func:`check_exact`), which replay reports instead of mislabelling the rows.
+
+**Retention.** ``delete_on_read`` deletes a channel below its *retention floor*: the smallest
+committed position of the channel's consumers that are not expired, and for lookups also the
+checkpoint floor (a restore of the latest model checkpoint re-reads what came after it). This
+is a durable subscription (Pulsar), not a Kafka group: Kafka retention is by time and size.
+A :class:`~persistent_delta.config.RetentionBound` (off by default) expires consumers that
+fall too far behind, loudly; an expired consumer no longer holds retention back, and its next
+read below the log start raises :class:`OffsetOutOfRangeError` or applies its reset policy.
+
+**Compaction** merges records of a range into one record stamped at the range start, which
+changes what a read starting strictly inside the range returns. :func:`safe_compact` therefore
+splits a range at every committed position and at the checkpoint floor, and leaves alone
+everything at or above the lowest position of a ``POLL_COMMIT`` lookups consumer (its
+uncommitted position may be anywhere up to the end).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Tuple
+
+from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
+
+from persistent_delta import codec
+from persistent_delta.config import RetentionBound
+from persistent_delta.errors import InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
+from persistent_delta.log import ReadTxn, WriteTxn
+from persistent_delta.records import compact_range, delete_below, last_appended, log_start, read_unique
+from persistent_delta.schema import (
+    LOOKUPS,
+    META_CHECKPOINT_FLOOR,
+    META_CLOSED_END,
+    META_CURR_BATCH,
+    META_SNAPSHOT_END,
+    META_TRACKER,
+    META_UPDATE_MODE,
+    SNAPSHOTS,
+    ConsumerEntry,
+    Delivery,
+)
+
+logger = logging.getLogger(__name__)
+
+RESET_POLICIES = ("earliest", "latest")
+
+# Position statuses (the offsets tool's STATUS column).
+OK = "ok"
+OPEN_BATCH = "read the open batch"
+BELOW_START = "below log start"
+PAST_END = "past log end"
+EXPIRED = "expired"
+
+
+# ------------------------------------------------------------------------------ bounds
+
+
+def update_mode(r: ReadTxn, channel: str = LOOKUPS) -> UpdateMode:
+    """The merge rule of a channel: the log's update mode for lookups, LAST for snapshots
+    (the newest value of a row wins)."""
+    if channel == SNAPSHOTS:
+        return UpdateMode.LAST
+    value = r.meta(META_UPDATE_MODE)
+    return UpdateMode(value) if value is not None else UpdateMode.NONE
+
+
+def lookups_end(r: ReadTxn) -> int:
+    """One past the last complete lookups batch (see the module docs); never below the start."""
+    if r.meta(META_TRACKER) is not None:
+        end = max(int(r.meta(META_CURR_BATCH, 0)), int(r.meta(META_CLOSED_END, 0)))
+    else:
+        end = last_appended(r) + 1
+    return max(end, log_start(r))
+
+
+def bounds(r: ReadTxn, channel: str) -> Tuple[int, int]:
+    """``(start, end)`` of a channel, ``start <= end``: a read at a position covers up to
+    ``end`` (exclusive). Lookups: the log start and end. Snapshots: the first stored stamp
+    (``end`` when none is stored) and one past the newest stamp."""
+    if channel == LOOKUPS:
+        return log_start(r), lookups_end(r)
+    end = int(r.meta(META_SNAPSHOT_END, 0))
+    firsts = [r.first_batch_idx(e.table_id, channel=SNAPSHOTS) for e in r.tables().values()]
+    present = [f for f in firsts if f is not None]
+    return min(min(present), end) if present else end, end
+
+
+def checkpoint_floor(r: ReadTxn) -> Optional[int]:
+    """The first batch after the latest model checkpoint (records from it on are kept)."""
+    v = r.meta(META_CHECKPOINT_FLOOR)
+    return None if v is None else int(v)
+
+
+def read_start(r: ReadTxn, position: int, channel: str = LOOKUPS) -> int:
+    """Where a read at ``position`` starts so that it misses nothing (see the module docs):
+    ``position``, or the start of the filtered window it lies inside, never below the log
+    start (nothing is stored there)."""
+    if channel != LOOKUPS:
+        return position
+    best = position
+    for entry in r.tables().values():
+        found = r.first_record_at(entry.table_id, position)
+        if found is None:
+            continue
+        w = codec.record_window_start(found[1])
+        if w is not None and w < best:
+            best = w
+    return max(best, min(log_start(r), position))
+
+
+def check_exact(r: ReadTxn, start: int, what: str) -> None:
+    """Raise unless a read of ``[start, ...)`` is exact (its read start is ``start``).
+
+    Raises:
+        InexactRangeError: ``start`` lies inside a filtered window; the message says how to
+            get an exact answer.
+    """
+    begin = read_start(r, start)
+    if begin < start:
+        raise InexactRangeError(
+            f"{r.path}: {what} starting at batch {start} cannot be answered exactly: the trainer wrote each row once "
+            f"per read window (no out-of-process consumer was registered), and batch {start} lies inside a window "
+            f"that started at batch {begin}. Start at batch {begin} (the window start) instead, read with a consumer "
+            "(its range is reported), or register an out-of-process consumer before training so that every batch is "
+            "written whole"
+        )
+
+
+def position_status(entry: ConsumerEntry, start: int, end: int) -> str:
+    """How a committed position relates to its channel's ``[start, end]`` (see the module docs)."""
+    if entry.expired:
+        return EXPIRED
+    if entry.channel == LOOKUPS and entry.offset < start:
+        return BELOW_START
+    if entry.offset <= end:
+        return OK
+    if entry.offset == end + 1 and entry.channel == LOOKUPS:
+        return OPEN_BATCH
+    return PAST_END
+
+
+def serve_position(
+    position: int, start: int, end: int, channel: str, reset: Optional[str], name: str, where: str
+) -> int:
+    """The position a read at ``position`` may use: itself when it can be served, else moved
+    by the ``reset`` policy (``"earliest"``: the start, ``"latest"``: the end).
+
+    Raises:
+        OffsetOutOfRangeError: it cannot be served and ``reset`` is None.
+    """
+    below = channel == LOOKUPS and position < start
+    above = position > end + 1
+    if not (below or above):
+        return position
+    if reset is None:
+        why = (
+            f"below the log start {start}: those batches were deleted (retention, expiry, or clear while this consumer "
+            "was not registered)" if below else f"past the log end {end} (the log was started afresh?)"
+        )
+        raise OffsetOutOfRangeError(
+            f"consumer {name!r} is at batch {position}, {why}, in {where}. Pass reset='earliest' or 'latest', or run "
+            f"`persistent-delta offsets ROOT --reset {name} --to-earliest --execute`"
+        )
+    new = start if reset == "earliest" else end
+    logger.warning("consumer %r in %s: position %d out of [%d, %d]; reset to %s (%d)", name, where, position, start, end,
+                   reset, new)
+    return new
+
+
+def registration_offset(r: ReadTxn, channel: str, latest: bool) -> int:
+    """Where a new registration starts: the channel start, or its end with ``latest``."""
+    start, end = bounds(r, channel)
+    return end if latest else start
+
+
+# ------------------------------------------------------------------------------ retention
+
+
+def lookups_consumers(consumers: Dict[str, ConsumerEntry]) -> Dict[str, ConsumerEntry]:
+    return {k: v for k, v in consumers.items() if v.channel == LOOKUPS}
+
+
+def has_poll_commit_reader(consumers: Dict[str, ConsumerEntry]) -> bool:
+    """Whether a consumer that polls and commits separately reads the lookups channel: the
+    trainer then neither filters nor compacts (each batch reaches it exactly once)."""
+    return any(v.delivery == Delivery.POLL_COMMIT for v in lookups_consumers(consumers).values())
+
+
+def retention_floor(r: ReadTxn, channel: str) -> Optional[int]:
+    """Below this a channel may be deleted: the smallest committed position of its consumers
+    that are not expired, and (lookups) at most the checkpoint floor. None without consumers."""
+    offsets = [v.offset for v in r.consumers().values() if v.channel == channel and not v.expired]
+    if not offsets:
+        return None
+    floor = min(offsets)
+    if channel == LOOKUPS:
+        cp = checkpoint_floor(r)
+        if cp is not None:
+            floor = min(floor, cp)
+    return floor
+
+
+def _expire(w: WriteTxn, bound: RetentionBound) -> List[str]:
+    """Mark the lookups consumers beyond the retention bound expired; returns their names."""
+    _, end = bounds(w, LOOKUPS)
+    live = {k: v for k, v in lookups_consumers(w.consumers()).items() if not v.expired}
+    doomed: List[str] = []
+    if bound.max_batches is not None:
+        doomed += [k for k, v in live.items() if end - v.offset > bound.max_batches]
+    if bound.max_bytes is not None:
+        rest = sorted((v.offset, k) for k, v in live.items() if k not in doomed)
+        while rest:
+            lowest = rest[0][0]
+            held = sum(n for e in w.tables().values() for _, _, n in w.iter_record_keys(e.table_id, lowest, end))
+            if held <= bound.max_bytes:
+                break
+            doomed.append(rest.pop(0)[1])
+    for name in doomed:
+        entry = live[name]
+        entry.expired = True
+        w.set_consumer(name, entry)
+        logger.warning(
+            "EXPIRED consumer %r of %s: it is at batch %d, %d batches behind the log end %d, beyond the retention "
+            "bound %s; it no longer holds back retention and its next read below the log start fails (or resets)",
+            name, w.path, entry.offset, end - entry.offset, end, bound,
+        )
+    return doomed
+
+
+def apply_retention(w: WriteTxn, channel: str, bound: Optional[RetentionBound] = None) -> Tuple[int, int]:
+    """``delete_on_read``: expire consumers beyond ``bound`` (lookups), then delete the
+    channel below its retention floor. Returns (records, bytes) deleted."""
+    if channel == LOOKUPS and bound is not None and bound.enabled:
+        _expire(w, bound)
+    floor = retention_floor(w, channel)
+    if floor is None:
+        return 0, 0
+    n, nbytes = delete_below(w, floor, channel=channel)
+    if n:
+        logger.debug("retention (%s): deleted %d records (%d bytes) below batch %d in %s", channel, n, nbytes, floor,
+                     w.path)
+    return n, nbytes
+
+
+# ------------------------------------------------------------------------------ compaction
+
+
+def safe_pieces(r: ReadTxn, start: int, end: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` cut into pieces that no reader can be positioned strictly inside (see
+    the module docs). Empty when nothing in it may be merged."""
+    consumers = lookups_consumers(r.consumers())
+    polled = [v.offset for v in consumers.values() if v.delivery == Delivery.POLL_COMMIT]
+    if polled:
+        end = min(end, min(polled))  # a poller's uncommitted position may be anywhere above
+    cuts = {v.offset for v in consumers.values()}
+    cp = checkpoint_floor(r)
+    if cp is not None:
+        cuts.add(cp)
+    points = [start] + sorted(c for c in cuts if start < c < end) + [end]
+    return [(a, b) for a, b in zip(points, points[1:]) if b > a]
+
+
+def safe_compact(w: WriteTxn, mode: UpdateMode, start: int, end: int) -> Dict[str, int]:
+    """Compact ``[start, end)`` piece by piece (:func:`safe_pieces`); returns records merged
+    per table. A range split or cut short is logged."""
+    if start >= end:
+        return {}
+    pieces = safe_pieces(w, start, end)
+    if pieces != [(start, end)]:
+        logger.info("compaction of [%d, %d) in %s limited to %s (consumer positions / checkpoint floor)",
+                    start, end, w.path, pieces)
+    merged: Dict[str, int] = {}
+    for a, b in pieces:
+        for fqn, n in compact_range(w, mode, a, b).items():
+            merged[fqn] = merged.get(fqn, 0) + n
+    return merged
+
+
+# ------------------------------------------------------------------------------ TorchRec's read
+
+
+def consume(
+    w: WriteTxn,
+    name: str,
+    end: int,
+    mode: UpdateMode,
+    *,
+    compact: bool,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> Dict[str, UniqueRows]:
+    """TorchRec's ``get_unique(consumer)`` inside one write transaction: compact
+    ``[largest position, end)`` (when ``compact``), read the consumer's rows from its position,
+    commit ``end`` as its position, apply retention (when ``delete_on_read``).
+
+    An in-transaction consumer below the log start (cleared, or expired) reads from the log
+    start: its reset policy is "earliest" (TorchRec has no out-of-range error); expiry is
+    logged.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    consumers = lookups_consumers(w.consumers())
+    entry = consumers.get(name)
+    if entry is None:
+        raise UnknownConsumerError(
+            f"consumer {name!r} is not registered in {w.path} (registered: {sorted(consumers)}); add it with "
+            "add_consumer()"
+        )
+    if compact:
+        # TorchRec compacts [largest offset, end). It never changes an answer; it only makes
+        # later reads of that range cheaper.
+        safe_compact(w, mode, max(0, max(v.offset for v in consumers.values())), end)
+    if entry.expired:
+        logger.warning("consumer %r of %s was expired by the retention bound; it reads from the log start %d",
+                       name, w.path, log_start(w))
+    rows = read_unique(w, mode, from_idx=read_start(w, entry.offset))
+    w.set_consumer(name, entry.committed(end))
+    if delete_on_read:
+        apply_retention(w, LOOKUPS, bound)
+    return rows
+
+
+def committed_offsets(r: ReadTxn, channel: str = LOOKUPS) -> Dict[str, int]:
+    """name -> committed position of a channel's consumers."""
+    return {k: v.offset for k, v in r.consumers().items() if v.channel == channel}

@@ -1,0 +1,107 @@
+"""Where things live on disk: rank directories, file names, atomic writes.
+
+Owns: the directory layout. A log root holds one log per rank, ``<root>/rank-<r>/``; a log
+directory holds LMDB's ``data.mdb`` and ``lock.mdb`` plus persistent_delta's ``writer.lock``.
+A root that is itself a log directory (a plain :class:`~persistent_delta.LmdbDeltaStore`) is
+rank 0. Files written outside LMDB go through :func:`atomic_write_bytes`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tempfile
+from typing import Dict, Union
+
+from persistent_delta.errors import NotALogError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+DATA_FILE = "data.mdb"  # LMDB's data file
+LMDB_LOCK_FILE = "lock.mdb"  # LMDB's reader table / lock file
+WRITER_LOCK_FILE = "writer.lock"  # persistent_delta's one-writer flock, holding the writer's pid
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+
+def rank_dir(root: PathLike, rank: int) -> str:
+    """The log directory of ``rank`` under ``root``."""
+    return os.path.join(os.fspath(root), f"rank-{rank}")
+
+
+def rank_of_dir(path: PathLike) -> int | None:
+    """The rank a ``rank-<r>`` directory name says, or None for another name."""
+    m = _RANK_DIR.match(os.path.basename(os.path.normpath(os.fspath(path))))
+    return int(m.group(1)) if m else None
+
+
+class FileState(enum.Enum):
+    """What a directory holds before anything is opened (see :func:`file_state`)."""
+
+    MISSING = "missing"  # no directory, or no data.mdb: not a log yet
+    EMPTY = "empty"  # a 0-byte data.mdb (a creation killed before LMDB's first write): not a log yet
+    PRESENT = "present"  # a non-empty data.mdb: a log, a foreign LMDB file, or a damaged one
+
+
+def file_state(path: PathLike) -> FileState:
+    """Classify ``path`` by its files alone. Whether a present file is ours is decided when
+    it is opened (:func:`persistent_delta.lmdbenv.probe`)."""
+    try:
+        size = os.path.getsize(os.path.join(os.fspath(path), DATA_FILE))
+    except OSError:
+        return FileState.MISSING
+    return FileState.EMPTY if size == 0 else FileState.PRESENT
+
+
+def rank_paths(root: PathLike) -> Dict[int, str]:
+    """The log directory of every rank under ``root``, by rank (ascending).
+
+    A ``root`` that is itself a log directory is rank 0.
+
+    Raises:
+        NotALogError: ``root`` holds no log.
+    """
+    root = os.fspath(root)
+    if file_state(root) is FileState.PRESENT:
+        return {0: root}
+    if not os.path.isdir(root):
+        raise NotALogError(f"{root}: no such directory; pass the log root (the directory holding rank-<r>/)")
+    found = {}
+    for name in os.listdir(root):
+        m = _RANK_DIR.match(name)
+        if m and file_state(os.path.join(root, name)) is FileState.PRESENT:
+            found[int(m.group(1))] = os.path.join(root, name)
+    if not found:
+        raise NotALogError(
+            f"{root} holds no persistent_delta log (expected {root}/rank-<r>/data.mdb); check the path, "
+            "or start the trainer first"
+        )
+    return dict(sorted(found.items()))
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, rename,
+    fsync of the directory. A crash never leaves a partial file under the final name."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_path(directory)

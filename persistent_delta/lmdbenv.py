@@ -1,0 +1,286 @@
+"""py-lmdb's process rules, in one place.
+
+Owns: how this process holds LMDB environments. Nothing here knows what is stored.
+
+* **One environment per path per process.** LMDB forbids opening one environment twice in a
+  process (closing either breaks the other's locks), so environments are shared through a
+  registry with a reference count (:func:`acquire` / :func:`release`).
+* **Fork guard.** Each shared environment records the pid that opened it; a forked child never
+  uses its parent's (the registry forgets it, and :class:`~persistent_delta.log.DeltaLog`
+  raises :class:`ForkedProcessError` for a handle carried across fork).
+* **One lock per environment** serialises this process's transactions: the map can then be
+  resized (which needs no open transaction in the process) and py-lmdb objects are never used
+  from two threads at once.
+* **One writer process per log**: :func:`acquire_writer_lock` takes an exclusive ``flock`` on
+  ``writer.lock`` (released by the kernel when the process dies, SIGKILL included) and writes
+  the holder's pid into it; :func:`other_opener` probes LMDB's own ``lock.mdb`` for any other
+  process that has the environment open.
+* **Errors** are mapped from py-lmdb's exception classes and error codes (``exc.code``, an
+  errno or an ``MDB_*`` code), never from message text (:func:`translate`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import lmdb
+
+from persistent_delta.config import Durability, LogOptions
+from persistent_delta.errors import (
+    CorruptRecordError,
+    LogFullError,
+    LogLockedError,
+    NotALogError,
+    PersistentDeltaError,
+    ReadOnlyLogError,
+)
+from persistent_delta.layout import LMDB_LOCK_FILE, WRITER_LOCK_FILE
+
+logger = logging.getLogger(__name__)
+
+_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
+_READONLY_CODES = (errno.EACCES, errno.EROFS, errno.EPERM)
+_IO_CODES = _FULL_CODES + (errno.EIO,)
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
+
+
+def _code(exc: BaseException) -> Optional[int]:
+    if isinstance(exc, lmdb.Error):
+        return getattr(exc, "code", None)
+    return getattr(exc, "errno", None)
+
+
+def translate(exc: BaseException, path: str) -> PersistentDeltaError:
+    """The error a caller can act on for a py-lmdb or OS error ``exc`` raised on ``path``."""
+    code = _code(exc)
+    if isinstance(exc, lmdb.MapFullError):
+        return LogFullError(f"{path}: the LMDB map is full and may not grow further: raise max_map_size")
+    if isinstance(exc, lmdb.DiskError) or code in _FULL_CODES:
+        return LogFullError(f"{path}: no space left on the device; free disk space and retry (nothing committed was lost)")
+    if isinstance(exc, lmdb.ReadonlyError) or code in _READONLY_CODES:
+        return ReadOnlyLogError(f"{path}: not writable ({exc}); open it read-only or fix the permissions")
+    if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError)):
+        return NotALogError(f"{path}: not an LMDB environment of this version ({exc})")
+    if isinstance(exc, _DAMAGE):
+        return CorruptRecordError(f"{path}: the LMDB file is damaged ({exc}); run `persistent-delta verify`")
+    return PersistentDeltaError(f"{path}: LMDB error: {exc}")
+
+
+def is_io_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` may have left the environment unusable (LMDB flags it fatal after an
+    I/O error during commit): it is then closed and reopened before the next use."""
+    return isinstance(exc, (lmdb.DiskError, lmdb.PanicError)) or _code(exc) in _IO_CODES
+
+
+# ------------------------------------------------------------------------ writer lock
+
+
+def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
+    """Take the log's exclusive writer lock and write our pid into it; returns the descriptor
+    (close it, or :func:`release_writer_lock`, to release).
+
+    Raises:
+        LogLockedError: another process (or another handle of this one) holds it; the message
+            names the holder's pid.
+    """
+    try:
+        fd = os.open(os.path.join(path, WRITER_LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        try:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        except OSError:
+            pass
+        os.close(fd)
+        who = f"pid {holder}" if holder else "an unknown process"
+        if holder == str(os.getpid()):
+            who += " (this process: close the other handle first)"
+        raise LogLockedError(
+            f"{path}: another writer holds the writer lock: {who}, so this process cannot {action}. One writer "
+            "process per log; open it read-only (DeltaConsumer, the tools) to read while it is written"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def release_writer_lock(fd: int) -> None:
+    """Clear the holder's pid and release the lock (closing the descriptor drops the flock)."""
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+# struct flock on Linux: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def other_opener(path: str) -> Optional[int]:
+    """The pid of another process that has the LMDB environment at ``path`` open, or None.
+
+    Must not be called while this process has it open: closing the descriptor used here would
+    drop this process's own LMDB locks on ``lock.mdb`` (POSIX lock semantics).
+    """
+    lock = os.path.join(path, LMDB_LOCK_FILE)
+    if not os.path.exists(lock):
+        return None
+    fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        l_type, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    finally:
+        os.close(fd)
+    return None if l_type == fcntl.F_UNLCK else int(pid)
+
+
+# ------------------------------------------------------------------------ shared environments
+
+
+@dataclass
+class SharedEnv:
+    """One open environment of this process and the named databases opened in it."""
+
+    env: lmdb.Environment
+    dbs: Dict[str, Any]  # name -> py-lmdb database handle
+    pid: int
+    readonly: bool
+    refs: int
+    lock: threading.RLock
+    opts: LogOptions
+    db_names: Tuple[str, ...]
+    # Set after an I/O failure: the environment is reopened (at its last commit) before next use.
+    broken: bool = False
+
+
+_REGISTRY: Dict[str, SharedEnv] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _flags(opts: LogOptions) -> Dict[str, Any]:
+    d = opts.durability
+    return {"sync": d in (Durability.SYNC, Durability.NO_METASYNC), "metasync": d == Durability.SYNC}
+
+
+def _open(path: str, opts: LogOptions, readonly: bool) -> lmdb.Environment:
+    lock_ok = True
+    if readonly:
+        # A reader of a directory it may not write uses no lock file (LMDB would create one).
+        lock_file = os.path.join(path, LMDB_LOCK_FILE)
+        lock_ok = os.access(path, os.W_OK) or (os.path.exists(lock_file) and os.access(lock_file, os.W_OK))
+    try:
+        return lmdb.open(
+            path,
+            map_size=opts.map_size,
+            max_dbs=8,
+            max_readers=opts.max_readers,
+            readonly=readonly,
+            lock=lock_ok,
+            readahead=opts.readahead,
+            subdir=True,
+            create=not readonly,
+            meminit=False,
+            **_flags(opts),
+        )
+    except lmdb.Error as exc:
+        raise translate(exc, path) from exc
+
+
+def open_dbs(env: lmdb.Environment, names: Sequence[str], txn: Optional[lmdb.Transaction] = None,
+             create: bool = False) -> Dict[str, Any]:
+    """Open the named databases (inside ``txn`` when given: creation then commits with it).
+
+    Raises:
+        lmdb.NotFoundError: one is missing and ``create`` is False.
+    """
+    return {name: env.open_db(name.encode(), txn=txn, create=create) for name in names}
+
+
+def acquire(path: str, opts: LogOptions, readonly: bool) -> SharedEnv:
+    """This process's environment at ``path``: shared if open already, else opened. The named
+    databases are opened by the caller (:func:`open_dbs`) into ``SharedEnv.dbs``.
+
+    Raises:
+        ReadOnlyLogError: it is open read-only here and a writable handle was asked for.
+    """
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(path)
+        if shared is not None and shared.pid != os.getpid():
+            del _REGISTRY[path]  # inherited through fork: never touch the parent's environment
+            shared = None
+        if shared is not None:
+            if shared.readonly and not readonly:
+                raise ReadOnlyLogError(
+                    f"{path} is open read-only in this process; close those handles before opening it for writing"
+                )
+            shared.refs += 1
+            return shared
+        env = _open(path, opts, readonly)
+        shared = SharedEnv(env=env, dbs={}, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock(),
+                           opts=opts, db_names=())
+        _REGISTRY[path] = shared
+        return shared
+
+
+def release(path: str, shared: SharedEnv) -> None:
+    """Drop one reference; the last one closes the environment (in the opening process)."""
+    with _REGISTRY_LOCK:
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        if _REGISTRY.get(path) is shared:
+            del _REGISTRY[path]
+    if shared.pid == os.getpid():
+        with shared.lock:
+            shared.env.close()
+
+
+def reopen(path: str, shared: SharedEnv) -> None:
+    """Close and reopen a broken environment in place (caller holds ``shared.lock``)."""
+    try:
+        shared.env.close()
+    except lmdb.Error:
+        pass
+    shared.env = _open(path, shared.opts, shared.readonly)
+    try:
+        shared.dbs = open_dbs(shared.env, shared.db_names)
+    except lmdb.Error as exc:
+        raise translate(exc, path) from exc
+    shared.broken = False
+    logger.warning("reopened the LMDB environment of %s after an I/O failure", path)
+
+
+def grow(path: str, shared: SharedEnv, max_map_size: int) -> None:
+    """Double the map (up to ``max_map_size``). Caller holds ``shared.lock``, no open txn.
+
+    Raises:
+        LogFullError: the map is at ``max_map_size`` already.
+    """
+    cur = int(shared.env.info()["map_size"])
+    new = min(cur * 2, max_map_size)
+    if new <= cur:
+        raise LogFullError(f"{path}: the map is full at {cur} bytes and max_map_size is {max_map_size}: raise max_map_size")
+    logger.info("growing the LMDB map of %s from %d to %d bytes", path, cur, new)
+    try:
+        shared.env.set_mapsize(new)
+    except lmdb.Error as exc:
+        raise translate(exc, path) from exc
+
+
+def open_in_process(path: str) -> bool:
+    """Whether this process has the environment at ``path`` open."""
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(os.path.realpath(os.fspath(path)))
+        return shared is not None and shared.pid == os.getpid()

@@ -1,0 +1,247 @@
+"""Record operations inside one transaction: validate, encode, append, read unique, compact,
+delete.
+
+Owns: what each record operation does to the stored records (and the ``log_start`` mark that
+deletion leaves). The FIRST/LAST rule itself is :mod:`persistent_delta.rows`'; which range an
+operation may cover safely is :mod:`persistent_delta.delivery`'s. Every function takes the
+transaction it runs in, so callers compose several operations into one commit.
+
+Compaction design note: per table, two or more records in ``[start_idx, end_idx)`` become one
+record stamped ``start_idx`` holding the unique rows by the update mode's rule. Reads that
+start at or before ``start_idx`` and end at or after ``end_idx`` get the same answer; a read
+that starts strictly inside the range would not, which is why callers go through
+:func:`persistent_delta.delivery.safe_compact`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, UpdateMode
+
+from persistent_delta import codec
+from persistent_delta.errors import InvalidInputError
+from persistent_delta.log import ReadTxn, WriteTxn
+from persistent_delta.rows import compute_unique_rows
+from persistent_delta.schema import LOOKUPS, META_LOG_START, TableEntry, check_batch_idx, check_fqn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AppendRecord:
+    """One record to append: ``ids`` (1-D integer) and optional ``states`` of ``len(ids)`` rows."""
+
+    batch_idx: int
+    fqn: str
+    ids: torch.Tensor
+    states: Optional[torch.Tensor] = None
+    kind: int = codec.KIND_LOOKUP
+    window_start: Optional[int] = None  # set by the writer's window filter (see codec)
+    unique: bool = False  # no id twice (set by the window filter; lets the writer skip its dedup)
+
+
+def validate_record(rec: AppendRecord, mode: UpdateMode) -> None:
+    """Raise :class:`InvalidInputError` unless ``rec`` can be stored under ``mode``."""
+    check_batch_idx(rec.batch_idx)
+    check_fqn(rec.fqn)
+    ids = rec.ids
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidInputError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in codec.INTEGER_ID_DTYPES:
+        raise InvalidInputError(f"ids of {rec.fqn!r} must have an integer dtype, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise InvalidInputError(f"ids of {rec.fqn!r} must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.numel() and ids.dtype.is_signed and bool((ids < 0).any()):
+        raise InvalidInputError(f"ids of {rec.fqn!r} must be non-negative row ids")
+    states = rec.states
+    if states is None:
+        if mode != UpdateMode.NONE:
+            raise InvalidInputError(f"update mode {mode.name} needs states for every record of {rec.fqn!r}")
+        return
+    if not isinstance(states, torch.Tensor):
+        raise InvalidInputError(f"states must be a torch.Tensor or None, got {type(states).__name__}")
+    if states.dim() == 0 or states.shape[0] != ids.numel():
+        raise InvalidInputError(
+            f"states of {rec.fqn!r} must have one row per id: {ids.numel()} ids, states shape {tuple(states.shape)}"
+        )
+    codec.dtype_name(states.dtype)
+
+
+def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tuple[AppendRecord, bytes]]:
+    """Validate and encode ``records`` (done outside the write transaction)."""
+    out = []
+    for rec in records:
+        validate_record(rec, mode)
+        out.append((rec, codec.encode_record(rec.ids, rec.states, rec.kind, rec.window_start)))
+    return out
+
+
+def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytes]], channel: str = LOOKUPS) -> int:
+    """Append encoded records inside a write transaction; returns bytes written.
+
+    Refuses (before writing anything) a lookups batch_idx lower than its table's last one.
+    """
+    entries: Dict[str, TableEntry] = {}
+    for rec, _ in encoded:
+        entry = entries.get(rec.fqn) or w.ensure_table(rec.fqn)
+        if channel == LOOKUPS:
+            if rec.batch_idx < entry.last_batch_idx:
+                raise InvalidInputError(
+                    f"batch_idx {rec.batch_idx} for {rec.fqn!r} is lower than its last appended batch_idx "
+                    f"{entry.last_batch_idx}: the log is append-only"
+                )
+            if rec.batch_idx > entry.last_batch_idx or not entry.listed or entry.states_dtype is None:
+                entry = _touched(entry, rec)
+        entries[rec.fqn] = entry
+    nbytes = 0
+    for rec, value in encoded:
+        w.put_record(entries[rec.fqn].table_id, rec.batch_idx, value, channel=channel)
+        nbytes += len(value)
+    for fqn, entry in entries.items():
+        before = w.table(fqn)
+        if before is None or before.to_bytes() != entry.to_bytes():
+            w.stage_table(entry)
+    return nbytes
+
+
+def _touched(entry: TableEntry, rec: AppendRecord) -> TableEntry:
+    e = entry.copy()
+    e.last_batch_idx = max(e.last_batch_idx, rec.batch_idx)
+    e.listed = True
+    e.ids_dtype = codec.dtype_name(rec.ids.dtype)
+    if rec.states is not None:
+        e.states_dtype = codec.dtype_name(rec.states.dtype)
+        e.states_tail = [int(d) for d in rec.states.shape[1:]]
+    return e
+
+
+def empty_rows(entry: TableEntry, mode: UpdateMode) -> UniqueRows:
+    """What a table with nothing in range returns: empty ids, and states of shape
+    ``(0, *row_shape)`` unless the mode keeps ids only."""
+    return UniqueRows(ids=entry.empty_ids(), states=None if mode == UpdateMode.NONE else entry.empty_states())
+
+
+def read_unique(
+    r: ReadTxn,
+    mode: UpdateMode,
+    from_idx: int = 0,
+    end_idx: Optional[int] = None,
+    tables: Optional[Sequence[str]] = None,
+    listed_only: bool = True,
+    channel: str = LOOKUPS,
+) -> Dict[str, UniqueRows]:
+    """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
+
+    A table with no records in range gets :func:`empty_rows`. Results own their memory.
+    """
+    out: Dict[str, UniqueRows] = {}
+    for fqn, entry in r.tables().items():
+        if listed_only and not entry.listed:
+            continue
+        if tables is not None and fqn not in tables:
+            continue
+        ids: List[torch.Tensor] = []
+        states: List[torch.Tensor] = []
+        for rec in r.iter_records(entry.table_id, from_idx, end_idx, channel=channel):
+            ids.append(rec.ids)
+            if rec.states is not None:
+                states.append(rec.states)
+        if not ids:
+            out[fqn] = empty_rows(entry, mode)
+            continue
+        out[fqn] = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode)
+    return out
+
+
+def read_lookups(r: ReadTxn, start_idx: int, end_idx: Optional[int]) -> Dict[str, List[IndexedLookup]]:
+    """Per listed table, copies of its records in ``[start_idx, end_idx)`` as ``IndexedLookup``."""
+    out: Dict[str, List[IndexedLookup]] = {}
+    for fqn, entry in r.tables().items():
+        if not entry.listed:
+            continue
+        out[fqn] = [
+            IndexedLookup(
+                batch_idx=rec.batch_idx,
+                ids=rec.ids.clone(),
+                states=None if rec.states is None else rec.states.clone(),
+            )
+            for rec in r.iter_records(entry.table_id, start_idx, end_idx)
+        ]
+    return out
+
+
+def compact_range(w: WriteTxn, mode: UpdateMode, start_idx: int, end_idx: int) -> Dict[str, int]:
+    """Per table, merge two or more lookups records in ``[start_idx, end_idx)`` into one record
+    stamped ``start_idx`` (the update mode's rule). Returns records merged per table."""
+    merged: Dict[str, int] = {}
+    for fqn, entry in w.tables().items():
+        ids: List[torch.Tensor] = []
+        states: List[torch.Tensor] = []
+        windows: List[int] = []
+        for rec in w.iter_records(entry.table_id, start_idx, end_idx):
+            # Copy: the views die when their pages are deleted below.
+            ids.append(rec.ids.clone())
+            if rec.states is not None:
+                states.append(rec.states.clone())
+            if rec.window_start is not None:
+                windows.append(rec.window_start)
+        if len(ids) <= 1:
+            continue
+        rows = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode)
+        w.delete_records(entry.table_id, start_idx, end_idx)
+        # The merged record keeps the earliest window start it covers (read_start's input).
+        window = min(windows) if windows else None
+        w.put_record(entry.table_id, start_idx, codec.encode_record(rows.ids, rows.states, codec.KIND_LOOKUP, window))
+        merged[fqn] = len(ids)
+    return merged
+
+
+def log_start(r: ReadTxn) -> int:
+    """Lookups below this batch were deleted (retention, ``clear``)."""
+    return int(r.meta(META_LOG_START, 0))
+
+
+def raise_log_start(w: WriteTxn, start: int) -> None:
+    """Record that lookups below ``start`` are gone (never lowers it)."""
+    if start > log_start(w):
+        w.set_meta(META_LOG_START, start)
+
+
+def last_appended(r: ReadTxn) -> int:
+    """The highest batch_idx appended to any table (-1 for none)."""
+    return max((e.last_batch_idx for e in r.tables().values()), default=-1)
+
+
+def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) -> Tuple[int, int]:
+    """Delete records with ``batch_idx < up_to_idx`` (all when None); returns (records, bytes).
+
+    On the lookups channel it raises ``log_start`` to ``up_to_idx``; ``None`` also unlists
+    every table, as ``DeltaStoreTrec.delete()`` forgets them.
+    """
+    n = nbytes = 0
+    if channel == LOOKUPS:
+        raise_log_start(w, last_appended(w) + 1 if up_to_idx is None else up_to_idx)
+    for entry in w.tables().values():
+        rn, rb = w.delete_records(entry.table_id, 0, up_to_idx, channel=channel)
+        n, nbytes = n + rn, nbytes + rb
+        if up_to_idx is None and channel == LOOKUPS and entry.listed:
+            e = entry.copy()
+            e.listed = False
+            w.stage_table(e)
+    return n, nbytes
+
+
+def pending_stats(r: ReadTxn, channel: str, start_idx: int, end_idx: int) -> Tuple[int, int, int]:
+    """``(records, rows, bytes)`` stored in ``[start_idx, end_idx)`` over every table (rows as
+    stored, before de-duplication; value bytes)."""
+    recs = rows = nbytes = 0
+    if end_idx <= start_idx:
+        return 0, 0, 0
+    for entry in r.tables().values():
+        for rec in r.iter_records(entry.table_id, start_idx, end_idx, verify=False, channel=channel):
+            recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
+    return recs, rows, nbytes

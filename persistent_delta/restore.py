@@ -1,0 +1,133 @@
+"""Model checkpoints and restore: what the log keeps for a restore, and what a restore rewrites.
+
+Owns: the checkpoint mark and the re-delivery rule.
+
+``tracker.state_dict()`` flushes, marks the checkpoint in the log (``checkpoint_floor`` = the
+first batch after it) and returns the batch index and log identity. Retention never deletes
+records at or after the floor, and compaction never merges across it
+(:mod:`persistent_delta.delivery`). ``tracker.load_state_dict(sd)``, after restoring the model
+from that checkpoint: the batches recorded after the checkpoint (``[floor, log end)``) belong
+to a timeline that was lost, so their records are replaced by one *re-delivery* record per
+table, stamped with a fresh batch index (indices are never reused), holding the ids those
+batches touched and their states taken from the restored model. Every consumer then reads
+those rows again -- values included, through ``publish`` -- and converges to the restored
+model instead of keeping values from lost steps.
+
+With an initialised process group the restore is a collective: the ranks agree on the batch
+index to continue from (:func:`agree_batch_idx`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
+
+from persistent_delta import delivery
+from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
+from persistent_delta.log import WriteTxn
+from persistent_delta.records import AppendRecord, encode_records, log_start, write_records
+from persistent_delta.rows import compute_unique_rows
+from persistent_delta.schema import META_CHECKPOINT_FLOOR, META_CURR_BATCH, META_LOG_ID
+from persistent_delta.sharding import LocalTable
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_REQUIRED = ("log_id", "rank", "tracking_mode", "curr_batch_idx")
+
+
+def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:
+    """Mark a model checkpoint taken at ``batch_idx``: records from ``batch_idx + 1`` on are
+    kept for a restore. Returns the log id and the lookups consumers' positions."""
+    w.set_meta(META_CHECKPOINT_FLOOR, batch_idx + 1)
+    return {"log_id": w.meta(META_LOG_ID), "offsets": delivery.committed_offsets(w)}
+
+
+def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: str, path: str) -> int:
+    """Validate a tracker state dict against this log; returns its batch index.
+
+    Raises:
+        InvalidInputError: a key is missing.
+        ConfigMismatchError: it belongs to another log, rank or tracking mode.
+    """
+    for key in _REQUIRED:
+        if key not in state:
+            raise InvalidInputError(f"tracker state_dict lacks {key!r}")
+    if (state["log_id"], state["rank"], state["tracking_mode"]) != (log_id, rank, tracking_mode):
+        raise ConfigMismatchError(
+            f"{path}: this tracker state was saved for log {state['log_id']} rank {state['rank']} mode "
+            f"{state['tracking_mode']!r}, not log {log_id} rank {rank} mode {tracking_mode!r}"
+        )
+    return int(state["curr_batch_idx"])
+
+
+def agree_batch_idx(batch_idx: int) -> int:
+    """The largest ``batch_idx`` over ranks (a collective when a process group of more than
+    one rank is initialised; ``batch_idx`` itself otherwise)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([batch_idx], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed.item())
+    return batch_idx
+
+
+def current_states(mode: TrackingMode, table: LocalTable, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The state the tracker would record for ``ids`` now (the FIRST/LAST baseline)."""
+    if mode == TrackingMode.ID_ONLY:
+        return None
+    if mode == TrackingMode.EMBEDDING:
+        return table.weights()[ids.long()].clone()
+    state = table.optimizer_state()
+    if state is None:
+        raise OffsetOutOfRangeError(f"{table.fqn}: no optimizer state to rebuild tracked states from")
+    rows = state[ids.long()].clone()
+    if mode == TrackingMode.MOMENTUM_LAST:
+        rows = rows.norm(dim=1) if rows.dim() > 1 else rows.abs()
+    return rows
+
+
+def redeliver(
+    w: WriteTxn,
+    mode: TrackingMode,
+    update_mode: UpdateMode,
+    tables: Dict[str, LocalTable],
+    checkpoint_batch: int,
+    log_end_batch: int,
+) -> Dict[str, int]:
+    """Replace the records of batches ``[checkpoint_batch + 1, log_end_batch + 1)`` (the lost
+    timeline) by one re-delivery record per table stamped ``log_end_batch + 1``, and continue
+    the log there. Returns rows re-delivered per table.
+
+    Raises:
+        OffsetOutOfRangeError: records after the checkpoint were already deleted.
+    """
+    first = checkpoint_batch + 1
+    if log_start(w) > first:
+        raise OffsetOutOfRangeError(
+            f"cannot restore to batch {checkpoint_batch}: records from batch {log_start(w)} on are all that is "
+            "left (retention deleted the rest). Restore the latest checkpoint (its state_dict() marks what to keep)"
+        )
+    stamp = log_end_batch + 1
+    records: List[AppendRecord] = []
+    for fqn, entry in w.tables().items():
+        ids = [r.ids.clone() for r in w.iter_records(entry.table_id, first, stamp)]
+        w.delete_records(entry.table_id, first, stamp)
+        if not ids or fqn not in tables:
+            continue
+        touched = compute_unique_rows(ids, None, UpdateMode.NONE).ids
+        if touched.numel() == 0:
+            continue
+        records.append(AppendRecord(stamp, fqn, touched, current_states(mode, tables[fqn], touched)))
+    if records:
+        write_records(w, encode_records(records, update_mode))
+    w.set_meta(META_CURR_BATCH, stamp)
+    w.set_meta(META_CHECKPOINT_FLOOR, first)
+    logger.info(
+        "restored to batch %d: re-delivering rows of batches [%d, %d) as batch %d: %s",
+        checkpoint_batch, first, stamp, stamp, {r.fqn: int(r.ids.numel()) for r in records},
+    )
+    return {r.fqn: int(r.ids.numel()) for r in records}

@@ -1,0 +1,232 @@
+"""Read results and cross-rank assembly: what a poll, a replay window or a table row holds.
+
+Owns: the result types every reader returns (:class:`TableDelta`, :class:`RankDelta`,
+:class:`MergedDelta`, :class:`DeltaPoll`), the mapping of shard-local ids to global row ids,
+and the assembly of one table's shards over ranks (row-wise shards concatenated, column-wise
+shards put side by side). Each result carries the half-open range it actually read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torchrec.distributed.model_tracker.types import UniqueRows
+
+from persistent_delta import delivery
+from persistent_delta.errors import InvalidInputError
+from persistent_delta.log import ReadTxn
+from persistent_delta.records import read_unique
+from persistent_delta.schema import LOOKUPS, ShardInfo
+
+
+# ----------------------------------------------------------------------------- poll results
+
+
+@dataclass
+class TableDelta:
+    """One rank's delta of one table over ``[start_idx, end_idx)`` (half-open).
+
+    ``rows`` holds shard-local ids (ascending, unique) and the states per the update mode
+    (snapshots: the current row values of the shard's columns); ``global_ids`` are the same rows
+    as int64 global row ids.
+    """
+
+    fqn: str
+    rank: int
+    start_idx: int
+    end_idx: int
+    rows: UniqueRows
+    global_ids: torch.Tensor
+    shard: Optional[ShardInfo] = None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Shard-local ids (``rows.ids``)."""
+        ids: torch.Tensor = self.rows.ids
+        return ids
+
+    @property
+    def states(self) -> Optional[torch.Tensor]:
+        """States (``rows.states``), None when the log tracks ids only."""
+        states: Optional[torch.Tensor] = self.rows.states
+        return states
+
+    @property
+    def col_offset(self) -> int:
+        """First column of the full table that this shard's state columns hold."""
+        return self.shard.col_offset if self.shard is not None else 0
+
+
+@dataclass
+class RankDelta:
+    """What one poll read from one rank: ``[start_idx, end_idx)`` and the per-table deltas."""
+
+    rank: int
+    path: str
+    start_idx: int
+    end_idx: int
+    tables: Dict[str, TableDelta] = field(default_factory=dict)
+
+
+@dataclass
+class MergedDelta:
+    """One table's delta over every rank, in global row ids.
+
+    Attributes:
+        global_ids: ascending unique global row ids touched on any rank.
+        states: rows aligned with ``global_ids``; for a column-split table, the column shards
+            concatenated to full rows when every shard holds the same ids and full-width state
+            slices (embeddings, snapshots); otherwise None (see ``column_parts``).
+        column_parts: col_offset -> UniqueRows (global ids, that column slice's states).
+        column_split: whether shards hold different column ranges.
+    """
+
+    fqn: str
+    global_ids: torch.Tensor
+    states: Optional[torch.Tensor]
+    column_parts: Dict[int, UniqueRows]
+    column_split: bool
+    global_rows: Optional[int] = None
+    global_cols: Optional[int] = None
+    ranks: List[int] = field(default_factory=list)
+
+
+def _cat_rows(parts: Sequence[UniqueRows]) -> UniqueRows:
+    """Concatenate row sets of disjoint row ranges; duplicate ids (replicated tables) keep the
+    first part's row. Ascending ids."""
+    nonempty = [p for p in parts if p.ids.numel()]
+    if not nonempty:
+        return parts[0]
+    ids = torch.cat([p.ids for p in nonempty])
+    order = torch.argsort(ids, stable=True)
+    ids = ids[order]
+    keep = torch.ones(ids.numel(), dtype=torch.bool)
+    keep[1:] = ids[1:] != ids[:-1]
+    states = None
+    if all(p.states is not None for p in nonempty):
+        states = torch.cat([p.states for p in nonempty])[order][keep]  # type: ignore[misc]
+    return UniqueRows(ids=ids[keep], states=states)
+
+
+def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
+    """Merge one table's per-rank deltas into global row ids (see :class:`MergedDelta`).
+
+    Raises:
+        InvalidInputError: ``parts`` is empty.
+    """
+    if not parts:
+        raise InvalidInputError(f"{fqn}: nothing to merge")
+    groups: Dict[int, List[TableDelta]] = {}
+    for p in parts:
+        groups.setdefault(p.col_offset, []).append(p)
+    column_parts = {
+        off: _cat_rows([UniqueRows(ids=p.global_ids, states=p.states) for p in ps]) for off, ps in sorted(groups.items())
+    }
+    shard = next((p.shard for p in parts if p.shard is not None), None)
+    global_cols = shard.global_cols if shard is not None else None
+    split = len(column_parts) > 1
+    if not split:
+        only = next(iter(column_parts.values()))
+        ids, states = only.ids, only.states
+    else:
+        ids = torch.unique(torch.cat([c.ids for c in column_parts.values()]), sorted=True)
+        widths = {off: ps[0].shard.local_cols if ps[0].shard is not None else None for off, ps in groups.items()}
+        states = _assemble_columns(column_parts, widths, global_cols, ids)
+    return MergedDelta(
+        fqn=fqn,
+        global_ids=ids,
+        states=states,
+        column_parts=column_parts,
+        column_split=split,
+        global_rows=shard.global_rows if shard is not None else None,
+        global_cols=global_cols,
+        ranks=sorted(p.rank for p in parts),
+    )
+
+
+def _assemble_columns(
+    column_parts: Dict[int, UniqueRows], widths: Dict[int, Optional[int]], global_cols: Optional[int], ids: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """Full rows from column slices, or None unless the slices tile ``[0, global_cols)`` and
+    every slice holds exactly ``ids`` with 2-D states of its width."""
+    pos = 0
+    for off, part in column_parts.items():  # ascending col_offset
+        width = widths.get(off)
+        st = part.states
+        if off != pos or width is None or st is None or st.dim() != 2 or st.shape[1] != width:
+            return None
+        if not torch.equal(part.ids, ids):
+            return None
+        pos += width
+    if global_cols is None or pos != global_cols:
+        return None
+    return torch.cat([p.states for p in column_parts.values()], dim=1)  # type: ignore[misc]
+
+
+@dataclass
+class DeltaPoll:
+    """The result of :meth:`DeltaConsumer.poll`: per rank, the range read and per-table deltas."""
+
+    channel: str
+    ranks: Dict[int, RankDelta]
+
+    def tables(self) -> Dict[str, List[TableDelta]]:
+        """fqn -> that table's per-rank deltas (rank order). Row-wise shards hold disjoint
+        global ids; column-wise shards the same ids with different ``col_offset``."""
+        out: Dict[str, List[TableDelta]] = {}
+        for rank in sorted(self.ranks):
+            for fqn, delta in self.ranks[rank].tables.items():
+                out.setdefault(fqn, []).append(delta)
+        return out
+
+    def merged(self) -> Dict[str, MergedDelta]:
+        """fqn -> the table's delta merged over ranks, in global row ids."""
+        return {fqn: merge_table(fqn, parts) for fqn, parts in self.tables().items()}
+
+    def ranges(self) -> Dict[int, Tuple[int, int]]:
+        """rank -> ``(start_idx, end_idx)`` read (half-open)."""
+        return {r: (d.start_idx, d.end_idx) for r, d in self.ranks.items()}
+
+    @property
+    def num_rows(self) -> int:
+        """Rows delivered, summed over ranks and tables."""
+        return sum(int(t.ids.numel()) for d in self.ranks.values() for t in d.tables.values())
+
+    @property
+    def empty(self) -> bool:
+        """Whether no rank read any batch (the position did not move)."""
+        return all(d.end_idx <= d.start_idx for d in self.ranks.values())
+
+    def __iter__(self) -> Iterator[TableDelta]:
+        for parts in self.tables().values():
+            yield from parts
+
+
+def read_range(
+    r: ReadTxn,
+    rank: int,
+    path: str,
+    start_idx: int,
+    end_idx: int,
+    channel: str = LOOKUPS,
+    tables: Optional[Sequence[str]] = None,
+) -> RankDelta:
+    """Per-table unique rows of one rank's log for a read at ``start_idx`` up to ``end_idx``,
+    with global ids. The result reports the range actually read: it starts at
+    :func:`~persistent_delta.delivery.read_start` (the start of a filtered window the position
+    lies inside). Results own their memory (safe to keep after the transaction)."""
+    mode = delivery.update_mode(r, channel)
+    start_idx = delivery.read_start(r, start_idx, channel)
+    end_idx = max(end_idx, start_idx)
+    rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel)
+    entries = r.tables()
+    out = RankDelta(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx)
+    for fqn, u in sorted(rows.items()):
+        shard = ShardInfo.from_entry(entries[fqn])
+        gids = u.ids.to(torch.int64)
+        if shard is not None and shard.row_offset:
+            gids = gids + shard.row_offset
+        out.tables[fqn] = TableDelta(fqn, rank, start_idx, end_idx, u, gids, shard)
+    return out

@@ -1,0 +1,326 @@
+"""The on-disk vocabulary: names, stored entries and validators, typed in one place.
+
+Owns: what every stored name means and how a stored entry looks. The log
+(:mod:`persistent_delta.log`) stores these entries; the codec (:mod:`persistent_delta.codec`)
+owns the bytes of records and keys. Nothing here knows LMDB or TorchRec's modules.
+
+Channels
+--------
+A log holds two *channels*, each a sequence of records keyed by (table, batch_idx, seq):
+
+* ``lookups`` -- what batches looked up (ids, plus the tracked states). Stored in the
+  ``records`` database (the on-disk name is kept from format 1).
+* ``snapshots`` -- current row values written by ``tracker.publish()``; stored in the
+  ``snapshots`` database.
+
+A consumer reads exactly one channel. Its stored entry (:class:`ConsumerEntry`) says how it
+delivers (:class:`Delivery`), which decides what the trainer may filter and compact.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from persistent_delta import codec
+from persistent_delta.errors import CorruptRecordError, InvalidInputError
+
+# ------------------------------------------------------------------------------ channels
+
+LOOKUPS = "lookups"  # what batches looked up (get_unique, DeltaConsumer, replay)
+SNAPSHOTS = "snapshots"  # current row values written by publish()
+CHANNELS = (LOOKUPS, SNAPSHOTS)
+
+# LMDB named databases. ``records`` holds the lookups channel (its name predates channels).
+DB_OF_CHANNEL: Mapping[str, str] = {LOOKUPS: "records", SNAPSHOTS: "snapshots"}
+DB_TABLES = "tables"
+DB_CONSUMERS = "consumers"
+DB_META = "meta"
+DB_NAMES = (DB_OF_CHANNEL[LOOKUPS], DB_OF_CHANNEL[SNAPSHOTS], DB_TABLES, DB_CONSUMERS, DB_META)
+
+# ------------------------------------------------------------------------------ meta keys
+# Written when the log is created (persistent_delta's mark: a file without it is not ours).
+META_FORMAT_VERSION = "format_version"
+META_LOG_ID = "log_id"
+META_CREATED_TIME = "created_time"
+META_NEXT_TABLE_ID = "next_table_id"
+META_TABLES_VERSION = "tables_version"  # bumped by every transaction that changes a table entry
+META_UPDATE_MODE = "update_mode"  # torchrec UpdateMode value of the lookups channel
+# Written by the delivery rules.
+META_LOG_START = "log_start"  # batches below it were deleted (retention, clear)
+# Written by the tracker.
+META_TRACKER = "tracker"  # TrackerMeta
+META_CURR_BATCH = "curr_batch_idx"  # the batch being recorded (complete: every batch below)
+META_CLOSED_END = "closed_end"  # set by close(): every batch below it is complete
+META_CHECKPOINT_FLOOR = "checkpoint_floor"  # first batch after the latest model checkpoint
+META_SNAPSHOT_END = "snapshot_end"  # one past the newest snapshot stamp
+
+
+# ------------------------------------------------------------------------------ validators
+
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+MAX_FQN_BYTES = 400  # LMDB keys are limited to 511 bytes
+MAX_BATCH_IDX = (1 << 63) - 1
+
+
+def check_consumer_name(name: object) -> str:
+    """Validate a consumer name: 1-128 chars of letters, digits and ``._:@/-``.
+
+    Raises:
+        InvalidInputError: anything else.
+    """
+    if not isinstance(name, str) or not _CONSUMER_NAME.match(name):
+        raise InvalidInputError(
+            f"invalid consumer name {name!r}: use 1-128 characters of letters, digits and ._:@/- "
+            "(starting with a letter or digit)"
+        )
+    return name
+
+
+def check_fqn(fqn: object) -> str:
+    """Validate a table fqn: a non-empty string of at most ``MAX_FQN_BYTES`` UTF-8 bytes."""
+    if not isinstance(fqn, str) or not fqn or len(fqn.encode("utf-8", "surrogatepass")) > MAX_FQN_BYTES:
+        raise InvalidInputError(f"table fqn must be a non-empty string of at most {MAX_FQN_BYTES} bytes, got {fqn!r}")
+    return fqn
+
+
+def check_batch_idx(batch_idx: object, what: str = "batch_idx") -> int:
+    """Validate a batch index (a non-negative int below 2**63); returns it."""
+    if isinstance(batch_idx, bool) or not isinstance(batch_idx, int):
+        raise InvalidInputError(f"{what} must be an int, got {type(batch_idx).__name__}")
+    if batch_idx < 0 or batch_idx > MAX_BATCH_IDX:
+        raise InvalidInputError(f"{what} must be in [0, 2**63), got {batch_idx}")
+    return batch_idx
+
+
+def check_channel(channel: object) -> str:
+    """Validate a channel name (``"lookups"`` or ``"snapshots"``)."""
+    if channel not in CHANNELS:
+        raise InvalidInputError(f"channel must be one of {CHANNELS}, got {channel!r}")
+    return str(channel)
+
+
+# ------------------------------------------------------------------------------ entries
+
+
+def _as_map(value: object, what: str) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptRecordError(f"{what} is not a map")
+    return value
+
+
+@dataclass
+class TableEntry:
+    """One table of a log (an embedding table fqn on this rank)."""
+
+    fqn: str
+    table_id: int
+    last_batch_idx: int = -1  # highest batch_idx ever appended; appends below it are refused
+    listed: bool = True  # False after delete(None), until the next append (DeltaStoreTrec view)
+    ids_dtype: str = "int64"
+    states_dtype: Optional[str] = None
+    states_tail: Optional[List[int]] = None  # states shape after the first dim
+    meta: Dict[str, Any] = field(default_factory=dict)  # "shard": ShardInfo fields
+
+    def to_bytes(self) -> bytes:
+        return codec.pack(
+            {
+                "id": self.table_id,
+                "last": self.last_batch_idx,
+                "listed": self.listed,
+                "ids_dtype": self.ids_dtype,
+                "states_dtype": self.states_dtype,
+                "states_tail": self.states_tail,
+                "meta": self.meta,
+            }
+        )
+
+    @staticmethod
+    def from_bytes(fqn: str, buf: bytes) -> "TableEntry":
+        d = _as_map(codec.unpack(buf, f"table entry {fqn!r}"), f"table entry {fqn!r}")
+        try:
+            return TableEntry(
+                fqn=fqn,
+                table_id=int(d["id"]),
+                last_batch_idx=int(d["last"]),
+                listed=bool(d["listed"]),
+                ids_dtype=str(d["ids_dtype"]),
+                states_dtype=d.get("states_dtype"),
+                states_tail=d.get("states_tail"),
+                meta=dict(d.get("meta") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecordError(f"table entry {fqn!r} is malformed: {exc}") from exc
+
+    def copy(self) -> "TableEntry":
+        return TableEntry.from_bytes(self.fqn, self.to_bytes())
+
+    def empty_ids(self) -> torch.Tensor:
+        return torch.empty(0, dtype=codec.dtype_from_name(self.ids_dtype))
+
+    def empty_states(self) -> Optional[torch.Tensor]:
+        """``(0, *row_shape)`` in the stored states dtype; None when no states were stored."""
+        if self.states_dtype is None:
+            return None
+        return torch.empty([0, *(self.states_tail or [])], dtype=codec.dtype_from_name(self.states_dtype))
+
+
+class Delivery(str, enum.Enum):
+    """How a consumer reads and commits, which decides what the trainer may do around it.
+
+    * ``IN_TRANSACTION`` -- read and committed in one write transaction (the tracker's
+      ``get_unique`` / ``publish``). No uncommitted position ever exists, so the trainer may
+      drop rows already recorded since its offset (window filter) and compact behind it.
+    * ``POLL_COMMIT`` -- read in one transaction and committed in a later one
+      (:class:`~persistent_delta.DeltaConsumer`, ``replay --commit``, the offsets tool). Its
+      position between poll and commit is not in the log, so nothing may be merged across it:
+      while one reads the lookups channel, the trainer neither filters nor compacts, and each
+      batch reaches it exactly once.
+    """
+
+    IN_TRANSACTION = "in_transaction"
+    POLL_COMMIT = "poll_commit"
+
+
+# Who registered an entry: informational (the offsets tool shows it), never a switch.
+BY_TRAINER = "trainer"
+BY_EXTERNAL = "external"
+
+
+@dataclass
+class ConsumerEntry:
+    """A registered consumer of one channel of one rank's log.
+
+    Attributes:
+        offset: the next batch_idx to read (Kafka's committed offset: last read + 1).
+        channel: ``"lookups"`` or ``"snapshots"``.
+        delivery: see :class:`Delivery`.
+        commit_time: wall-clock time of the last commit (seconds since the epoch).
+        registered_by: ``"trainer"`` or ``"external"`` (shown by the tools only).
+        expired: set when the retention bound dropped the consumer behind the log start; it
+            no longer holds back retention, and its next read gets ``OffsetOutOfRangeError``
+            (or its reset policy). A commit clears it.
+    """
+
+    offset: int
+    channel: str = LOOKUPS
+    delivery: Delivery = Delivery.IN_TRANSACTION
+    commit_time: float = 0.0
+    registered_by: str = BY_TRAINER
+    expired: bool = False
+
+    @staticmethod
+    def new(offset: int, channel: str, delivery: Delivery) -> "ConsumerEntry":
+        """A fresh registration at ``offset`` (now as its commit time)."""
+        by = BY_TRAINER if delivery == Delivery.IN_TRANSACTION else BY_EXTERNAL
+        return ConsumerEntry(offset=offset, channel=channel, delivery=delivery, commit_time=time.time(), registered_by=by)
+
+    def committed(self, offset: int) -> "ConsumerEntry":
+        """This entry with ``offset`` committed now (clears ``expired``)."""
+        return ConsumerEntry(offset, self.channel, self.delivery, time.time(), self.registered_by, False)
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["delivery"] = self.delivery.value
+        return codec.pack(d)
+
+    @staticmethod
+    def from_bytes(name: str, buf: bytes) -> "ConsumerEntry":
+        what = f"consumer entry {name!r}"
+        d = _as_map(codec.unpack(buf, what), what)
+        offset = d.get("offset")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise CorruptRecordError(f"{what}: offset is not a non-negative int: {offset!r}")
+        channel = d.get("channel", LOOKUPS)
+        if channel not in CHANNELS:
+            raise CorruptRecordError(f"{what}: unknown channel {channel!r}")
+        registered_by = str(d.get("registered_by") or BY_TRAINER)
+        raw = d.get("delivery")
+        if raw is None:
+            # Entries written before the delivery field: the trainer read in-transaction,
+            # everyone else polled.
+            delivery = Delivery.IN_TRANSACTION if registered_by == BY_TRAINER else Delivery.POLL_COMMIT
+        else:
+            try:
+                delivery = Delivery(raw)
+            except ValueError:
+                raise CorruptRecordError(f"{what}: unknown delivery {raw!r}") from None
+        ct = d.get("commit_time")
+        return ConsumerEntry(
+            offset=offset,
+            channel=str(channel),
+            delivery=delivery,
+            commit_time=float(ct) if isinstance(ct, (int, float)) and not isinstance(ct, bool) else 0.0,
+            registered_by=registered_by,
+            expired=bool(d.get("expired", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a rank's shard of a table sits in the full table (written by the tracker).
+
+    Global row id = local id + ``row_offset``; the shard holds columns
+    ``[col_offset, col_offset + local_cols)`` of those rows.
+    """
+
+    table_name: str = ""
+    sharding_type: str = ""
+    row_offset: int = 0
+    col_offset: int = 0
+    local_rows: Optional[int] = None
+    local_cols: Optional[int] = None
+    global_rows: Optional[int] = None
+    global_cols: Optional[int] = None
+
+    @staticmethod
+    def from_dict(md: Mapping[str, Any]) -> "ShardInfo":
+        def opt(key: str) -> Optional[int]:
+            v = md.get(key)
+            return None if v is None else int(v)
+
+        return ShardInfo(
+            table_name=str(md.get("table_name", "")),
+            sharding_type=str(md.get("sharding_type", "")),
+            row_offset=int(md.get("row_offset", 0)),
+            col_offset=int(md.get("col_offset", 0)),
+            local_rows=opt("local_rows"),
+            local_cols=opt("local_cols"),
+            global_rows=opt("global_rows"),
+            global_cols=opt("global_cols"),
+        )
+
+    @staticmethod
+    def from_entry(entry: TableEntry) -> Optional["ShardInfo"]:
+        """The shard metadata of a table entry, or None for a log without it (a plain store)."""
+        md = entry.meta.get("shard")
+        return ShardInfo.from_dict(md) if isinstance(md, dict) else None
+
+
+@dataclass(frozen=True)
+class TrackerMeta:
+    """What a tracker stores about itself (``META_TRACKER``): reopening with another tracking
+    mode or table set is refused."""
+
+    tracking_mode: str
+    update_mode: str
+    tables: List[str]
+    rank: int
+
+    def to_value(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_value(value: object) -> Optional["TrackerMeta"]:
+        if value is None:
+            return None
+        d = _as_map(value, "meta 'tracker'")
+        try:
+            return TrackerMeta(str(d["tracking_mode"]), str(d.get("update_mode", "")), list(d["tables"]), int(d["rank"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecordError(f"meta 'tracker' is malformed: {exc}") from exc
