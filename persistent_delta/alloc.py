@@ -1,5 +1,7 @@
 """glibc allocator thresholds for LMDB's write buffers.
 
+Owns: the process-wide malloc tuning a writer may opt into.
+
 Without ``writemap`` LMDB copies every value into page buffers it ``malloc``\\ s per commit and
 frees afterwards. glibc serves large buffers with ``mmap`` and returns freed heap tops to the OS,
 so each commit page-faults its buffers in afresh: transactions with large values were 2.5-4x

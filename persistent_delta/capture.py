@@ -21,12 +21,12 @@ from torch import nn
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
-from torchrec.distributed.model_tracker.types import TrackingMode
+from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.records import AppendRecord
-from persistent_delta.sharding import feature_index
+from persistent_delta.sharding import LocalTable, feature_index
 
 Hooked = List[Tuple[nn.Module, str]]
 
@@ -177,3 +177,15 @@ class Capture:
                 if self._mode == TrackingMode.MOMENTUM_LAST:
                     rows = rows.norm(dim=1) if rows.dim() > 1 else rows.abs()
                 self._add(batch_idx, key, ids, rows)
+
+
+def read_states(mode: TrackingMode, tables: Dict[str, LocalTable], rows: Dict[str, UniqueRows]) -> Dict[str, UniqueRows]:
+    """What ``get_unique`` returns as states: MOMENTUM_DIFF / ROWWISE_ADAGRAD give the change
+    since the recorded (first) state, current minus recorded (TorchRec's rule); other modes
+    the recorded states."""
+    if mode in (TrackingMode.MOMENTUM_DIFF, TrackingMode.ROWWISE_ADAGRAD):
+        for fqn, r in rows.items():
+            state = tables[fqn].optimizer_state() if fqn in tables else None
+            if state is not None and r.states is not None:
+                r.states = state[r.ids.long()] - r.states
+    return rows

@@ -1,5 +1,7 @@
 """The log's on-disk format: keys, record values and small metadata values.
 
+Owns: the bytes -- record keys, record values, the format version, metadata packing.
+
 Design note
 -----------
 Keys are fixed-width big-endian integers so that LMDB's byte order is numeric order:

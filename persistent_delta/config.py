@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+
 from persistent_delta.errors import InvalidInputError
 
 
@@ -228,3 +230,65 @@ class RetentionBound:
             max_batches=max_batches if max_batches is not None else env("PERSISTENT_DELTA_RETENTION_MAX_BATCHES"),
             max_bytes=max_bytes if max_bytes is not None else env("PERSISTENT_DELTA_RETENTION_MAX_BYTES"),
         )
+
+
+@dataclass
+class PersistentTrackerConfig(DeltaTrackerConfig):
+    """TorchRec's ``DeltaTrackerConfig`` plus where and how to persist.
+
+    Every setting left at ``None`` resolves as everywhere in the library: the
+    ``PERSISTENT_DELTA_*`` environment variable, then the default
+    (:mod:`persistent_delta.config`).
+
+    Args:
+        path: log root; rank ``r`` writes ``<path>/rank-<r>``. Required.
+        durability: what a crash can lose (see :class:`~persistent_delta.Durability`).
+        fresh: start a fresh log, discarding what ``<path>/rank-<r>`` holds. Without it, opening
+            a log written with another tracking mode or table set raises ``ConfigMismatchError``.
+        async_writes: commit from a background thread (default). ``False`` commits each step
+            on the training thread (simpler to reason about, slower).
+        writer: the background writer's options (:class:`~persistent_delta.config.WriterOptions`).
+        retention: the retention bound (:class:`~persistent_delta.config.RetentionBound`; off).
+        map_size: initial LMDB map size (it grows by itself).
+        tune_malloc: ``True`` raises glibc's malloc thresholds for this process (faster
+            commits of large records; process-wide, see :mod:`persistent_delta.alloc`).
+        max_pending_bytes / max_pending_steps / writer_torch_threads / linger_steps /
+            linger_s / linger_bytes: shortcuts for the same fields of ``writer`` (its
+            ``torch_threads`` for ``writer_torch_threads``); a shortcut that is set wins.
+        rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
+            initialised).
+    """
+
+    path: str = ""
+    durability: Optional[Durability] = None
+    fresh: bool = False
+    async_writes: bool = True
+    writer: Optional[WriterOptions] = None
+    retention: Optional[RetentionBound] = None
+    map_size: Optional[int] = None
+    tune_malloc: Optional[bool] = None
+    max_pending_bytes: Optional[int] = None
+    max_pending_steps: Optional[int] = None
+    writer_torch_threads: Optional[int] = None
+    linger_steps: Optional[int] = None
+    linger_s: Optional[float] = None
+    linger_bytes: Optional[int] = None
+    rank: Optional[int] = None
+
+    def writer_options(self) -> WriterOptions:
+        """The writer's options: ``writer`` (or the defaults) with the shortcuts applied."""
+        return (self.writer or WriterOptions()).with_overrides(
+            max_pending_bytes=self.max_pending_bytes, max_pending_steps=self.max_pending_steps,
+            torch_threads=self.writer_torch_threads, linger_steps=self.linger_steps, linger_s=self.linger_s,
+            linger_bytes=self.linger_bytes,
+        )
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` for a config no tracker can use."""
+        if not self.path:
+            raise InvalidInputError("PersistentTrackerConfig.path is required (the log root directory)")
+        if not isinstance(self.tracking_mode, TrackingMode):
+            raise InvalidInputError(f"tracking_mode must be a TrackingMode, got {self.tracking_mode!r}")
+
+    def log_options(self) -> LogOptions:
+        return LogOptions.resolve(durability=self.durability, map_size=self.map_size, tune_malloc=self.tune_malloc)

@@ -349,6 +349,40 @@ def consume(
     return rows
 
 
+def register(w: WriteTxn, name: str, offset: int, channel: str, how: Delivery) -> bool:
+    """Register ``name`` at ``offset`` unless it exists; returns whether it was added."""
+    if w.consumer(name) is not None:
+        return False
+    w.set_consumer(name, ConsumerEntry.new(offset, channel, how))
+    return True
+
+
+def unregister(w: WriteTxn, name: str) -> None:
+    """Unregister ``name``: it no longer holds back retention.
+
+    Raises:
+        UnknownConsumerError: it is not registered.
+    """
+    if not w.delete_consumer(name):
+        raise UnknownConsumerError(f"consumer {name!r} is not registered in {w.path}")
+
+
+def clear(w: WriteTxn, name: Optional[str]) -> None:
+    """TorchRec's ``clear``: ``None`` deletes every lookup; a consumer's name deletes all only
+    when it is the only consumer (otherwise nothing).
+
+    Raises:
+        UnknownConsumerError: ``name`` is not registered.
+    """
+    if name is not None:
+        consumers = w.consumers()
+        if name not in consumers:
+            raise UnknownConsumerError(f"consumer {name!r} is not registered in {w.path}")
+        if len(consumers) > 1:
+            return
+    delete_below(w, None)
+
+
 def committed_offsets(r: ReadTxn, channel: str = LOOKUPS) -> Dict[str, int]:
     """name -> committed position of a channel's consumers."""
     return {k: v.offset for k, v in r.consumers().items() if v.channel == channel}

@@ -1,5 +1,7 @@
 """Exceptions raised by persistent_delta.
 
+Owns: the error types; each says what a caller can do about it.
+
 Every failure a caller can act on has its own subclass of :class:`PersistentDeltaError`; the
 message says what happened, why, and how to fix it. Library errors (py-lmdb, msgpack) are
 wrapped with ``raise ... from exc`` so the original cause stays visible.

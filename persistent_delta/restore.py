@@ -1,6 +1,11 @@
-"""Model checkpoints and restore: what the log keeps for a restore, and what a restore rewrites.
+"""Model checkpoints, restarts and restore: where a trainer's log continues.
 
-Owns: the checkpoint mark and the re-delivery rule.
+Owns: what a (re)opened tracker does to its log, the checkpoint mark and the re-delivery rule.
+
+**Opening** (:func:`open_tracker_log`): the log must hold the same tracking mode and table set
+(or ``fresh`` empties it); the configured consumers are registered; the batch index continues
+after the last one persisted (never reused); and since the opener holds the writer lock, any
+earlier writer is gone, so its open batch is complete and is marked so (``closed_end``).
 
 ``tracker.state_dict()`` flushes, marks the checkpoint in the log (``checkpoint_floor`` = the
 first batch after it) and returns the batch index and log identity. Retention never deletes
@@ -29,15 +34,81 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 from persistent_delta import delivery
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
 from persistent_delta.log import WriteTxn
-from persistent_delta.records import AppendRecord, encode_records, log_start, write_records
+from persistent_delta.records import AppendRecord, delete_below, encode_records, last_appended, log_start, write_records
 from persistent_delta.rows import compute_unique_rows
-from persistent_delta.schema import META_CHECKPOINT_FLOOR, META_CURR_BATCH, META_LOG_ID
+from persistent_delta.schema import (
+    LOOKUPS,
+    META_CHECKPOINT_FLOOR,
+    META_CLOSED_END,
+    META_CURR_BATCH,
+    META_LOG_ID,
+    META_TRACKER,
+    META_UPDATE_MODE,
+    Delivery,
+    TrackerMeta,
+)
 from persistent_delta.sharding import LocalTable
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _REQUIRED = ("log_id", "rank", "tracking_mode", "curr_batch_idx")
+
+
+def open_tracker_log(
+    w: WriteTxn, want: TrackerMeta, shards: Dict[str, Dict[str, Any]], consumers: List[str], fresh: bool
+) -> int:
+    """Check (or, with ``fresh``, empty) a tracker's log inside ``w``, store the shard metadata
+    of every table, register ``consumers`` (in-transaction delivery) and close a dead writer's
+    open batch. Returns the batch index to continue from.
+
+    Raises:
+        ConfigMismatchError: the log holds another tracking mode, table set or update mode.
+    """
+    have = TrackerMeta.from_value(w.meta(META_TRACKER))
+    stored_mode = w.meta(META_UPDATE_MODE)
+    if fresh:
+        _wipe(w)
+    elif have is not None and (have.tracking_mode, have.tables) != (want.tracking_mode, want.tables):
+        raise ConfigMismatchError(
+            f"{w.path} was written with tracking mode {have.tracking_mode!r} and tables {have.tables}, not "
+            f"{want.tracking_mode!r} and {want.tables}. Use the matching config, another path, or "
+            "PersistentTrackerConfig(fresh=True) to start a fresh log"
+        )
+    elif have is None and stored_mode is not None and stored_mode != want.update_mode:
+        raise ConfigMismatchError(
+            f"{w.path} holds records with update mode {stored_mode!r}, not {want.update_mode!r}; use fresh=True "
+            "or another path"
+        )
+    w.set_meta(META_TRACKER, want.to_value())
+    w.set_meta(META_UPDATE_MODE, want.update_mode)
+    for fqn, md in shards.items():
+        entry = w.ensure_table(fqn)
+        before = w.table(fqn)
+        if before is None or entry.meta.get("shard") != md:
+            entry.meta["shard"] = md
+            entry.listed = before.listed if before is not None else False
+            w.stage_table(entry)
+    for name in consumers:
+        delivery.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
+    curr = max(int(w.meta(META_CURR_BATCH, 0)), last_appended(w))
+    # The opener holds the writer lock: an earlier writer is gone and its open batch complete.
+    w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
+    return curr
+
+
+def _wipe(w: WriteTxn) -> None:
+    """Empty the log (``fresh=True``): records, consumers, tables' listing and tracker meta."""
+    delete_below(w, None)
+    for name in list(w.consumers()):
+        w.delete_consumer(name)
+    for entry in w.tables().values():
+        e = entry.copy()
+        e.last_batch_idx = -1
+        e.listed = False
+        w.stage_table(e)
+    w.set_meta(META_CURR_BATCH, 0)
+    logger.info("fresh=True: emptied the log %s", w.path)
 
 
 def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:

@@ -1,5 +1,7 @@
 """What this rank holds of each tracked table: TorchRec/FBGEMM introspection, in one place.
 
+Owns: reading a rank's shard of a table (placement, weights, optimizer state) out of TorchRec/FBGEMM.
+
 For every table fqn that TorchRec's tracker would track (``"<module>.embeddings.<table>"`` for
 an EC, ``"<module>.embedding_bags.<table>"`` for an EBC, DMP/DDP prefixes stripped), this
 module finds the local shard: its sharding type, the shard's row/column offsets and sizes

@@ -18,32 +18,26 @@ of a TBE group; ``top_percentage`` is honoured.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_MAP, ModelDeltaTracker
-from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, Trackers, TrackingMode, UniqueRows, UpdateMode
+from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import torch.distributed as dist
-
 from persistent_delta import delivery, restore, topk
-from persistent_delta.capture import Capture, Discovery, check_mode, register_hooks, unregister_hooks
-from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
-from persistent_delta.errors import ConfigMismatchError, InvalidInputError, LogClosedError, UnknownConsumerError
+from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, unregister_hooks
+from persistent_delta.config import PersistentTrackerConfig, RetentionBound
+from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
 from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.publish import publish
-from persistent_delta.records import delete_below, last_appended
 from persistent_delta.schema import (
     LOOKUPS,
     META_CLOSED_END,
     META_CURR_BATCH,
-    META_TRACKER,
-    META_UPDATE_MODE,
-    ConsumerEntry,
     Delivery,
     TrackerMeta,
     check_consumer_name,
@@ -54,62 +48,7 @@ from persistent_delta.window import WindowFilter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PersistentDeltaTracker", "PersistentTrackerConfig", "attach", "rank_dir"]
-
-
-@dataclass
-class PersistentTrackerConfig(DeltaTrackerConfig):
-    """TorchRec's ``DeltaTrackerConfig`` plus where and how to persist.
-
-    Every setting left at ``None`` resolves as everywhere in the library: the
-    ``PERSISTENT_DELTA_*`` environment variable, then the default
-    (:mod:`persistent_delta.config`).
-
-    Args:
-        path: log root; rank ``r`` writes ``<path>/rank-<r>``. Required.
-        durability: what a crash can lose (see :class:`~persistent_delta.Durability`).
-        fresh: start a fresh log, discarding what ``<path>/rank-<r>`` holds. Without it, opening
-            a log written with another tracking mode or table set raises ``ConfigMismatchError``.
-        async_writes: commit from a background thread (default). ``False`` commits each step
-            on the training thread (simpler to reason about, slower).
-        writer: the background writer's options (:class:`~persistent_delta.config.WriterOptions`).
-        retention: the retention bound (:class:`~persistent_delta.config.RetentionBound`; off).
-        map_size: initial LMDB map size (it grows by itself).
-        tune_malloc: ``True`` raises glibc's malloc thresholds for this process (faster
-            commits of large records; process-wide, see :mod:`persistent_delta.alloc`).
-        max_pending_bytes / max_pending_steps / writer_torch_threads / linger_steps /
-            linger_s / linger_bytes: shortcuts for the same fields of ``writer`` (its
-            ``torch_threads`` for ``writer_torch_threads``); a shortcut that is set wins.
-        rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
-            initialised).
-    """
-
-    path: str = ""
-    durability: Optional[Durability] = None
-    fresh: bool = False
-    async_writes: bool = True
-    writer: Optional[WriterOptions] = None
-    retention: Optional[RetentionBound] = None
-    map_size: Optional[int] = None
-    tune_malloc: Optional[bool] = None
-    max_pending_bytes: Optional[int] = None
-    max_pending_steps: Optional[int] = None
-    writer_torch_threads: Optional[int] = None
-    linger_steps: Optional[int] = None
-    linger_s: Optional[float] = None
-    linger_bytes: Optional[int] = None
-    rank: Optional[int] = None
-
-    def writer_options(self) -> WriterOptions:
-        """The writer's options: ``writer`` (or the defaults) with the shortcuts applied."""
-        return (self.writer or WriterOptions()).with_overrides(
-            max_pending_bytes=self.max_pending_bytes, max_pending_steps=self.max_pending_steps,
-            torch_threads=self.writer_torch_threads, linger_steps=self.linger_steps, linger_s=self.linger_s,
-            linger_bytes=self.linger_bytes,
-        )
-
-    def log_options(self) -> LogOptions:
-        return LogOptions.resolve(durability=self.durability, map_size=self.map_size, tune_malloc=self.tune_malloc)
+__all__ = ["PersistentDeltaTracker", "PersistentTrackerConfig", "attach"]
 
 
 class PersistentDeltaTracker(ModelDeltaTracker):
@@ -133,38 +72,40 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def __init__(self, model: nn.Module, config: PersistentTrackerConfig) -> None:
         if not isinstance(config, PersistentTrackerConfig):
             raise InvalidInputError("config must be a PersistentTrackerConfig")
-        if not config.path:
-            raise InvalidInputError("PersistentTrackerConfig.path is required (the log root directory)")
-        if not isinstance(config.tracking_mode, TrackingMode):
-            raise InvalidInputError(f"tracking_mode must be a TrackingMode, got {config.tracking_mode!r}")
+        config.validate()
         self._config = config
         self._mode = config.tracking_mode
         self._update_mode: UpdateMode = UPDATE_MODE_MAP[self._mode]
-        self._delete_on_read = config.delete_on_read
         self._auto_compact = config.auto_compact
         self._retention = config.retention or RetentionBound.resolve()
         self._consumers: List[str] = [check_consumer_name(c) for c in (config.consumers or [self.DEFAULT_CONSUMER])]
         self._closed = True
         writer_options = config.writer_options()
-
         self._discovery = Discovery(model, list(config.fqns_to_skip))
         self.tracked_modules: Dict[str, nn.Module] = self._discovery.tracked_modules
         self.table_to_fqn: Dict[str, str] = self._discovery.table_to_fqn
         self.feature_to_fqn: Dict[str, str] = self._discovery.feature_to_fqn
         check_mode(self._mode, self.tracked_modules)
         self._tables: Dict[str, LocalTable] = local_tables(self.tracked_modules, self.table_to_fqn)
-
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
+        # Check or reset the log, register the consumers, find where to continue (restore).
+        want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank)
+        shards = {fqn: t.metadata(self._discovery.module_kind(fqn)) for fqn, t in self._tables.items()}
         try:
-            self.curr_batch_idx: int = self._open_log()
+            self.curr_batch_idx: int = self._log.write(
+                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh))
         except BaseException:
             self._log.close()
             raise
         self.curr_compact_index = self.curr_batch_idx
         self._capture = Capture(self._mode, self.feature_to_fqn)
         self._window = WindowFilter(self._update_mode)
+        # TorchRec's consume rule, as every read applies it (compaction is moot when the
+        # window filter already stores each row once per window).
+        self._read_rule: Dict[str, Any] = dict(
+            compact=not self._window.enabled, delete_on_read=config.delete_on_read, bound=self._retention)
         self._writer: Optional[BackgroundWriter] = None
         if config.async_writes:
             self._writer = BackgroundWriter(self._log, self._update_mode, writer_options, self._window)
@@ -174,50 +115,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         )
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
-
-    # ------------------------------------------------------------------ opening
-    def _open_log(self) -> int:
-        """Check or reset the log, register the configured consumers, close a dead writer's
-        open batch; returns the batch index to continue from."""
-        want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank)
-        fresh = self._config.fresh
-
-        def setup(w: WriteTxn) -> int:
-            have = TrackerMeta.from_value(w.meta(META_TRACKER))
-            stored_mode = w.meta(META_UPDATE_MODE)
-            if fresh:
-                _wipe(w)
-            elif have is not None and (have.tracking_mode, have.tables) != (want.tracking_mode, want.tables):
-                raise ConfigMismatchError(
-                    f"{self.path} was written with tracking mode {have.tracking_mode!r} and tables {have.tables}, not "
-                    f"{want.tracking_mode!r} and {want.tables}. Use the matching config, another path, or "
-                    "PersistentTrackerConfig(fresh=True) to start a fresh log"
-                )
-            elif have is None and stored_mode is not None and stored_mode != self._update_mode.value:
-                raise ConfigMismatchError(
-                    f"{self.path} holds records with update mode {stored_mode!r}, not {self._update_mode.value!r}; "
-                    "use fresh=True or another path"
-                )
-            w.set_meta(META_TRACKER, want.to_value())
-            w.set_meta(META_UPDATE_MODE, self._update_mode.value)
-            for fqn, t in self._tables.items():
-                entry = w.ensure_table(fqn)
-                md = t.metadata(self._discovery.module_kind(fqn))
-                before = w.table(fqn)
-                if before is None or entry.meta.get("shard") != md:
-                    entry.meta["shard"] = md
-                    entry.listed = before.listed if before is not None else False
-                    w.stage_table(entry)
-            for c in self._consumers:
-                if w.consumer(c) is None:
-                    w.set_consumer(c, ConsumerEntry.new(0, LOOKUPS, Delivery.IN_TRANSACTION))
-            curr = max(int(w.meta(META_CURR_BATCH, 0)), last_appended(w))
-            # We hold the writer lock: any earlier writer is gone, so its open batch is
-            # complete. Readers may read it now (see delivery.lookups_end).
-            w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
-            return curr
-
-        return self._log.write(setup)
 
     # ------------------------------------------------------------------ hot path
     def step(self) -> None:
@@ -310,14 +207,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
-        rows = self._log.write(lambda w: delivery.consume(
-            w, name, end, mode, compact=not self._window.enabled, delete_on_read=self._delete_on_read,
-            bound=self._retention))
-        if self._mode in (TrackingMode.MOMENTUM_DIFF, TrackingMode.ROWWISE_ADAGRAD):
-            for fqn, r in rows.items():
-                state = self._tables[fqn].optimizer_state() if fqn in self._tables else None
-                if state is not None and r.states is not None:
-                    r.states = state[r.ids.long()] - r.states
+        rows = self._log.write(lambda w: delivery.consume(w, name, end, mode, **self._read_rule))
+        rows = read_states(self._mode, self._tables, rows)
         if fractions is not None:
             rows = {fqn: topk.top(self._mode, self._tables.get(fqn), r, fractions.get(fqn, 1.0), bool(sorted_by_indices))
                     for fqn, r in rows.items()}
@@ -330,21 +221,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def clear(self, consumer: Optional[str] = None) -> None:
         """As TorchRec: ``None`` deletes every tracked row; a consumer's name deletes all only
         when it is the only consumer (otherwise nothing)."""
+        name = None if consumer is None else check_consumer_name(consumer)
         self._commit_recorded()
         self._window.reset()  # deleted rows must be recorded again
-        if consumer is None:
-            self._log.write(lambda w: delete_below(w, None))
-            return
-        name = check_consumer_name(consumer)
-
-        def clear_one(w: WriteTxn) -> None:
-            consumers = w.consumers()
-            if name not in consumers:
-                raise UnknownConsumerError(f"consumer {name!r} is not registered in {self.path}")
-            if len(consumers) == 1:
-                delete_below(w, None)
-
-        self._log.write(clear_one)
+        self._log.write(lambda w: delivery.clear(w, name))
 
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Compact ``[start_idx, end_idx)`` now (one transaction). A range that crosses a
@@ -362,21 +242,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     # ------------------------------------------------------------------ publish, checkpoints
     def publish(self, consumer: str) -> Dict[str, int]:
-        """Write the current values of the rows changed since ``consumer`` last read as
-        snapshot records, in one transaction (see :mod:`persistent_delta.publish`).
-
-        Args:
-            consumer: a registered (lookups) consumer whose position tracks what was published.
-
-        Returns:
-            fqn -> rows published.
-        """
+        """Write the current values of the rows changed since ``consumer`` (a registered lookups
+        consumer) last read as snapshot records, in one transaction (see
+        :mod:`persistent_delta.publish`). Returns fqn -> rows published."""
         name = check_consumer_name(consumer)
         self._commit_recorded()
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
-        return self._log.write(lambda w: publish(
-            w, name, end, stamp, self._update_mode, self._tables, compact=not self._window.enabled,
-            delete_on_read=self._delete_on_read, bound=self._retention))
+        return self._log.write(lambda w: publish(w, name, end, stamp, self._update_mode, self._tables, **self._read_rule))
 
     def state_dict(self) -> Dict[str, Any]:
         """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
@@ -426,17 +298,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:
         """Register a consumer (durably). It starts at position 0 (everything still in the
-        log), or after the current batch with ``from_latest``. Registering an existing name
-        is a no-op."""
+        log), or after the current batch with ``from_latest``. An existing name is a no-op."""
         check_consumer_name(name)
         self._check()
         offset = self.curr_batch_idx + 1 if from_latest else 0
-
-        def add(w: WriteTxn) -> None:
-            if w.consumer(name) is None:
-                w.set_consumer(name, ConsumerEntry.new(offset, LOOKUPS, Delivery.IN_TRANSACTION))
-
-        self._log.write(add)
+        self._log.write(lambda w: delivery.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
         if name not in self._consumers:
             self._consumers.append(name)
 
@@ -444,8 +310,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
         self._check()
-        if not self._log.write(lambda w: w.delete_consumer(name)):
-            raise UnknownConsumerError(f"consumer {name!r} is not registered in {self.path}")
+        self._log.write(lambda w: delivery.unregister(w, name))
         if name in self._consumers:
             self._consumers.remove(name)
 
@@ -458,12 +323,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def get_latest(self) -> Dict[str, torch.Tensor]:
         """fqn -> this rank's current optimizer state (momentum1) of each tracked table."""
-        out = {}
-        for fqn, t in self._tables.items():
-            s = t.optimizer_state()
-            if s is not None:
-                out[fqn] = s
-        return out
+        states = {fqn: t.optimizer_state() for fqn, t in self._tables.items()}
+        return {fqn: s for fqn, s in states.items() if s is not None}
 
     @property
     def local_tables(self) -> Dict[str, LocalTable]:
@@ -514,20 +375,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _wipe(w: WriteTxn) -> None:
-    """Empty the log (``fresh=True``): records, consumers, tables' listing and tracker meta."""
-    delete_below(w, None)
-    for name in list(w.consumers()):
-        w.delete_consumer(name)
-    for entry in w.tables().values():
-        e = entry.copy()
-        e.last_batch_idx = -1
-        e.listed = False
-        w.stage_table(e)
-    w.set_meta(META_CURR_BATCH, 0)
-    logger.info("fresh=True: emptied the log %s", w.path)
 
 
 def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTracker:

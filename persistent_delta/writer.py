@@ -1,5 +1,7 @@
 """The background writer: takes captured records off the training thread and commits them.
 
+Owns: when and how captured steps are committed (queue, backpressure, group commit, failure).
+
 Design note
 -----------
 The training thread only *captures* (keeps references to, or starts device-to-host copies of)

@@ -1,5 +1,7 @@
 """The ``persistent-delta`` command line: offsets, replay, verify, vacuum.
 
+Owns: argument parsing and rendering; no tool logic.
+
 Each subcommand calls a data function of the package (:mod:`.offsets`, :mod:`.replay`,
 :mod:`.verify`, :mod:`.vacuum`) and turns its result into a :class:`Output`: the JSON form and
 the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as

@@ -1,5 +1,7 @@
 """The offsets tool's data functions: describe consumers, reset, register and delete offsets.
 
+Owns: the offsets tool's plans (describe, reset, register, delete) and their dry-run/execute rule.
+
 Anchor: Kafka's ``kafka-consumer-groups`` (``--describe``, ``--reset-offsets`` with a dry run by
 default). Every function here returns data (dataclasses); :mod:`persistent_delta.cli.main`
 renders it. Bounds, statuses and pending counts come from :mod:`persistent_delta.delivery`

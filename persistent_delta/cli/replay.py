@@ -1,5 +1,7 @@
 """Offline replay and export: a batch range of every rank, merged, in global row ids.
 
+Owns: the replay export format (windows, files, manifest) and its commit step.
+
 Design note
 -----------
 The range is either explicit (``[from_batch, to_batch)``, half-open, the same on every rank) or a

@@ -1,5 +1,7 @@
 """``vacuum``: reclaim the disk space of deleted records with a compacting copy.
 
+Owns: the compacting copy and its refusal while the log is open.
+
 LMDB never shrinks its data file: pages freed by retention are reused, not returned. Vacuum
 rewrites each rank's ``data.mdb`` compacted, and only while no other process has the log open:
 

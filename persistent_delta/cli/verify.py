@@ -1,5 +1,7 @@
 """``verify``: check every rank's log, record by record, and report damage precisely.
 
+Owns: the list of structural checks and their severities.
+
 Checks, per rank (each log opened read-only, one read transaction):
 
 * the log opens: format version, table entries decode;
