@@ -21,12 +21,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
-from persistent_delta.cli import offsets
-from persistent_delta.errors import PersistentDeltaError
-from persistent_delta.cli.offsets import ResetTarget
+from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.replay import replay
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
+from persistent_delta.errors import PersistentDeltaError
 
 PROG = "persistent-delta"
 JSONValue = Union[None, bool, int, float, str, List["JSONValue"], Dict[str, "JSONValue"]]
@@ -136,7 +135,7 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
         return _offsets_change(args)
     if args.execute or _reset_target(args) is not None:
         raise PersistentDeltaError("--execute and --to-* go with --reset, --register or --delete")
-    ranks = offsets.describe(args.root, tables=args.tables)
+    ranks = describe(args.root, tables=args.tables)
     rows = [
         [r.rank, c.name, c.channel, c.offset, c.log_start, c.log_end, c.lag, c.pending_rows, c.pending_bytes,
          _when(c.commit_time), c.registered_by or "-", c.status]
@@ -173,14 +172,14 @@ def _offsets_change(args: argparse.Namespace) -> Output:
     if args.reset:
         if target is None:
             raise PersistentDeltaError("--reset needs one of --to-earliest, --to-latest, --to-batch N, --shift-by N")
-        changes = offsets.reset_offsets(args.root, args.reset, target, execute=args.execute)
+        changes = reset_offsets(args.root, args.reset, target, execute=args.execute)
     elif args.register:
-        changes = offsets.register_consumer(args.root, args.register, target or ResetTarget("earliest"),
+        changes = register_consumer(args.root, args.register, target or ResetTarget("earliest"),
                                             channel=args.channel, execute=args.execute)
     else:
         if target is not None:
             raise PersistentDeltaError("--delete takes no --to-* option")
-        changes = offsets.delete_consumer(args.root, args.delete, execute=args.execute)
+        changes = delete_consumer(args.root, args.delete, execute=args.execute)
     rows = [[c.rank, c.consumer, c.action, c.old, c.new, c.log_start, c.log_end, c.note or ""] for c in changes]
     title = "APPLIED" if args.execute else "DRY RUN: nothing changed; add --execute to apply"
     return Output(
