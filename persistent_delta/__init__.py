@@ -21,6 +21,8 @@ from persistent_delta.errors import (
     PersistentDeltaError,
     ReadOnlyLogError,
     UnknownConsumerError,
+    UnsupportedModeError,
+    UnsupportedTrackingError,
     WriterError,
 )
 from persistent_delta.log import DeltaLog
@@ -60,6 +62,8 @@ __all__ = [
     "PersistentDeltaError",
     "ReadOnlyLogError",
     "UnknownConsumerError",
+    "UnsupportedModeError",
+    "UnsupportedTrackingError",
     "WriterError",
     "PersistentDeltaTracker",
     "PersistentTrackerConfig",

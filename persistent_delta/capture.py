@@ -24,7 +24,8 @@ from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTra
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta.errors import InvalidInputError
+from persistent_delta import codec
+from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.records import AppendRecord
 from persistent_delta.sharding import LocalTable, feature_index
 
@@ -59,13 +60,20 @@ class Discovery:
         return "ebc" if isinstance(module, ShardedEmbeddingBagCollection) else "ec"
 
 
+_MODES = (TrackingMode.ID_ONLY, TrackingMode.EMBEDDING, TrackingMode.MOMENTUM_LAST, TrackingMode.MOMENTUM_DIFF,
+          TrackingMode.ROWWISE_ADAGRAD)
+
+
 def check_mode(mode: TrackingMode, modules: Dict[str, nn.Module]) -> None:
-    """Refuse a tracking mode the modules cannot serve (as TorchRec does)."""
+    """Refuse a tracking mode the modules cannot serve, with TorchRec's exception types."""
+    if mode not in _MODES:
+        raise UnsupportedModeError(f"Tracking mode {mode} is not supported")
     for module in modules.values():
         if isinstance(module, ShardedEmbeddingBagCollection) and mode == TrackingMode.EMBEDDING:
-            raise InvalidInputError(
-                "TrackingMode.EMBEDDING is not supported for EmbeddingBagCollection: its lookup returns pooled "
-                "embeddings (as in TorchRec). Use ID_ONLY or an optimizer-state mode"
+            raise UnsupportedTrackingError(
+                "EBC's lookup returns pooled embeddings and currently, we do not support tracking raw embeddings. "
+                "(TrackingMode.EMBEDDING needs an EmbeddingCollection, as in TorchRec; use ID_ONLY or an "
+                "optimizer-state mode for an EmbeddingBagCollection)"
             )
 
 
@@ -177,6 +185,22 @@ class Capture:
                 if self._mode == TrackingMode.MOMENTUM_LAST:
                     rows = rows.norm(dim=1) if rows.dim() > 1 else rows.abs()
                 self._add(batch_idx, key, ids, rows)
+
+
+def row_shapes(mode: TrackingMode, table: LocalTable) -> Dict[str, Any]:
+    """The dtype and row shape (after the first dim) of a table's tracked states in ``mode``
+    and of its values (the snapshots channel), as stored in its table entry at attach, so that
+    an empty result has shape ``(0, *row_shape)`` before any record was written."""
+    weights = table.weights()
+    out: Dict[str, Any] = {"values_dtype": codec.dtype_name(weights.dtype), "values_tail": list(weights.shape[1:])}
+    if mode == TrackingMode.EMBEDDING:
+        out.update(states_dtype=out["values_dtype"], states_tail=out["values_tail"])
+    elif mode != TrackingMode.ID_ONLY:
+        state = table.optimizer_state()
+        if state is not None:
+            tail = [] if mode == TrackingMode.MOMENTUM_LAST else list(state.shape[1:])
+            out.update(states_dtype=codec.dtype_name(state.dtype), states_tail=tail)
+    return out
 
 
 def read_states(mode: TrackingMode, tables: Dict[str, LocalTable], rows: Dict[str, UniqueRows]) -> Dict[str, UniqueRows]:

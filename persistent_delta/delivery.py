@@ -332,7 +332,7 @@ def consume(
     entry = consumers.get(name)
     if entry is None:
         raise UnknownConsumerError(
-            f"consumer {name!r} is not registered in {w.path} (registered: {sorted(consumers)}); add it with "
+            f"consumer {name} not present in {sorted(consumers)}: it is not registered in {w.path}; add it with "
             "add_consumer()"
         )
     if compact:
@@ -377,7 +377,7 @@ def clear(w: WriteTxn, name: Optional[str]) -> None:
     if name is not None:
         consumers = w.consumers()
         if name not in consumers:
-            raise UnknownConsumerError(f"consumer {name!r} is not registered in {w.path}")
+            raise UnknownConsumerError(f"consumer {name} not found in {sorted(consumers)} ({w.path})")
         if len(consumers) > 1:
             return
     delete_below(w, None)

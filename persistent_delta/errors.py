@@ -55,8 +55,10 @@ class ReadOnlyLogError(PersistentDeltaError):
     """A write was attempted on a log opened read-only, or the directory is not writable."""
 
 
-class UnknownConsumerError(PersistentDeltaError, KeyError):
-    """The consumer name is not registered in the log."""
+class UnknownConsumerError(PersistentDeltaError, KeyError, AssertionError):
+    """The consumer name is not registered in the log. Also an ``AssertionError``: TorchRec's
+    tracker asserts on an unknown consumer in ``get_unique``/``clear``, and code written
+    against it catches that."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
         return str(self.args[0]) if self.args else ""
@@ -74,3 +76,13 @@ class InexactRangeError(PersistentDeltaError):
     """A batch range the log cannot answer exactly: the trainer's window filter stored each
     row once per read window, so a range starting inside such a window would miss the rows
     recorded earlier in it. The message names the exact alternatives."""
+
+
+class UnsupportedTrackingError(InvalidInputError, AssertionError):
+    """A tracking mode the model cannot serve, refused as TorchRec refuses it (an
+    ``AssertionError`` there, with the same text), e.g. EMBEDDING on an EmbeddingBagCollection."""
+
+
+class UnsupportedModeError(InvalidInputError, NotImplementedError):
+    """A tracking mode this library does not implement (TorchRec raises
+    ``NotImplementedError``)."""

@@ -119,10 +119,10 @@ def _touched(entry: TableEntry, rec: AppendRecord) -> TableEntry:
     return e
 
 
-def empty_rows(entry: TableEntry, mode: UpdateMode) -> UniqueRows:
+def empty_rows(entry: TableEntry, mode: UpdateMode, channel: str = LOOKUPS) -> UniqueRows:
     """What a table with nothing in range returns: empty ids, and states of shape
-    ``(0, *row_shape)`` unless the mode keeps ids only."""
-    return UniqueRows(ids=entry.empty_ids(), states=None if mode == UpdateMode.NONE else entry.empty_states())
+    ``(0, *row_shape)`` in the table's dtype unless the mode keeps ids only."""
+    return UniqueRows(ids=entry.empty_ids(), states=None if mode == UpdateMode.NONE else entry.empty_states(channel))
 
 
 def read_unique(
@@ -151,7 +151,7 @@ def read_unique(
             if rec.states is not None:
                 states.append(rec.states)
         if not ids:
-            out[fqn] = empty_rows(entry, mode)
+            out[fqn] = empty_rows(entry, mode, channel)
             continue
         out[fqn] = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode)
     return out

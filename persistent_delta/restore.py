@@ -56,25 +56,25 @@ _REQUIRED = ("log_id", "rank", "tracking_mode", "curr_batch_idx")
 
 
 def open_tracker_log(
-    w: WriteTxn, want: TrackerMeta, shards: Dict[str, Dict[str, Any]], consumers: List[str], fresh: bool
+    w: WriteTxn, want: TrackerMeta, shards: Dict[str, Dict[str, Any]], consumers: List[str], fresh: bool,
+    row_shapes: Optional[Dict[str, Dict[str, Any]]] = None,
 ) -> int:
     """Check (or, with ``fresh``, empty) a tracker's log inside ``w``, store the shard metadata
-    of every table, register ``consumers`` (in-transaction delivery) and close a dead writer's
-    open batch. Returns the batch index to continue from.
+    and row shapes (:func:`persistent_delta.capture.row_shapes`) of every table, register
+    ``consumers`` (in-transaction delivery) and close a dead writer's open batch. Returns the
+    batch index to continue from.
 
     Raises:
         ConfigMismatchError: the log holds another tracking mode, table set or update mode.
     """
+    row_shapes = row_shapes or {}
     have = TrackerMeta.from_value(w.meta(META_TRACKER))
     stored_mode = w.meta(META_UPDATE_MODE)
     if fresh:
         _wipe(w)
     elif have is not None and (have.tracking_mode, have.tables) != (want.tracking_mode, want.tables):
-        raise ConfigMismatchError(
-            f"{w.path} was written with tracking mode {have.tracking_mode!r} and tables {have.tables}, not "
-            f"{want.tracking_mode!r} and {want.tables}. Use the matching config, another path, or "
-            "PersistentTrackerConfig(fresh=True) to start a fresh log"
-        )
+        raise ConfigMismatchError(f"{w.path}: {_difference(have, want)}. Use the matching config, another path, or "
+                                  "PersistentTrackerConfig(fresh=True) to start a fresh log (discarding this one)")
     elif have is None and stored_mode is not None and stored_mode != want.update_mode:
         raise ConfigMismatchError(
             f"{w.path} holds records with update mode {stored_mode!r}, not {want.update_mode!r}; use fresh=True "
@@ -85,9 +85,14 @@ def open_tracker_log(
     for fqn, md in shards.items():
         entry = w.ensure_table(fqn)
         before = w.table(fqn)
-        if before is None or entry.meta.get("shard") != md:
+        shapes = row_shapes.get(fqn, {})
+        if before is None or entry.meta.get("shard") != md or any(getattr(entry, k) is None and v is not None
+                                                                   for k, v in shapes.items()):
             entry.meta["shard"] = md
             entry.listed = before.listed if before is not None else False
+            for k, v in shapes.items():  # what an empty result's rows look like, before any record
+                if getattr(entry, k) is None:
+                    setattr(entry, k, v)
             w.stage_table(entry)
     for name in consumers:
         delivery.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
@@ -95,6 +100,22 @@ def open_tracker_log(
     # The opener holds the writer lock: an earlier writer is gone and its open batch complete.
     w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
     return curr
+
+
+def _difference(have: TrackerMeta, want: TrackerMeta) -> str:
+    """What differs between the stored tracker settings and the asked ones, and only that."""
+    parts = []
+    if have.tracking_mode != want.tracking_mode:
+        parts.append(f"it was written with tracking mode {have.tracking_mode!r}, not {want.tracking_mode!r}")
+    if have.tables != want.tables:
+        gone, new = sorted(set(have.tables) - set(want.tables)), sorted(set(want.tables) - set(have.tables))
+        what = []
+        if gone:
+            what.append(f"tables {gone} are in the log but not in the model")
+        if new:
+            what.append(f"tables {new} are in the model but not in the log")
+        parts.append("its tables differ: " + "; ".join(what))
+    return "; ".join(parts)
 
 
 def _wipe(w: WriteTxn) -> None:

@@ -126,6 +126,8 @@ class TableEntry:
     states_dtype: Optional[str] = None
     states_tail: Optional[List[int]] = None  # states shape after the first dim
     meta: Dict[str, Any] = field(default_factory=dict)  # "shard": ShardInfo fields
+    values_dtype: Optional[str] = None  # the snapshots channel's row values (the table's weights)
+    values_tail: Optional[List[int]] = None
 
     def to_bytes(self) -> bytes:
         return codec.pack(
@@ -137,6 +139,8 @@ class TableEntry:
                 "states_dtype": self.states_dtype,
                 "states_tail": self.states_tail,
                 "meta": self.meta,
+                "values_dtype": self.values_dtype,
+                "values_tail": self.values_tail,
             }
         )
 
@@ -153,6 +157,8 @@ class TableEntry:
                 states_dtype=d.get("states_dtype"),
                 states_tail=d.get("states_tail"),
                 meta=dict(d.get("meta") or {}),
+                values_dtype=d.get("values_dtype"),
+                values_tail=d.get("values_tail"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"table entry {fqn!r} is malformed: {exc}") from exc
@@ -163,11 +169,14 @@ class TableEntry:
     def empty_ids(self) -> torch.Tensor:
         return torch.empty(0, dtype=codec.dtype_from_name(self.ids_dtype))
 
-    def empty_states(self) -> Optional[torch.Tensor]:
-        """``(0, *row_shape)`` in the stored states dtype; None when no states were stored."""
-        if self.states_dtype is None:
+    def empty_states(self, channel: str = LOOKUPS) -> Optional[torch.Tensor]:
+        """``(0, *row_shape)`` in the channel's dtype (lookups: the tracked states; snapshots:
+        the table's values); None when the table has no such rows."""
+        dtype, tail = (self.values_dtype, self.values_tail) if channel == SNAPSHOTS else (self.states_dtype,
+                                                                                         self.states_tail)
+        if dtype is None:
             return None
-        return torch.empty([0, *(self.states_tail or [])], dtype=codec.dtype_from_name(self.states_dtype))
+        return torch.empty([0, *(tail or [])], dtype=codec.dtype_from_name(dtype))
 
 
 class Delivery(str, enum.Enum):

@@ -28,7 +28,8 @@ from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, Updat
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta import delivery, restore, topk
-from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, unregister_hooks
+from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
+from persistent_delta.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
@@ -90,12 +91,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
-        # Check or reset the log, register the consumers, find where to continue (restore).
         want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank)
         shards = {fqn: t.metadata(self._discovery.module_kind(fqn)) for fqn, t in self._tables.items()}
+        shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:
             self.curr_batch_idx: int = self._log.write(
-                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh))
+                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes))
         except BaseException:
             self._log.close()
             raise

@@ -6,6 +6,7 @@ from harness import feature_names, run_spawn
 from tracker_cases import (
     compaction_and_settings_case,
     config_checks,
+    empty_shapes_case,
     consumers_while_training,
     differential,
     metadata_case,
@@ -126,3 +127,11 @@ def test_public_compact_splits_at_positions_and_settings_resolve_from_the_enviro
     assert r["compacted"], "the compaction did nothing: the test would prove nothing"
     assert r["same"], "compact() changed what a consumer or a restore reads"
     assert r["sd_batch"] == 5
+
+
+def test_empty_results_keep_their_row_shape(tmp_path):
+    (r,) = run_spawn(empty_shapes_case, 1, str(tmp_path / "log"))
+    assert r["snapshots"] and set(r["snapshots"]) == set(r["dims"]), r
+    for fqn, (shape, dtype) in r["snapshots"].items():
+        assert shape == (0, *r["dims"][fqn]) and dtype == "torch.float32", (fqn, shape, dtype)
+    assert r["lookups"] and all(v is None for v in r["lookups"].values()), r  # ID_ONLY: ids only

@@ -212,6 +212,10 @@ def config_checks(rank: int, world_size: int, root: str) -> List[str]:
         train_step(dmp, b)
     with pytest.raises(UnknownConsumerError):
         t.get_unique("nobody")
+    with pytest.raises(AssertionError, match="not present"):  # TorchRec's type and text
+        t.get_unique("nobody")
+    with pytest.raises(AssertionError, match="not found"):
+        t.clear("nobody")
     t.close()
     done.append("attach twice refused; unknown consumer refused")
 
@@ -232,6 +236,8 @@ def config_checks(rank: int, world_size: int, root: str) -> List[str]:
 
     ebc = build_sharded_model(rank, world_size, "ebc", "row_wise", "EXACT_SGD")
     with pytest.raises(InvalidInputError, match="EmbeddingBagCollection"):
+        attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root + "-ebc"))
+    with pytest.raises(AssertionError, match="EBC's lookup returns pooled embeddings"):  # TorchRec's refusal
         attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root + "-ebc"))
     with pytest.raises(InvalidInputError, match="optimizer with state"):
         attach(ebc, PersistentTrackerConfig(tracking_mode=TrackingMode.ROWWISE_ADAGRAD, path=root + "-sgd"))
@@ -442,3 +448,31 @@ def compaction_and_settings_case(rank: int, world_size: int, root: str) -> Dict[
     t.close()
     return {"env_durability": env_durability == Durability.SYNC, "same": before == after,
             "compacted": n_after < n_before, "sd_batch": sd["curr_batch_idx"]}
+
+
+def empty_shapes_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Empty results keep the row shape and dtype of their table, on both channels."""
+    from persistent_delta import DeltaConsumer
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+    batches = make_batches("ec", 3, 8, seed=3, world_size=world_size, rank=rank)
+    # ID_ONLY: the snapshots channel's values are the only rows with a shape (they were (0,)/None)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["pub"], path=root))
+    dims = {fqn: tuple(lt.weights().shape[1:]) for fqn, lt in t.local_tables.items()}
+    for b in batches:
+        train_step(dmp, b)
+    t.publish("pub")
+    out: Dict[str, Any] = {"dims": dims}
+    for channel in ("snapshots", "lookups"):
+        with DeltaConsumer(root, "c-" + channel, channel=channel) as c:
+            c.poll()
+            empty = c.poll()  # nothing new: every table empty
+            out[channel] = {d.fqn: None if d.states is None else (tuple(d.states.shape), str(d.states.dtype))
+                            for d in empty}
+            if channel == "snapshots":
+                merged = empty.merged()
+                replica = {fqn: torch.zeros(10, *dims[fqn]) for fqn in merged}
+                for fqn, m in merged.items():
+                    replica[fqn][m.global_ids] = m.states  # the natural apply works on an empty poll
+    t.close()
+    return out
