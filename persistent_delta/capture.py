@@ -10,10 +10,16 @@ Hooks, as TorchRec's tracker: ``post_lookup_tracker_fn`` of ``ShardedEmbeddingCo
 ``ShardedEmbeddingBagCollection`` (ID_ONLY, EMBEDDING) or ``optim_state_tracker_fn`` of their
 grouped lookups (MOMENTUM_*, ROWWISE_ADAGRAD), and ``post_odist_tracker_fn`` for
 ``auto_compact``.
+
+Data-parallel (replicated) tables: the post-lookup hook fires for their DDP-wrapped lookup too,
+so ID_ONLY/EMBEDDING record each rank's own lookups of them (a consumer's ``merged()`` takes the
+union over ranks). They have no fused optimizer state, so the optimizer-state modes leave them
+out (see :func:`register_hooks`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -27,7 +33,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from persistent_delta import codec
 from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.records import AppendRecord
-from persistent_delta.sharding import LocalTable, feature_index
+from persistent_delta.sharding import LocalTable, feature_index, has_fused_state, iter_lookups
+
+logger = logging.getLogger(__name__)
 
 Hooked = List[Tuple[nn.Module, str]]
 
@@ -82,16 +90,36 @@ def register_hooks(
     compact: Optional[Callable[[], None]],
 ) -> Hooked:
     """Register ``record`` (and ``compact`` for ``auto_compact``) on the tracked modules;
-    returns what was hooked, for :func:`unregister_hooks`."""
+    returns what was hooked, for :func:`unregister_hooks`.
+
+    ID_ONLY and EMBEDDING hook the modules' post-lookup callable, which sees every lookup,
+    data-parallel tables' included: each rank records the ids it looked up itself.
+
+    The optimizer-state modes (MOMENTUM_LAST, MOMENTUM_DIFF, ROWWISE_ADAGRAD) hook the grouped
+    lookups whose TBE keeps the optimizer state (fused). A data-parallel table has none (its
+    weights are trained by the dense optimizer after DDP's all-reduce), so these modes skip it,
+    with one warning naming the skipped tables; it is then never recorded and ``get_unique``
+    leaves it out. TorchRec 1.8.0 skips it silently in MOMENTUM_DIFF / ROWWISE_ADAGRAD and
+    refuses the whole model with a bare ``AssertionError`` in MOMENTUM_LAST; here MOMENTUM_LAST
+    skips it too, so the sharded tables of such a model are still tracked.
+
+    Raises:
+        InvalidInputError: an optimizer-state mode on a table group whose fused optimizer keeps
+            no state (e.g. EXACT_SGD).
+    """
     hooked: Hooked = []
-    for module in modules.values():
+    skipped: List[str] = []
+    for module_fqn, module in modules.items():
         if mode in (TrackingMode.ID_ONLY, TrackingMode.EMBEDDING):
             module.register_post_lookup_tracker_fn(record)  # type: ignore[operator]
             hooked.append((module, "post_lookup_tracker_fn"))
         else:
-            for lookup in module._lookups:  # type: ignore[union-attr]
-                inner = lookup.module if isinstance(lookup, torch.nn.parallel.DistributedDataParallel) else lookup
+            for stype, inner in iter_lookups(module):
                 if not isinstance(inner, (GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup)):
+                    continue
+                if not all(has_fused_state(stype, emb) for emb in inner._emb_modules):
+                    skipped += [_table_fqn(module_fqn, module, t.name)
+                                for emb in inner._emb_modules for t in emb._config.embedding_tables]
                     continue
                 for emb in inner._emb_modules:
                     states = emb._emb_module.split_optimizer_states()
@@ -105,7 +133,17 @@ def register_hooks(
         if compact is not None:
             module.register_post_odist_tracker_fn(compact)  # type: ignore[operator]
             hooked.append((module, "post_odist_tracker_fn"))
+    if skipped:
+        logger.warning("tracking mode %s skips %s: no fused optimizer state (data-parallel tables are trained by "
+                       "the dense optimizer); ID_ONLY and EMBEDDING track them", mode.name, ", ".join(sorted(skipped)))
     return hooked
+
+
+def _table_fqn(module_fqn: str, module: nn.Module, table_name: str) -> str:
+    """TorchRec's tracker fqn of a table of ``module`` (``<module>.embeddings.<table>`` for an
+    EC, ``<module>.embedding_bags.<table>`` for an EBC), for messages."""
+    attr = "embedding_bags" if isinstance(module, ShardedEmbeddingBagCollection) else "embeddings"
+    return f"{module_fqn}.{attr}.{table_name}" if module_fqn else f"{attr}.{table_name}"
 
 
 def unregister_hooks(hooked: Hooked, owner: object) -> None:

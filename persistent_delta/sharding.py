@@ -12,6 +12,11 @@ current rows and the optimizer state are read.
 The shard metadata is written into the log's table entries so that tools can map shard-local
 ids to global row ids (``global_id = local_id + row_offset``; column-wise shards hold the
 columns ``[col_offset, col_offset + local_cols)`` of the same rows).
+
+A data-parallel table (sharding type ``"data_parallel"``) is replicated: every rank holds all of
+it (row and column offset 0, local size = global size; TorchRec gives it no shard metadata). Its
+lookup is DDP-wrapped and its TBE is a dense ``DenseTableBatchedEmbeddingBagsCodegen`` trained by
+the dense optimizer: it has weights but no fused optimizer state.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import torch
 from torch import nn
 
 from persistent_delta.errors import InvalidInputError
+
+#: TorchRec's sharding type of a replicated table (``ShardingType.DATA_PARALLEL.value``).
+DATA_PARALLEL = "data_parallel"
 
 
 @dataclass
@@ -38,8 +46,13 @@ class LocalTable:
     local_cols: int
     global_rows: int
     global_cols: int
-    emb_module: nn.Module  # BatchedFusedEmbedding / BatchedFusedEmbeddingBag
+    emb_module: nn.Module  # BatchedFusedEmbedding[Bag]; BatchedDenseEmbedding[Bag] for data-parallel
     index: int  # index of the table inside the TBE's split_* lists
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the table is replicated on every rank (no fused optimizer state)."""
+        return self.sharding_type == DATA_PARALLEL
 
     def metadata(self, kind: str) -> Dict[str, Any]:
         """The serialisable shard metadata stored in the log."""
@@ -60,13 +73,17 @@ class LocalTable:
         return self.emb_module._emb_module  # type: ignore[union-attr]
 
     def weights(self) -> torch.Tensor:
-        """The whole local shard (a live view into the TBE)."""
+        """The whole local shard (a live view into the TBE); for a data-parallel table this
+        rank's replica of the whole table."""
         w: torch.Tensor = self.tbe.split_embedding_weights()[self.index]
         return w
 
     def optimizer_state(self) -> Optional[torch.Tensor]:
         """The first optimizer state of the shard (momentum1: per row for row-wise Adagrad,
-        per element for Adagrad), a live view; None for optimizers without state (SGD)."""
+        per element for Adagrad), a live view; None for optimizers without state (SGD) and for
+        a data-parallel table (its optimizer is the dense one, outside the TBE)."""
+        if self.data_parallel or not hasattr(self.tbe, "split_optimizer_states"):
+            return None
         states = self.tbe.split_optimizer_states()
         if not states or not states[self.index]:
             return None
@@ -80,10 +97,22 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+def iter_lookups(sharded_module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(sharding_type, lookup) for every grouped lookup of a sharded EC/EBC, DDP unwrapped
+    (TorchRec wraps a data-parallel lookup in DDP)."""
+    for stype, lookup in zip(sharded_module._sharding_types, sharded_module._lookups):  # type: ignore[arg-type]
+        yield str(stype), _unwrap(lookup)
+
+
+def has_fused_state(stype: str, emb_module: nn.Module) -> bool:
+    """Whether a grouped embedding module keeps its optimizer state in its TBE (fused, readable
+    with ``split_optimizer_states``): not so for a data-parallel table's dense TBE."""
+    return stype != DATA_PARALLEL and hasattr(getattr(emb_module, "_emb_module", None), "split_optimizer_states")
+
+
 def iter_group_tables(sharded_module: nn.Module) -> Iterator[Tuple[str, nn.Module, int, Any]]:
     """(sharding_type, emb_module, index, ShardedEmbeddingTable) for every local shard."""
-    for stype, lookup in zip(sharded_module._sharding_types, sharded_module._lookups):  # type: ignore[arg-type]
-        lookup = _unwrap(lookup)
+    for stype, lookup in iter_lookups(sharded_module):
         for emb in getattr(lookup, "_emb_modules", []):
             for i, t in enumerate(emb._config.embedding_tables):
                 yield stype, emb, i, t
@@ -107,7 +136,11 @@ def local_tables(tracked_modules: Dict[str, nn.Module], table_to_fqn: Dict[str, 
                     "does not track; use a plan with at most one shard per table per rank"
                 )
             md = t.local_metadata
-            row_off, col_off = (int(md.shard_offsets[0]), int(md.shard_offsets[1])) if md is not None else (0, 0)
+            if str(stype) == DATA_PARALLEL or md is None:
+                # replicated (TorchRec leaves local_metadata None): the whole table at offset 0
+                row_off, col_off = 0, 0
+            else:
+                row_off, col_off = int(md.shard_offsets[0]), int(md.shard_offsets[1])
             out[fqn] = LocalTable(
                 fqn=fqn,
                 table_name=t.name,

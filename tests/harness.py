@@ -19,6 +19,13 @@ Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
   ``split_embedding_weights()`` / ``split_optimizer_states()``.
 * ``table_column_wise`` is not supported by the EC sharder (only DP/TW/CW/RW): building
   ``kind="ec", sharding="table_column_wise"`` raises ``ValueError``.
+* A data-parallel table (``dp_tables``) sits in ``sharded._lookups[i]`` wrapped in DDP
+  (sharding type ``"data_parallel"``), as a ``BatchedDenseEmbedding[Bag]`` whose
+  ``_emb_module`` is a ``DenseTableBatchedEmbeddingBagsCodegen`` (``split_embedding_weights()``
+  but no ``split_optimizer_states()``); its ``local_metadata`` is None and local size = global
+  size. It is not in ``dmp.fused_optimizer``: the dense SGD of ``train_step`` updates it.
+  On CPU the dense TBE pools even with ``PoolingMode.NONE`` (pytorch/FBGEMM#4586), which
+  breaks an EC's DP lookup; ``build_sharded_model`` gives those TBEs a per-id lookup.
 """
 
 from __future__ import annotations
@@ -29,14 +36,17 @@ import pickle
 import socket
 import time
 import traceback
+import types
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    DenseTableBatchedEmbeddingBagsCodegen,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 from torch import nn
@@ -52,6 +62,7 @@ from torchrec.distributed.sharding_plan import (
     ParameterShardingGenerator,
     column_wise,
     construct_module_sharding_plan,
+    data_parallel,
     row_wise,
     table_wise,
 )
@@ -132,6 +143,8 @@ class SparseDenseModel(nn.Module):
 
 
 def _plan_generator(sharding: str, table_idx: int, world_size: int) -> ParameterShardingGenerator:
+    if sharding == "data_parallel":
+        return data_parallel()
     if sharding == "row_wise":
         return row_wise()
     if sharding == "table_wise":
@@ -148,9 +161,39 @@ def _plan_generator(sharding: str, table_idx: int, world_size: int) -> Parameter
     raise ValueError(f"unknown sharding {sharding!r}")
 
 
+def _unpooled_dense_lookup(tbe: DenseTableBatchedEmbeddingBagsCodegen, indices: torch.Tensor,
+                           offsets: torch.Tensor, per_sample_weights: Any = None,
+                           feature_requires_grad: Any = None,
+                           batch_size_per_feature_per_rank: Any = None) -> torch.Tensor:
+    """What ``DenseTableBatchedEmbeddingBagsCodegen`` with ``PoolingMode.NONE`` returns on a GPU:
+    one row per id, [num_ids, D], differentiable into ``tbe.weights``."""
+    del per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank
+    num_features = tbe.weights_offsets.numel()
+    batch = (offsets.numel() - 1) // num_features
+    out = []
+    for f in range(num_features):
+        lo, hi = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        dim, start = int(tbe.feature_dims[f]), int(tbe.weights_offsets[f])
+        flat = start + indices[lo:hi, None] * dim + torch.arange(dim, device=indices.device)
+        out.append(tbe.weights[flat])
+    return torch.cat(out) if out else tbe.weights.new_empty((0, tbe.max_D))
+
+
+def _fix_cpu_unpooled_dense(dmp: nn.Module) -> None:
+    """Work around fbgemm-gpu-cpu (1.8.0, pytorch/FBGEMM#4586): on CPU the dense TBE pools even
+    with ``PoolingMode.NONE``, so an EC's data-parallel lookup returns [B*features, D] instead of
+    one row per id and TorchRec's output split fails. The EC's DP TBEs get a correct lookup."""
+    for _fqn, stype, emb, _i, _t in list(_iter_local_tables(dmp)):
+        tbe = emb._emb_module
+        if (stype == ShardingType.DATA_PARALLEL.value and isinstance(tbe, DenseTableBatchedEmbeddingBagsCodegen)
+                and tbe.pooling_mode == PoolingMode.NONE and tbe.weights.device.type == "cpu"
+                and "forward" not in vars(tbe)):
+            tbe.forward = types.MethodType(_unpooled_dense_lookup, tbe)  # type: ignore[method-assign]
+
+
 def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, optimizer: str,
                         num_tables: int = 2, rows: int = 100, dim: int = 8,
-                        seed: int = 0) -> DistributedModelParallel:
+                        seed: int = 0, dp_tables: Sequence[int] = ()) -> DistributedModelParallel:
     """Shard a ``SparseDenseModel`` on CPU over the default (gloo) process group.
 
     Every table uses ``sharding`` (table-wise puts table t on rank t % world_size;
@@ -159,6 +202,12 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     the fused (in-backward) FBGEMM optimizer ``optimizer`` with lr 0.1; the dense Linear
     gets a plain SGD (lr 0.1) that ``train_step`` steps. Weights are set from
     ``global_table_weights(seed)`` after sharding, so equal seeds give identical models.
+
+    ``dp_tables``: indices of tables planned data-parallel instead (``sharding="data_parallel"``
+    plans all). TorchRec replicates such a table on every rank in a dense FBGEMM TBE
+    (``DenseTableBatchedEmbeddingBagsCodegen``) behind a DDP-wrapped lookup: no fused
+    optimizer; its weight is an ordinary parameter that the dense SGD steps after DDP's
+    gradient all-reduce, so the replicas stay equal.
     """
     if kind == "ec" and sharding == "table_column_wise":
         raise ValueError("EmbeddingCollectionSharder does not support table_column_wise")
@@ -169,7 +218,8 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     _apply_optimizer_in_backward(opt_cls, model.sparse.parameters(), dict(opt_kw))
     module_plan = construct_module_sharding_plan(
         model.sparse,
-        {f"table_{t}": _plan_generator(sharding, t, world_size) for t in range(num_tables)},
+        {f"table_{t}": _plan_generator("data_parallel" if t in dp_tables else sharding, t, world_size)
+         for t in range(num_tables)},
         local_size=world_size, world_size=world_size, device_type="cpu")
     pg = dist.GroupMember.WORLD
     assert pg is not None, "run inside run_spawn (needs an initialised process group)"
@@ -177,6 +227,7 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
         plan=ShardingPlan({SPARSE_FQN: module_plan}))
+    _fix_cpu_unpooled_dense(dmp)
     full = global_table_weights(num_tables, rows, dim, seed)
     with torch.no_grad():
         for fqn, info in table_shard_info(dmp).items():
@@ -256,21 +307,25 @@ def table_shard_info(dmp: nn.Module) -> Dict[str, Dict[str, Any]]:
     for fqn, stype, _emb, _i, t in _iter_local_tables(dmp):
         assert fqn not in info, f"more than one local shard of {fqn} on this rank"
         md = t.local_metadata
-        assert md is not None
-        info[fqn] = dict(sharding_type=stype, row_offset=int(md.shard_offsets[0]),
-                         col_offset=int(md.shard_offsets[1]), local_rows=t.local_rows,
+        # a data-parallel table has no shard metadata: every rank holds all of it
+        assert md is not None or stype == ShardingType.DATA_PARALLEL.value, (fqn, stype)
+        offsets = md.shard_offsets if md is not None else [0, 0]
+        info[fqn] = dict(sharding_type=stype, row_offset=int(offsets[0]),
+                         col_offset=int(offsets[1]), local_rows=t.local_rows,
                          local_cols=t.local_cols, global_rows=t.num_embeddings,
                          global_cols=t.embedding_dim)
     return info
 
 
-def get_tbe(dmp: nn.Module, fqn: str) -> Tuple[SplitTableBatchedEmbeddingBagsCodegen, int]:
+def get_tbe(dmp: nn.Module, fqn: str) -> Tuple[Any, int]:
     """The FBGEMM TBE holding this rank's shard of ``fqn`` and the table's index in it
-    (``emb._emb_module`` of the ``BatchedFusedEmbedding[Bag]`` in the lookup)."""
+    (``emb._emb_module`` of the ``BatchedFusedEmbedding[Bag]`` in the lookup; for a
+    data-parallel table the ``DenseTableBatchedEmbeddingBagsCodegen`` of a
+    ``BatchedDenseEmbedding[Bag]``, which has no optimizer state)."""
     for f, _s, emb, i, _t in _iter_local_tables(dmp):
         if f == fqn:
             tbe = emb._emb_module
-            assert isinstance(tbe, SplitTableBatchedEmbeddingBagsCodegen), type(tbe)
+            assert isinstance(tbe, (SplitTableBatchedEmbeddingBagsCodegen, DenseTableBatchedEmbeddingBagsCodegen)), type(tbe)
             return tbe, i
     raise KeyError(f"{fqn} has no shard on this rank")
 
@@ -290,8 +345,10 @@ def get_local_rows(dmp: nn.Module, fqn: str, local_ids: torch.Tensor) -> torch.T
 def get_local_optimizer_state(dmp: nn.Module, fqn: str) -> List[torch.Tensor]:
     """``split_optimizer_states()`` of the TBE for ``fqn`` (views): [] for EXACT_SGD,
     [momentum1 (local_rows, local_cols)] for EXACT_ADAGRAD, [momentum1 (local_rows,)]
-    for EXACT_ROWWISE_ADAGRAD."""
+    for EXACT_ROWWISE_ADAGRAD; [] for a data-parallel table (no fused optimizer)."""
     tbe, i = get_tbe(dmp, fqn)
+    if isinstance(tbe, DenseTableBatchedEmbeddingBagsCodegen):
+        return []
     states = tbe.split_optimizer_states()
     return list(states[i]) if states else []
 

@@ -476,3 +476,90 @@ def empty_shapes_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
                     replica[fqn][m.global_ids] = m.states  # the natural apply works on an empty poll
     t.close()
     return out
+
+
+# ----------------------------------------------------------------- data-parallel tables
+
+
+def _fed_ids(kind: str, steps: int, seed: int, world_size: int, rank: int, table: str) -> List[int]:
+    """Sorted unique (global) ids that ``rank``'s batches feed to ``table``."""
+    from harness import feature_names
+
+    ids: set = set()
+    for b in make_batches(kind, steps, 8, seed=seed, world_size=world_size, rank=rank):
+        for f in feature_names(2)[table]:
+            ids.update(b.sparse[f].values().tolist())
+    return sorted(ids)
+
+
+def dp_table_case(rank: int, world_size: int, root: str, cases: List[Tuple[str, str]], steps: int = 4) -> Dict[str, Any]:
+    """A model with table_0 data-parallel and table_1 row-wise (row-wise Adagrad fused), per
+    (kind, mode): attach, train, get_unique. ID_ONLY/EMBEDDING track the DP table with the ids
+    this rank looked up (EMBEDDING: their values at the first lookup); optimizer-state modes
+    leave it out, with one log line. Returns per case what the parent checks across ranks."""
+    import logging
+
+    from harness import get_local_weights
+
+    class _LogLines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.lines: List[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    seed = 13
+    out: Dict[str, Any] = {}
+    for kind, mode_name in cases:
+        mode = TrackingMode[mode_name]
+        attr = "embeddings" if kind == "ec" else "embedding_bags"
+        dp_fqn, rw_fqn = f"sparse.{attr}.table_0", f"sparse.{attr}.table_1"
+        case = f"{kind}-{mode_name}"
+        batches = make_batches(kind, steps, 8, seed=seed, world_size=world_size, rank=rank)
+        dmp = build_sharded_model(rank, world_size, kind, "row_wise", "EXACT_ROWWISE_ADAGRAD", dp_tables=(0,))
+        lines = _LogLines()
+        capture_logger = logging.getLogger("persistent_delta.capture")
+        old_level = capture_logger.level
+        capture_logger.setLevel(logging.INFO)
+        capture_logger.addHandler(lines)
+        try:
+            t = attach(dmp, PersistentTrackerConfig(path=os.path.join(root, case), tracking_mode=mode,
+                                                    delete_on_read=False))
+        finally:
+            capture_logger.removeHandler(lines)
+            capture_logger.setLevel(old_level)
+        # the DP table is replicated: the whole table on every rank, no optimizer state
+        dp = t.local_tables[dp_fqn]
+        assert (dp.sharding_type, dp.row_offset, dp.col_offset) == ("data_parallel", 0, 0), (case, dp)
+        assert (dp.local_rows, dp.local_cols) == (dp.global_rows, dp.global_cols) == (100, 8), (case, dp)
+        assert torch.equal(dp.weights(), get_local_weights(dmp, dp_fqn)), case
+        assert dp.optimizer_state() is None, case
+        first: Dict[int, torch.Tensor] = {}
+        for b in batches:
+            w = dp.weights().detach().clone()
+            for f in ("feature_0", "feature_1"):
+                for i in b.sparse[f].values().tolist():
+                    first.setdefault(i, w[i])
+            train_step(dmp, b)
+        rows = t.get_unique()
+        rw = t.local_tables[rw_fqn]
+        rw_all = sorted({i for r in range(world_size) for i in _fed_ids(kind, steps, seed, world_size, r, "table_1")})
+        rw_want = [i - rw.row_offset for i in rw_all if rw.row_offset <= i < rw.row_offset + rw.local_rows]
+        assert rows[rw_fqn].ids.tolist() == rw_want, case
+        dp_ids = _fed_ids(kind, steps, seed, world_size, rank, "table_0")
+        if mode in STATE_MODES:
+            assert dp_fqn not in rows, (case, sorted(rows))
+            assert rows[rw_fqn].states is not None and rows[rw_fqn].states.shape[0] == len(rw_want), case
+        else:
+            assert rows[dp_fqn].ids.tolist() == dp_ids, (case, rows[dp_fqn].ids.tolist(), dp_ids)
+            if mode == TrackingMode.EMBEDDING:
+                want = torch.stack([first[i] for i in dp_ids])
+                assert torch.equal(rows[dp_fqn].states, want), case
+            else:
+                assert rows[dp_fqn].states is None, case
+        t.close()
+        out[case] = {"dp_fqn": dp_fqn, "rw_fqn": rw_fqn, "dp_ids": dp_ids, "rw_all": rw_all,
+                     "dp_states": rows[dp_fqn].states if dp_fqn in rows else None,
+                     "skip_lines": [ln for ln in lines.lines if dp_fqn in ln]}
+    return out
