@@ -5,7 +5,7 @@ writes it to an append-only LMDB log, so deltas and consumer offsets survive res
 """
 
 from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
-from persistent_delta.consumer import DeltaConsumer
+from persistent_delta.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.errors import (
     ConfigMismatchError,
     CorruptRecordError,
@@ -48,6 +48,7 @@ __all__ = [
     "DeltaConsumer",
     "DeltaLog",
     "DeltaPoll",
+    "DeltaReader",
     "Durability",
     "ForkedProcessError",
     "FormatMismatchError",

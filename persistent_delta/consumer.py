@@ -1,30 +1,43 @@
-"""``DeltaConsumer``: read a trainer's delta log from another process, Kafka-consumer style.
+"""Readers of a trainer's delta log in any process: ``DeltaReader`` (unregistered, no side
+effects) and ``DeltaConsumer`` (registered, durable position), Kafka-consumer style.
 
-Owns: one consumer's in-memory positions and its poll/commit cycle. What a position means
-(bounds, read start, range checks, reset) is :mod:`persistent_delta.delivery`'s; the result
-types are :mod:`persistent_delta.results`'.
+Owns: a reader's in-memory positions, which ranks a job has, and the poll/commit cycle. What a
+position means (bounds, read start, range checks, reset) is :mod:`persistent_delta.delivery`'s;
+the result types are :mod:`persistent_delta.results`'.
 
 Design note
 -----------
-A log root holds one log per rank (``<root>/rank-<r>``); each log keeps its own consumer
-entries, so a consumer has one position per rank. ``poll`` reads, per rank, one read
-transaction: the unique rows of ``[read_start(position), end)`` per table (the log's update
-mode; ``LAST`` for snapshots), with shard-local ids mapped to global row ids, and moves the
-in-memory position to ``end``. ``commit`` makes the positions durable (one write transaction
-per rank, through a handle that needs no writer lock, so it works while the trainer runs).
-Nothing advances durably before ``commit``: a crash between ``poll`` and ``commit``
-re-delivers (at-least-once). The entry is registered as ``Delivery.POLL_COMMIT``: while it
-reads the lookups channel the trainer writes every batch whole and never compacts across it.
+A log root holds one log per rank (``<root>/rank-<r>``). The job's ranks come from the world
+size each tracker records at attach, never from which directories happen to exist: a rank that
+does not exist yet is waited for (``wait=``) or picked up by a later poll; directories of ranks
+at or above the world size (left from a run with more ranks) are ignored, with a warning.
 
-A registered consumer holds back the trainer's ``delete_on_read`` retention like a durable
-subscription (see :mod:`persistent_delta.delivery`).
+``poll`` reads, per rank, one read transaction: the unique rows of ``[read_start(position),
+end)`` per table, with shard-local ids mapped to global row ids. For a tracker's job ``end`` is
+the same on every rank: the smallest channel end over the job's ranks, so a poll holds only
+batches that every rank has completed (no merged table misses a column half; a missing rank
+holds every poll at its start). ``poll(timeout=)`` waits for a commit that completes a batch.
+
+* :class:`DeltaReader` keeps its positions in memory only: it holds back no retention and has
+  no effect on the trainer; data deleted under it gives :class:`OffsetOutOfRangeError` (or its
+  reset policy). Replay and one-off looks use it.
+* :class:`DeltaConsumer` registers its name in every rank's log (``Delivery.POLL_COMMIT``):
+  it holds back ``delete_on_read`` retention like a durable subscription, and while it reads
+  the lookups channel the trainer writes every batch whole and never compacts across it.
+  ``commit`` makes the positions durable (one write transaction per rank, no writer lock
+  needed); a crash between ``poll`` and ``commit`` re-delivers (at-least-once). One active user
+  per name: a second one is refused with the holder's pid.
+
+A waiting poll does not cut the writer's group commit short: small steps are committed after
+at most ``linger_s`` (see :class:`~persistent_delta.config.WriterOptions`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from persistent_delta import delivery
 from persistent_delta.config import LogOptions
@@ -32,45 +45,321 @@ from persistent_delta.errors import (
     ConfigMismatchError,
     InvalidInputError,
     LogClosedError,
+    NotALogError,
     UnknownConsumerError,
 )
-from persistent_delta.layout import PathLike, rank_paths
+from persistent_delta.layout import FileState, PathLike, file_state, rank_dir, rank_paths
+from persistent_delta.lifecycle import warn_unclosed
+from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
-from persistent_delta.schema import LOOKUPS, ConsumerEntry, Delivery, check_channel, check_consumer_name
+from persistent_delta.schema import (
+    LOOKUPS,
+    META_TRACKER,
+    ConsumerEntry,
+    Delivery,
+    TrackerMeta,
+    check_batch_idx,
+    check_channel,
+    check_consumer_name,
+)
 
 logger = logging.getLogger(__name__)
 
 RESET_POLICIES = delivery.RESET_POLICIES
+Start = Union[str, int]
+_R = TypeVar("_R", bound="DeltaReader")
+_WAIT_STEP_S = 0.002  # how often a waiting poll looks for a new commit (a cheap meta-page read)
 
 
-class DeltaConsumer:
-    """A consumer of a trainer's delta log, in any process (the trainer's included).
+def _world_size_of(found: Dict[int, str], options: LogOptions) -> Optional[int]:
+    """The world size the lowest rank's tracker recorded, or None (a plain store, an old log)."""
+    for rank, path in sorted(found.items()):
+        try:
+            with DeltaLog(path, readonly=True, options=options) as log:
+                meta = log.read(lambda r: TrackerMeta.from_value(r.meta(META_TRACKER)))
+        except NotALogError:
+            continue  # not a log yet: ask the next rank
+        return None if meta is None else meta.world_size
+    return None
 
-    Opens every rank's log under ``root`` in the calling process (never share one across
-    fork/spawn: open it in the process that uses it). Not thread-safe: use it from one thread
-    at a time. Ranks are discovered when it is built.
+
+class DeltaReader:
+    """An unregistered reader of a log root: positions in memory only, no retention hold, no
+    effect on the trainer, never writes. Not thread-safe; open it in the process that uses it.
 
     Args:
         root: the log root (``<root>/rank-<r>``), or a single log directory (rank 0).
-        name: the consumer name (letters, digits, ``._:@/-``).
-        channel: ``"lookups"`` (default) or ``"snapshots"`` (see the module docs).
-        reset: what to do when the position cannot be served (below the log start, or past
-            its end): None raises :class:`OffsetOutOfRangeError`, ``"earliest"`` moves to the
-            log start, ``"latest"`` to the log end. Also where a new registration starts
-            (default: the log start).
-        register: register the name in every rank's log when it is missing (durably, so it
-            holds back retention from now on). With False a missing name raises.
+        channel: ``"lookups"`` (default) or ``"snapshots"``.
+        start: where to start: ``"earliest"`` (default, the channel start), ``"latest"`` (its
+            end) or a batch index.
+        reset: when a position cannot be served (below the start, past the end): None raises
+            :class:`OffsetOutOfRangeError`, ``"earliest"``/``"latest"`` move it there.
         tables: only these table fqns (default: all).
-        options: :class:`LogOptions` for opening the logs (default: :meth:`LogOptions.resolve`,
-            i.e. the ``PERSISTENT_DELTA_*`` environment variables, then the defaults).
+        wait: seconds to wait for the root and every rank of the job to exist (default 0:
+            the root must exist; a rank that appears later is picked up by a later poll).
+        options: :class:`LogOptions` (default :meth:`LogOptions.resolve`).
 
     Raises:
-        NotALogError: ``root`` holds no log.
+        NotALogError: no log under ``root`` (after ``wait``), or ranks still missing after a
+            positive ``wait`` (named in the message).
+        InvalidInputError: a bad channel, start, reset policy or wait.
+    """
+
+    _readonly = True
+
+    def __init__(
+        self,
+        root: PathLike,
+        channel: str = LOOKUPS,
+        start: Start = "earliest",
+        reset: Optional[str] = None,
+        tables: Optional[Sequence[str]] = None,
+        wait: float = 0.0,
+        options: Optional[LogOptions] = None,
+    ) -> None:
+        self._closed = True
+        self.channel = check_channel(channel)
+        if reset is not None and reset not in RESET_POLICIES:
+            raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
+        if not (start in RESET_POLICIES or (isinstance(start, int) and not isinstance(start, bool))):
+            raise InvalidInputError(f"start must be 'earliest', 'latest' or a batch index, got {start!r}")
+        if isinstance(start, int):
+            check_batch_idx(start, "start")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+            raise InvalidInputError(f"wait must be a non-negative number of seconds, got {wait!r}")
+        self.reset = reset
+        self.root = os.fspath(root)
+        self._start = start
+        self._tables = list(tables) if tables is not None else None
+        self._options = options or LogOptions.resolve()
+        self._logs: Dict[int, DeltaLog] = {}
+        self._positions: Dict[int, int] = {}
+        self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
+        self._closed = False
+        try:
+            self._discover(wait)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ ranks
+    def _discover(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self._open_ranks()
+            except NotALogError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            missing = self.missing_ranks()
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        missing = self.missing_ranks()
+        if missing and wait > 0:
+            raise NotALogError(
+                f"{self.root}: ranks {missing} of the job (world size {len(self._expected or ())}) have no log after "
+                f"waiting {wait} s; start them, or wait longer"
+            )
+        if missing:
+            logger.info("%s: ranks %s have no log yet; polls hold at their start until they appear", self.root, missing)
+
+    def _open_ranks(self) -> None:
+        """Open the logs of the job's ranks that exist now.
+
+        Raises:
+            NotALogError: none is open (nothing under the root yet, or not ours).
+        """
+        if self._expected is None:
+            found = rank_paths(self.root)
+            size = _world_size_of(found, self._options)
+            if size is None:  # a plain store, or logs written before world sizes were recorded
+                candidates = found
+            else:
+                self._expected = set(range(size))
+                for rank in sorted(set(found) - self._expected):
+                    logger.warning("%s: ignoring rank-%d, left from a run with more ranks (world size %d)",
+                                   self.root, rank, size)
+                candidates = {r: rank_dir(self.root, r) for r in self._expected}
+        else:
+            candidates = {r: rank_dir(self.root, r) for r in self._expected}
+        for rank, path in sorted(candidates.items()):
+            if rank in self._logs or file_state(path) is not FileState.PRESENT:
+                continue
+            try:
+                self._open(rank, path)
+            except NotALogError:
+                if self._expected is None:
+                    raise
+                # not a log yet: a later poll looks again
+        if not self._logs:
+            raise NotALogError(f"{self.root}: no rank of the job has a log yet")
+
+    def _open(self, rank: int, path: str) -> None:
+        log = DeltaLog(path, readonly=self._readonly, writer_lock=False, options=self._options)
+        try:
+            self._positions[rank] = self._first_position(rank, log)
+        except BaseException:
+            log.close()
+            raise
+        self._logs[rank] = log
+
+    def _first_position(self, rank: int, log: DeltaLog) -> int:
+        if isinstance(self._start, int):
+            return self._start
+        return log.read(lambda r: delivery.registration_offset(r, self.channel, latest=self._start == "latest"))
+
+    def missing_ranks(self) -> List[int]:
+        """Ranks of the job that have no log (yet)."""
+        return sorted((self._expected or set()) - set(self._logs))
+
+    @property
+    def ranks(self) -> List[int]:
+        """The ranks read now (a rank that appears later joins at the next poll)."""
+        return sorted(self._logs)
+
+    # ------------------------------------------------------------------ reading
+    def poll(self, max_batches: Optional[int] = None, timeout: Optional[float] = None) -> DeltaPoll:
+        """Read, per rank, the batches from the position up to the end every rank of the job
+        has completed (at most ``max_batches`` of them), and move the position past them.
+
+        Args:
+            max_batches: read at most this many batches per rank (default: all available).
+            timeout: wait up to this many seconds for at least one new batch (default: do not
+                wait). A poll that times out is empty and still reports its ranges.
+
+        Returns:
+            A :class:`DeltaPoll` reporting, per rank, the range it actually read.
+
+        Raises:
+            OffsetOutOfRangeError: a position is below the channel start (its batches were
+                deleted) or past its end, and no reset policy was chosen.
+            LogClosedError: it is closed.
+        """
+        self._check()
+        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
+            raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seen = self._txnids()
+            result = self._poll_once(max_batches)
+            if not result.empty or deadline is None or time.monotonic() >= deadline:
+                return result
+            while self._txnids() == seen and time.monotonic() < deadline:
+                time.sleep(_WAIT_STEP_S)
+
+    def _txnids(self) -> Tuple[int, ...]:
+        return tuple(log.last_txnid() for _, log in sorted(self._logs.items()))
+
+    def _poll_once(self, max_batches: Optional[int]) -> DeltaPoll:
+        if self.missing_ranks():
+            self._open_ranks()
+        where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
+        bounds = {rank: log.read(lambda r: delivery.bounds(r, self.channel)) for rank, log in self._logs.items()}
+        positions = {rank: delivery.serve_position(self._positions[rank], a, b, self.channel, self.reset,
+                                                   self._label(), where[rank]) for rank, (a, b) in bounds.items()}
+        common: Optional[int] = None
+        if self._expected is not None:  # a tracker's job: every rank's batches, or none
+            common = 0 if self.missing_ranks() else min(b for _, b in bounds.values())
+        ranks: Dict[int, RankDelta] = {}
+        for rank, log in self._logs.items():
+            pos = positions[rank]
+            end = bounds[rank][1] if common is None else min(common, bounds[rank][1])
+            stop = max(pos, end if max_batches is None else min(end, pos + max_batches))
+
+            def read(r: ReadTxn, rank: int = rank, path: str = log.path, pos: int = pos, stop: int = stop) -> RankDelta:
+                return read_range(r, rank, path, pos, stop, self.channel, self._tables)
+
+            delta = log.read(read)
+            ranks[rank] = delta
+            self._positions[rank] = delta.end_idx
+        return DeltaPoll(channel=self.channel, ranks=ranks)
+
+    def _label(self) -> str:
+        return "(unregistered reader)"
+
+    # ------------------------------------------------------------------ positions
+    def position(self) -> Dict[int, int]:
+        """rank -> the next batch_idx ``poll`` reads."""
+        self._check()
+        return dict(self._positions)
+
+    def end_offsets(self) -> Dict[int, int]:
+        """rank -> the channel's end now (one past the last complete batch)."""
+        self._check()
+        return {rank: log.read(lambda r: delivery.bounds(r, self.channel)[1]) for rank, log in self._logs.items()}
+
+    def seek(self, batch_idx: int, rank: Optional[int] = None) -> None:
+        """Move the position (every rank's, or one rank's) to ``batch_idx``, in memory. The
+        range is checked by the next ``poll``.
+
+        Raises:
+            InvalidInputError: a negative, too large or non-int ``batch_idx``, or an unknown rank.
+        """
+        self._check()
+        check_batch_idx(batch_idx)
+        if rank is not None and rank not in self._positions:
+            raise InvalidInputError(f"rank {rank} has no log under {self.root} (ranks: {sorted(self._positions)})")
+        for r in [rank] if rank is not None else list(self._positions):
+            self._positions[r] = batch_idx
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close every log handle. Idempotent."""
+        self._closed = True
+        for log in self._logs.values():
+            log.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"{self!r} is closed")
+
+    def __del__(self) -> None:
+        warn_unclosed(self, repr(self))
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self, 'root', '?')!r}, channel={getattr(self, 'channel', '?')!r})"
+
+
+class DeltaConsumer(DeltaReader):
+    """A registered consumer of a log root, in any process (the trainer's included): its
+    position is durable (``commit``) and it holds back retention. See the module docs.
+
+    Args:
+        root: the log root (``<root>/rank-<r>``), or a single log directory (rank 0).
+        name: the consumer name (letters, digits, ``._:@/-``); one active user per name.
+        channel: ``"lookups"`` (default) or ``"snapshots"``.
+        reset: see :class:`DeltaReader`; also where a new registration starts (default: the
+            channel start; ``"latest"``: its end).
+        register: register the name in every rank's log where it is missing (durably: it holds
+            back retention from now on). With False a missing name raises.
+        tables, wait, options: see :class:`DeltaReader`.
+
+    Raises:
+        NotALogError: ``root`` holds no log (after ``wait``).
         UnknownConsumerError: ``register=False`` and the name is missing on a rank.
         ConfigMismatchError: the name is registered for the other channel.
+        LogLockedError: another process (the trainer, another consumer, the offsets tool) uses
+            the name now.
         InvalidInputError: bad name, channel or reset policy.
     """
+
+    _readonly = False
 
     def __init__(
         self,
@@ -80,28 +369,34 @@ class DeltaConsumer:
         reset: Optional[str] = None,
         register: bool = True,
         tables: Optional[Sequence[str]] = None,
+        wait: float = 0.0,
         options: Optional[LogOptions] = None,
     ) -> None:
+        self._closed = True
         self.name = check_consumer_name(name)
-        self.channel = check_channel(channel)
-        if reset is not None and reset not in RESET_POLICIES:
-            raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
-        self.reset = reset
-        self.root = os.fspath(root)
-        self._tables = list(tables) if tables is not None else None
-        self._logs: Dict[int, DeltaLog] = {}
-        self._closed = False
-        try:
-            for rank, path in rank_paths(self.root).items():
-                self._logs[rank] = DeltaLog(path, writer_lock=False, options=options or LogOptions.resolve())
-            self._committed = {rank: self._load(rank, log, register) for rank, log in self._logs.items()}
-        except BaseException:
-            self.close()
-            raise
-        self._positions = dict(self._committed)
+        self._register = register
+        self._claims: Dict[int, ConsumerClaims] = {}
+        self._committed: Dict[int, int] = {}
+        start: Start = "latest" if reset == "latest" else "earliest"
+        super().__init__(root, channel=channel, start=start, reset=reset, tables=tables, wait=wait, options=options)
         logger.info("consumer %r (%s) on %s: positions %s", self.name, self.channel, self.root, self._positions)
 
+    def _label(self) -> str:
+        return self.name
+
     # ------------------------------------------------------------------ registration
+    def _first_position(self, rank: int, log: DeltaLog) -> int:
+        claims = ConsumerClaims(log.path)
+        claims.claim(self.name, "consume with it")
+        try:
+            offset = self._load(rank, log)
+        except BaseException:
+            claims.release_all()
+            raise
+        self._claims[rank] = claims
+        self._committed[rank] = offset
+        return offset
+
     def _check_entry(self, rank: int, entry: ConsumerEntry) -> int:
         if entry.channel != self.channel:
             raise ConfigMismatchError(
@@ -110,11 +405,11 @@ class DeltaConsumer:
             )
         return entry.offset
 
-    def _load(self, rank: int, log: DeltaLog, register: bool) -> int:
+    def _load(self, rank: int, log: DeltaLog) -> int:
         entry = log.read(lambda r: r.consumer(self.name))
         if entry is not None:
             return self._check_entry(rank, entry)
-        if not register:
+        if not self._register:
             raise UnknownConsumerError(
                 f"consumer {self.name!r} is not registered in {log.path}; pass register=True or register it with "
                 f"`persistent-delta offsets {self.root} --register {self.name} --execute`"
@@ -125,45 +420,11 @@ class DeltaConsumer:
             if found is not None:  # registered meanwhile by another process
                 return self._check_entry(rank, found)
             offset = delivery.registration_offset(w, self.channel, latest=self.reset == "latest")
-            w.set_consumer(self.name, ConsumerEntry.new(offset, self.channel, Delivery.POLL_COMMIT))
+            delivery.register(w, self.name, offset, self.channel, Delivery.POLL_COMMIT)
             logger.info("registered consumer %r in %s at batch %d", self.name, log.path, offset)
             return offset
 
         return log.write(add)
-
-    # ------------------------------------------------------------------ reading
-    def poll(self, max_batches: Optional[int] = None) -> DeltaPoll:
-        """Read, per rank, the batches from the position up to the log end (at most
-        ``max_batches`` of them) and move the in-memory position past them.
-
-        Args:
-            max_batches: read at most this many batches per rank (default: all available).
-
-        Returns:
-            A :class:`DeltaPoll`; ``poll.empty`` when nothing new was available.
-
-        Raises:
-            OffsetOutOfRangeError: a position is below the log start (its batches were
-                deleted) or past the log end, and no reset policy was chosen.
-            LogClosedError: the consumer is closed.
-        """
-        self._check()
-        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
-            raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
-        ranks: Dict[int, RankDelta] = {}
-        for rank, log in self._logs.items():
-            pos = self._positions[rank]
-
-            def read(r: ReadTxn, rank: int = rank, log: DeltaLog = log, pos: int = pos) -> RankDelta:
-                start, end = delivery.bounds(r, self.channel)
-                pos = delivery.serve_position(pos, start, end, self.channel, self.reset, self.name, f"rank {rank} ({log.path})")
-                stop = end if max_batches is None else min(end, pos + max_batches)
-                return read_range(r, rank, log.path, pos, stop, self.channel, self._tables)
-
-            delta = log.read(read)
-            ranks[rank] = delta
-            self._positions[rank] = delta.end_idx
-        return DeltaPoll(channel=self.channel, ranks=ranks)
 
     # ------------------------------------------------------------------ positions
     def commit(self) -> Dict[int, int]:
@@ -191,11 +452,6 @@ class DeltaConsumer:
             self._committed[rank] = pos
         return dict(self._committed)
 
-    def position(self) -> Dict[int, int]:
-        """rank -> the next batch_idx ``poll`` reads (in memory; durable after ``commit``)."""
-        self._check()
-        return dict(self._positions)
-
     def committed(self) -> Dict[int, int]:
         """rank -> the durably committed offset, as stored in the log now."""
         self._check()
@@ -207,51 +463,13 @@ class DeltaConsumer:
             out[rank] = entry.offset
         return out
 
-    def end_offsets(self) -> Dict[int, int]:
-        """rank -> the channel's end now (one past the last complete batch)."""
-        self._check()
-        return {rank: log.read(lambda r: delivery.bounds(r, self.channel)[1]) for rank, log in self._logs.items()}
-
-    def seek(self, batch_idx: int, rank: Optional[int] = None) -> None:
-        """Move the position (every rank's, or one rank's) to ``batch_idx``; in memory until
-        ``commit``. The range is checked by the next ``poll``.
-
-        Raises:
-            InvalidInputError: a negative or non-int ``batch_idx``, or an unknown rank.
-        """
-        self._check()
-        if isinstance(batch_idx, bool) or not isinstance(batch_idx, int) or batch_idx < 0:
-            raise InvalidInputError(f"batch_idx must be a non-negative int, got {batch_idx!r}")
-        if rank is not None and rank not in self._positions:
-            raise InvalidInputError(f"rank {rank} has no log under {self.root} (ranks: {sorted(self._positions)})")
-        for r in [rank] if rank is not None else list(self._positions):
-            self._positions[r] = batch_idx
-
-    @property
-    def ranks(self) -> List[int]:
-        """The ranks read (discovered when the consumer was built)."""
-        return sorted(self._logs)
-
-    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close every log handle (positions not committed are dropped). Idempotent."""
-        self._closed = True
-        for log in self._logs.values():
-            log.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check(self) -> None:
-        if self._closed:
-            raise LogClosedError(f"consumer {self.name!r} on {self.root} is closed")
-
-    def __enter__(self) -> "DeltaConsumer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Close every log handle and release the name (positions not committed are dropped:
+        never an implicit commit). Idempotent."""
+        super().close()
+        for claims in getattr(self, "_claims", {}).values():
+            claims.release_all()
 
     def __repr__(self) -> str:
-        return f"DeltaConsumer({self.root!r}, {self.name!r}, channel={self.channel!r})"
+        return (f"DeltaConsumer({getattr(self, 'root', '?')!r}, {getattr(self, 'name', '?')!r}, "
+                f"channel={getattr(self, 'channel', '?')!r})")

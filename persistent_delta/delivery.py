@@ -304,6 +304,12 @@ def safe_compact(w: WriteTxn, mode: UpdateMode, start: int, end: int) -> Dict[st
     return merged
 
 
+def compact_behind(w: WriteTxn, mode: UpdateMode, end: int) -> Dict[str, int]:
+    """``auto_compact``: compact ``[largest position, end)`` (positions read inside ``w``:
+    another process may have committed since)."""
+    return safe_compact(w, mode, max(committed_offsets(w).values(), default=0), end)
+
+
 # ------------------------------------------------------------------------------ TorchRec's read
 
 

@@ -21,6 +21,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 DATA_FILE = "data.mdb"  # LMDB's data file
 LMDB_LOCK_FILE = "lock.mdb"  # LMDB's reader table / lock file
 WRITER_LOCK_FILE = "writer.lock"  # persistent_delta's one-writer flock, holding the writer's pid
+CONSUMER_LOCK_DIR = "consumer-locks"  # one flock file per active consumer name, holding its user's pid
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
 
@@ -33,6 +34,12 @@ def rank_of_dir(path: PathLike) -> int | None:
     """The rank a ``rank-<r>`` directory name says, or None for another name."""
     m = _RANK_DIR.match(os.path.basename(os.path.normpath(os.fspath(path))))
     return int(m.group(1)) if m else None
+
+
+def consumer_lock_file(path: PathLike, name: str) -> str:
+    """The lock file of consumer ``name`` in the log directory ``path`` (the name hex-encoded:
+    names may hold ``/`` and ``:``)."""
+    return os.path.join(os.fspath(path), CONSUMER_LOCK_DIR, name.encode().hex() + ".lock")
 
 
 class FileState(enum.Enum):

@@ -41,7 +41,7 @@ from persistent_delta.errors import (
     PersistentDeltaError,
     ReadOnlyLogError,
 )
-from persistent_delta.layout import LMDB_LOCK_FILE, WRITER_LOCK_FILE
+from persistent_delta.layout import LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +82,11 @@ def is_io_failure(exc: BaseException) -> bool:
 # ------------------------------------------------------------------------ writer lock
 
 
-def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
-    """Take the log's exclusive writer lock and write our pid into it; returns the descriptor
-    (close it, or :func:`release_writer_lock`, to release).
-
-    Raises:
-        LogLockedError: another process (or another handle of this one) holds it; the message
-            names the holder's pid.
-    """
+def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
+    """Open ``lock_path`` and try its exclusive flock: ``(fd, None)`` when taken (our pid
+    written into it), else ``(-1, holder)`` naming the holder ("pid N", "this process")."""
     try:
-        fd = os.open(os.path.join(path, WRITER_LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise translate(exc, path) from exc
     try:
@@ -106,16 +101,53 @@ def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
         who = f"pid {holder}" if holder else "an unknown process"
         if holder == str(os.getpid()):
             who += " (this process: close the other handle first)"
+        return -1, who
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd, None
+
+
+def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
+    """Take the log's exclusive writer lock and write our pid into it; returns the descriptor
+    (close it, or :func:`release_lock`, to release). The kernel releases it when the
+    process dies (SIGKILL included).
+
+    Raises:
+        LogLockedError: another process (or another handle of this one) holds it; the message
+            names the holder's pid.
+    """
+    fd, who = _flock_file(os.path.join(path, WRITER_LOCK_FILE), path)
+    if who is not None:
         raise LogLockedError(
             f"{path}: another writer holds the writer lock: {who}, so this process cannot {action}. One writer "
             "process per log; open it read-only (DeltaConsumer, the tools) to read while it is written"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+        )
     return fd
 
 
-def release_writer_lock(fd: int) -> None:
+def acquire_consumer_lock(path: str, name: str, action: str) -> int:
+    """Claim consumer ``name`` of the log at ``path`` for this process (one active user per
+    name: the tracker for its consumers, a ``DeltaConsumer``, or the offsets tool while it
+    changes the entry). A dead holder's claim is released by the kernel.
+
+    Raises:
+        LogLockedError: another user holds it; the message names its pid.
+    """
+    lock = consumer_lock_file(path, name)
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    fd, who = _flock_file(lock, path)
+    if who is not None:
+        raise LogLockedError(
+            f"{path}: consumer {name!r} is in use by {who}, so this process cannot {action}. One active user per "
+            "consumer name: stop the other one first, or use another name"
+        )
+    return fd
+
+
+def release_lock(fd: int) -> None:
     """Clear the holder's pid and release the lock (closing the descriptor drops the flock)."""
     try:
         os.ftruncate(fd, 0)
@@ -284,3 +316,29 @@ def open_in_process(path: str) -> bool:
     with _REGISTRY_LOCK:
         shared = _REGISTRY.get(os.path.realpath(os.fspath(path)))
         return shared is not None and shared.pid == os.getpid()
+
+
+class ConsumerClaims:
+    """The consumer names this process uses in one log (:func:`acquire_consumer_lock`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fds: Dict[str, int] = {}
+
+    def claim(self, name: str, action: str) -> None:
+        """Claim ``name`` (a no-op when held already).
+
+        Raises:
+            LogLockedError: another user holds it.
+        """
+        if name not in self._fds:
+            self._fds[name] = acquire_consumer_lock(self.path, name, action)
+
+    def release(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            release_lock(fd)
+
+    def release_all(self) -> None:
+        for name in list(self._fds):
+            self.release(name)

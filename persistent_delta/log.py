@@ -426,7 +426,7 @@ class DeltaLog:
 
     def _release_writer_lock(self) -> None:
         if self._lock_fd is not None:
-            lmdbenv.release_writer_lock(self._lock_fd)
+            lmdbenv.release_lock(self._lock_fd)
             self._lock_fd = None
 
     def _reload_tables(self, txn: Optional[lmdb.Transaction] = None) -> None:
@@ -573,6 +573,13 @@ class DeltaLog:
         if not self.owns_tables:
             self._reload_tables()
         return dict(self._tables)
+
+    def last_txnid(self) -> int:
+        """The id of the last committed transaction (a cheap read of LMDB's meta page; a
+        waiting reader polls it)."""
+        self._check()
+        with self._shared.lock:
+            return int(self._shared.env.info()["last_txnid"])
 
     def stat(self) -> Dict[str, int]:
         """File size, map size, and last transaction id."""

@@ -33,7 +33,7 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from persistent_delta import delivery
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
-from persistent_delta.log import WriteTxn
+from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.records import AppendRecord, delete_below, encode_records, last_appended, log_start, write_records
 from persistent_delta.rows import compute_unique_rows
 from persistent_delta.schema import (
@@ -100,6 +100,21 @@ def open_tracker_log(
     # The opener holds the writer lock: an earlier writer is gone and its open batch complete.
     w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
     return curr
+
+
+def resume_at(log: DeltaLog, batch_idx: int) -> int:
+    """Agree with the other ranks on the batch index to continue from after a (re)start (the
+    largest persisted over ranks: a collective with a process group of more than one rank) and
+    persist it. A batch index this rank never committed reads as empty for this rank."""
+    agreed = agree_batch_idx(batch_idx)
+    if agreed != batch_idx:
+        def skip(w: WriteTxn) -> None:
+            w.set_meta(META_CURR_BATCH, agreed)
+            w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), agreed + 1))
+
+        log.write(skip)
+        logger.info("%s: continuing at batch %d with the other ranks (persisted here: %d)", log.path, agreed, batch_idx)
+    return agreed
 
 
 def _difference(have: TrackerMeta, want: TrackerMeta) -> str:

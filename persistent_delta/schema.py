@@ -320,6 +320,7 @@ class TrackerMeta:
     update_mode: str
     tables: List[str]
     rank: int
+    world_size: Optional[int] = None  # the job's ranks: consumers know them from here, not from directories
 
     def to_value(self) -> Dict[str, Any]:
         return asdict(self)
@@ -330,6 +331,8 @@ class TrackerMeta:
             return None
         d = _as_map(value, "meta 'tracker'")
         try:
-            return TrackerMeta(str(d["tracking_mode"]), str(d.get("update_mode", "")), list(d["tables"]), int(d["rank"]))
+            ws = d.get("world_size")
+            return TrackerMeta(str(d["tracking_mode"]), str(d.get("update_mode", "")), list(d["tables"]), int(d["rank"]),
+                               None if ws is None else int(ws))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"meta 'tracker' is malformed: {exc}") from exc

@@ -10,9 +10,7 @@ hot path (``record_lookup``) keeps references; ``step()`` hands the finished bat
 new batch index, to the background writer. Every read (``get_unique``, ``publish``) commits
 what was recorded, then runs TorchRec's consume rule in one write transaction.
 
-Deliberate differences from TorchRec (all listed in the README): offsets start at 0; empty
-tables give empty tensors; MOMENTUM_LAST works on CPU and optimizer states are read per table
-of a TBE group; ``top_percentage`` is honoured.
+Deliberate differences from TorchRec are listed in the README.
 """
 
 from __future__ import annotations
@@ -33,7 +31,9 @@ from persistent_delta.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
-from persistent_delta.log import DeltaLog, WriteTxn
+from persistent_delta.lifecycle import close_at_exit, warn_unclosed
+from persistent_delta.lmdbenv import ConsumerClaims
+from persistent_delta.log import DeltaLog
 from persistent_delta.publish import publish
 from persistent_delta.schema import (
     LOOKUPS,
@@ -91,13 +91,18 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
-        want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank)
+        self._claims = ConsumerClaims(self.path)  # one active user per consumer name: us, for ours
+        world = dist.get_world_size() if dist.is_initialized() else (1 if config.rank is None else None)
+        want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank, world)
         shards = {fqn: t.metadata(self._discovery.module_kind(fqn)) for fqn, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:
-            self.curr_batch_idx: int = self._log.write(
-                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes))
+            self.curr_batch_idx: int = restore.resume_at(self._log, self._log.write(
+                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes)))
+            for c in self._consumers:
+                self._claims.claim(c, "track it")
         except BaseException:
+            self._claims.release_all()
             self._log.close()
             raise
         self.curr_compact_index = self.curr_batch_idx
@@ -114,6 +119,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hooked = register_hooks(
             self.tracked_modules, self._mode, self.record_lookup, self.trigger_compaction if self._auto_compact else None
         )
+        close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
 
@@ -143,13 +149,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         emb_module: Optional[nn.Module] = None,
         raw_ids: Optional[torch.Tensor] = None,
     ) -> None:
-        """Record one lookup of the current batch (called by TorchRec's callables).
-
-        Args:
-            kjt: the looked-up features (shard-local ids).
-            states: the lookup output (EMBEDDING) or unused (other modes).
-            emb_module: the grouped embedding module (optimizer-state modes).
-        """
+        """Record one lookup of the current batch (TorchRec's callables call it): ``kjt`` holds
+        shard-local ids, ``states`` the lookup output (EMBEDDING), ``emb_module`` the grouped
+        embedding module (optimizer-state modes)."""
         if self._closed:
             raise LogClosedError(f"{self.path}: the tracker is closed")
         self._capture.lookup(self.curr_batch_idx, kjt, states, emb_module)
@@ -160,13 +162,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._closed or self.curr_compact_index >= self.curr_batch_idx:
             return
         end, mode = self.curr_batch_idx, self._update_mode
-
-        def compact(w: WriteTxn) -> None:
-            # Positions are read inside the transaction: another process may have committed.
-            start = max(delivery.committed_offsets(w).values(), default=0)
-            delivery.safe_compact(w, mode, start, end)
-
-        self._hand_off(self._take_batch(op=compact))
+        self._hand_off(self._take_batch(op=lambda w: delivery.compact_behind(w, mode, end)))
         self.curr_compact_index = end
 
     def _commit_recorded(self) -> None:
@@ -184,24 +180,17 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         per_table_percentage: Optional[Dict[str, Tuple[float, str]]] = None,
         sorted_by_indices: Optional[bool] = True,
     ) -> Dict[str, UniqueRows]:
-        """Rows changed since ``consumer`` last read, per table fqn; commits its new position.
+        """Rows changed since ``consumer`` (default ``"default"``) last read, per table fqn, as
+        ``UniqueRows`` (shard-local ids ascending; states per tracking mode; a table with nothing
+        new gives ``(0, *row_shape)`` tensors); commits its new position.
 
-        Args:
-            consumer: a registered consumer (default ``"default"``).
-            top_percentage: keep this fraction (0, 1] of each table's rows, those that changed
-                most (see :mod:`persistent_delta.topk`). Rows left out are **not**
-                re-delivered: the position still advances past them.
-            per_table_percentage: fqn -> (fraction, criterion) overriding ``top_percentage``
-                per table; criterion must be ``""``, ``"norm"`` or ``"default"``.
-            sorted_by_indices: ids ascending (default); ``False`` orders kept rows by score
-                (highest first) when a fraction below 1 applies.
-
-        Returns:
-            fqn -> ``UniqueRows`` (shard-local ids; states per tracking mode). A table with
-            nothing new gives empty tensors.
+        ``top_percentage`` (0, 1] keeps each table's rows that changed most, and
+        ``per_table_percentage`` (fqn -> (fraction, ``""``/``"norm"``/``"default"``)) overrides it
+        per table (:mod:`persistent_delta.topk`); rows left out are **not** re-delivered.
+        ``sorted_by_indices=False`` orders kept rows by score, highest first.
 
         Raises:
-            UnknownConsumerError: ``consumer`` is not registered.
+            UnknownConsumerError: ``consumer`` is not registered (also an ``AssertionError``).
             InvalidInputError: a fraction outside (0, 1], or top-k in ID_ONLY mode.
         """
         name = check_consumer_name(consumer or self.DEFAULT_CONSUMER)
@@ -303,6 +292,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         check_consumer_name(name)
         self._check()
         offset = self.curr_batch_idx + 1 if from_latest else 0
+        self._claims.claim(name, "add it to the tracker")
         self._log.write(lambda w: delivery.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
         if name not in self._consumers:
             self._consumers.append(name)
@@ -312,6 +302,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         check_consumer_name(name)
         self._check()
         self._log.write(lambda w: delivery.unregister(w, name))
+        self._claims.release(name)
         if name in self._consumers:
             self._consumers.remove(name)
 
@@ -362,6 +353,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                 self._writer.close(drain=False)
             unregister_hooks(self._hooked, self)
             self._hooked = []
+            self._claims.release_all()
             dmp = getattr(self, "_dmp", None)
             if dmp is not None and dmp.model_trackers.get(Trackers.DELTA_TRACKER.name) is self:
                 del dmp.model_trackers[Trackers.DELTA_TRACKER.name]
@@ -370,6 +362,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def _check(self) -> None:
         if self._closed:
             raise LogClosedError(f"{self.path}: the tracker is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __del__(self) -> None:
+        warn_unclosed(self, f"PersistentDeltaTracker on {getattr(self, 'path', '?')}")
 
     def __enter__(self) -> "PersistentDeltaTracker":
         return self

@@ -69,9 +69,9 @@ def one_trial(root: str, rng: random.Random, previous_offsets: dict) -> dict:
     proc.wait()
     reader.join(10)
     for ln in lines:
-        if ln.startswith("FLUSHED"):
-            _, curr, off_a = ln.split()
-            flushed.append((int(curr), int(off_a)))
+        fields = ln.split()
+        if fields[:1] == ["FLUSHED"] and len(fields) == 3 and ln.endswith("\n"):  # (not a line cut by the kill)
+            flushed.append((int(fields[1]), int(fields[2])))
     batches, offsets, end = read_state(os.path.join(root, "rank-0"))
     # offsets never move backwards, nor past the log end (+1: a trainer-side read includes the
     # batch being recorded)

@@ -10,7 +10,7 @@ from typing import Dict, Set
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "persistent_delta")
 
 LAYERS = [
-    {"errors", "alloc"},
+    {"errors", "alloc", "lifecycle"},
     {"config", "codec"},
     {"schema", "layout"},
     {"lmdbenv"},

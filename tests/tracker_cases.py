@@ -563,3 +563,52 @@ def dp_table_case(rank: int, world_size: int, root: str, cases: List[Tuple[str, 
                      "dp_states": rows[dp_fqn].states if dp_fqn in rows else None,
                      "skip_lines": [ln for ln in lines.lines if dp_fqn in ln]}
     return out
+
+
+def rank_agreement_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Ranks that persisted different batch indices (a kill leaves them a step or two apart)
+    continue from the largest one; a batch a rank never committed reads as empty there, and a
+    consumer's poll has the same range on every rank."""
+    import torch.distributed as dist
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.log import DeltaLog
+    from persistent_delta.schema import META_CLOSED_END, META_CURR_BATCH
+
+    dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_SGD")
+    batches = make_batches("ec", 10, 8, seed=9, world_size=world_size, rank=rank)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root))
+    for b in batches[:6]:
+        train_step(dmp, b)
+    t.close()
+    if rank == 1:  # as if rank 1 had been killed before committing batches 5 and 6
+        with DeltaLog(os.path.join(root, "rank-1")) as log:
+            def rewind(w: Any) -> None:
+                for e in w.tables().values():
+                    w.delete_records(e.table_id, 5, None)
+                    e2 = e.copy()
+                    e2.last_batch_idx = min(e2.last_batch_idx, 4)
+                    w.stage_table(e2)
+                w.set_meta(META_CURR_BATCH, 4)
+                w.set_meta(META_CLOSED_END, 0)
+            log.write(rewind)
+    dist.barrier()
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root))
+    resumed = t.curr_batch_idx
+    for b in batches[6:]:
+        train_step(dmp, b)
+    t.flush()
+    dist.barrier()
+    out: Dict[str, Any] = {"resumed": resumed}
+    if rank == 0:
+        with DeltaReader(root) as reader:
+            poll = reader.poll()
+            out["ranges"] = poll.ranges()
+        def records(path: str) -> int:
+            with DeltaLog(path, readonly=True) as log:
+                return log.read(lambda r: sum(len(list(r.iter_record_keys(e.table_id, 5, 7)))
+                                              for e in r.tables().values()))
+        out["lost_records"] = {r: records(os.path.join(root, f"rank-{r}")) for r in (0, 1)}
+    dist.barrier()
+    t.close()
+    return out

@@ -18,11 +18,12 @@ its next ``commit``: stop it first (as Kafka requires an inactive group).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
 from persistent_delta.layout import PathLike, rank_paths
+from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import pending_stats
 from persistent_delta.schema import (
@@ -195,10 +196,25 @@ class OffsetChange:
 _Plan = Callable[[ReadTxn, int, str], Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]]
 
 
-def _run(root: PathLike, plan: _Plan, execute: bool) -> List[OffsetChange]:
-    """Plan every rank (read-only), or plan and apply each rank in one write transaction."""
+def _run(root: PathLike, consumer: str, plan: _Plan, execute: bool) -> List[OffsetChange]:
+    """Plan every rank (read-only), or plan and apply each rank in one write transaction while
+    holding the consumer's name: a consumer in use (the trainer's, a running DeltaConsumer) is
+    refused, as Kafka refuses to reset an active group."""
+    paths = rank_paths(root)
+    claims = [ConsumerClaims(path) for path in paths.values()]
+    try:
+        if execute:
+            for c in claims:
+                c.claim(consumer, "change its offsets (stop the process that uses it first)")
+        return _plan_or_apply(paths, plan, execute)
+    finally:
+        for c in claims:
+            c.release_all()
+
+
+def _plan_or_apply(paths: Dict[int, str], plan: _Plan, execute: bool) -> List[OffsetChange]:
     changes = []
-    for rank, path in rank_paths(root).items():
+    for rank, path in paths.items():
         if execute:
             def apply(w: WriteTxn, rank: int = rank, path: str = path) -> OffsetChange:
                 change, act = plan(w, rank, path)
@@ -255,7 +271,7 @@ def reset_offsets(root: PathLike, consumer: str, target: ResetTarget, execute: b
         return (OffsetChange(rank, path, consumer, "reset", entry.offset, new, start, end, note),
                 lambda w: w.set_consumer(consumer, updated))
 
-    changes = _run(root, plan, execute)
+    changes = _run(root, consumer, plan, execute)
     _require_somewhere(changes, consumer, root)
     return changes
 
@@ -292,7 +308,7 @@ def register_consumer(
         return (OffsetChange(rank, path, consumer, "register", None, new, start, end, note),
                 lambda w: w.set_consumer(consumer, fresh))
 
-    return _run(root, plan, execute)
+    return _run(root, consumer, plan, execute)
 
 
 def delete_consumer(root: PathLike, consumer: str, execute: bool = False) -> List[OffsetChange]:
@@ -318,7 +334,7 @@ def delete_consumer(root: PathLike, consumer: str, execute: bool = False) -> Lis
 
         return OffsetChange(rank, path, consumer, "delete", old, None, start, end, note), drop
 
-    changes = _run(root, plan, execute)
+    changes = _run(root, consumer, plan, execute)
     _require_somewhere(changes, consumer, root)
     return changes
 

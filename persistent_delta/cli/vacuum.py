@@ -32,7 +32,7 @@ from typing import List
 
 from persistent_delta.errors import LogLockedError
 from persistent_delta.layout import DATA_FILE, PathLike, fsync_path, rank_paths
-from persistent_delta.lmdbenv import acquire_writer_lock, open_in_process, other_opener, release_writer_lock
+from persistent_delta.lmdbenv import acquire_writer_lock, open_in_process, other_opener, release_lock
 from persistent_delta.log import DeltaLog
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        release_writer_lock(lock_fd)
+        release_lock(lock_fd)
     after = os.path.getsize(data)
     logger.info("vacuum %s: %d -> %d bytes", path, before, after)
     return VacuumResult(rank=rank, path=path, bytes_before=before, bytes_after=after)
