@@ -24,6 +24,7 @@ BENCHMARKS = [
     "get_unique_latency",
     "reopen_time",
     "disk_steady_state",
+    "poll_wait",
 ]
 
 

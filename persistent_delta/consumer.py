@@ -48,11 +48,12 @@ from persistent_delta.errors import (
     NotALogError,
     UnknownConsumerError,
 )
-from persistent_delta.layout import FileState, PathLike, file_state, rank_dir, rank_paths
+from persistent_delta.layout import DATA_FILE, FileState, PathLike, file_state, rank_dir, rank_paths
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
+from persistent_delta.watch import FileWatch
 from persistent_delta.schema import (
     LOOKUPS,
     META_TRACKER,
@@ -69,7 +70,8 @@ logger = logging.getLogger(__name__)
 RESET_POLICIES = delivery.RESET_POLICIES
 Start = Union[str, int]
 _R = TypeVar("_R", bound="DeltaReader")
-_WAIT_STEP_S = 0.002  # how often a waiting poll looks for a new commit (a cheap meta-page read)
+_RECHECK_S = 0.05  # a waiting poll re-reads the logs at least this often, events or not
+_PUBLISH_S = 0.0002
 
 
 def _world_size_of(found: Dict[int, str], options: LogOptions) -> Optional[int]:
@@ -136,6 +138,8 @@ class DeltaReader:
         self._logs: Dict[int, DeltaLog] = {}
         self._positions: Dict[int, int] = {}
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
+        self._watcher: Optional[FileWatch] = None
+        self._watched: List[str] = []
         self._closed = False
         try:
             self._discover(wait)
@@ -250,10 +254,31 @@ class DeltaReader:
             result = self._poll_once(max_batches)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
+            watch = self._watch()
             while self._txnids() == seen and time.monotonic() < deadline:
-                time.sleep(_WAIT_STEP_S)
+                if self._written() != seen:
+                    # committed to the meta page, not yet published to new readers (LMDB
+                    # updates its lock file just after, with no file event): a moment
+                    time.sleep(_PUBLISH_S)
+                    continue
+                watch.wait(min(deadline - time.monotonic(), _RECHECK_S))
+                if self.missing_ranks():
+                    break  # a rank may have appeared: poll again
+
+    def _watch(self) -> FileWatch:
+        """The reader's file watch, kept open between polls (closing an inotify descriptor
+        waits for an RCU grace period: ~10 ms), renewed when the set of open ranks changed."""
+        paths = [os.path.join(log.path, DATA_FILE) for _, log in sorted(self._logs.items())]
+        if self._watcher is None or self._watched != paths:
+            if self._watcher is not None:
+                self._watcher.close()
+            self._watcher, self._watched = FileWatch(paths), paths
+        return self._watcher
 
     def _txnids(self) -> Tuple[int, ...]:
+        return tuple(log.visible_txnid() for _, log in sorted(self._logs.items()))
+
+    def _written(self) -> Tuple[int, ...]:
         return tuple(log.last_txnid() for _, log in sorted(self._logs.items()))
 
     def _poll_once(self, max_batches: Optional[int]) -> DeltaPoll:
@@ -314,6 +339,10 @@ class DeltaReader:
         self._closed = True
         for log in self._logs.values():
             log.close()
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.close()
+            self._watcher = None
 
     @property
     def closed(self) -> bool:

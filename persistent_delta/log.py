@@ -575,11 +575,16 @@ class DeltaLog:
         return dict(self._tables)
 
     def last_txnid(self) -> int:
-        """The id of the last committed transaction (a cheap read of LMDB's meta page; a
-        waiting reader polls it)."""
+        """The id of the last transaction written to the meta page. A writer publishes it to
+        new read transactions a moment later (LMDB updates its lock file after the meta page):
+        :meth:`visible_txnid` is what a read sees."""
         self._check()
         with self._shared.lock:
             return int(self._shared.env.info()["last_txnid"])
+
+    def visible_txnid(self) -> int:
+        """The id of the snapshot a read transaction begun now sees."""
+        return int(self.read(lambda r: r.txn.id(), refresh_tables=False))
 
     def stat(self) -> Dict[str, int]:
         """File size, map size, and last transaction id."""

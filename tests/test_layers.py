@@ -12,7 +12,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = [
     {"errors", "alloc", "lifecycle"},
     {"config", "codec"},
-    {"schema", "layout"},
+    {"schema", "layout", "watch"},
     {"lmdbenv"},
     {"log", "rows"},
     {"records"},

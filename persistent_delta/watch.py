@@ -1,0 +1,73 @@
+"""Waiting for a log to change without spinning: inotify on the logs' data files.
+
+Owns: how a waiting reader sleeps. LMDB writes committed pages into ``data.mdb`` with
+``pwrite`` (no ``writemap``), which raises inotify's ``IN_MODIFY`` on the file, so a waiting
+poll sleeps in ``select`` and wakes within microseconds of a commit, using no CPU meanwhile.
+Where inotify is missing (not Linux, or out of watches) it falls back to sleeping in short
+steps. Either way the caller re-checks the log after every wake-up: an event says only that
+something was written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import select
+import time
+from typing import List, Optional
+
+_IN_MODIFY = 0x00000002
+_IN_NONBLOCK = 0o4000
+_IN_CLOEXEC = 0o2000000
+_FALLBACK_STEP_S = 0.002
+_libc: Optional[ctypes.CDLL] = None
+
+
+def _load_libc() -> Optional[ctypes.CDLL]:
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.inotify_init1  # noqa: B018 - raises AttributeError where inotify is missing
+        except (OSError, AttributeError):
+            return None
+    return _libc
+
+
+class FileWatch:
+    """Wakes when any of ``paths`` is written. Close it when done."""
+
+    def __init__(self, paths: List[str]) -> None:
+        self._fd = -1
+        libc = _load_libc()
+        if libc is None:
+            return
+        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            return
+        for p in paths:
+            if libc.inotify_add_watch(fd, os.fsencode(p), _IN_MODIFY) < 0:
+                os.close(fd)
+                return
+        self._fd = fd
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a watched file is written or ``timeout`` seconds pass."""
+        if timeout <= 0:
+            return
+        if self._fd < 0:
+            time.sleep(min(timeout, _FALLBACK_STEP_S))
+            return
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if ready:
+            try:
+                while os.read(self._fd, 65536):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
