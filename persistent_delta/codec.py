@@ -14,14 +14,29 @@ at ``record_key(t, b, 0)`` therefore walks table ``t`` from batch ``b`` upwards,
 A record value is a small msgpack header followed by raw tensor bytes, so decoding is a
 ``torch.frombuffer`` view, not a copy (msgpack would copy ``bin`` fields):
 
-    u32 header_len | u32 crc32c | header (msgpack) | pad | ids bytes | pad | states bytes
+    u32 header_len | u32 check | header (msgpack) | pad | ids bytes | pad | states bytes
 
-``crc32c`` covers everything after the first 8 bytes; every reader checks it, so a flipped
-byte is reported as :class:`CorruptRecordError` instead of being returned as data. Tensor
-payloads start at 8-byte aligned offsets within the value. The header holds the record kind,
-the dtypes and the shapes; an unknown kind or dtype raises, it is never skipped.
+``check = crc32c(value[8:]) XOR crc32c(key)``: the checksum covers the record's key as well as
+its bytes, so a flipped byte in either is reported as :class:`CorruptRecordError` on every
+read instead of being returned as data (a flipped key byte would otherwise move a record to
+another batch silently). :func:`encode_record` computes the value's part;
+:func:`seal_record` folds in the key when the record is stored under it. Tensor payloads start
+at 8-byte aligned offsets within the value. The header holds the record kind, the dtypes and the
+shapes; an unknown kind or dtype raises, it is never skipped.
 
 The format version (``FORMAT_VERSION``) is stored in the log's meta DB and checked on open.
+
+Format history and plan (every format change of this round is here, once):
+
+* **1** -- the checksum covered the value only.
+* **2** -- the checksum covers the key too. Logs of version 1 are refused on open with
+  :class:`FormatMismatchError`; ``persistent-delta upgrade ROOT --execute`` rewrites them in
+  place (every record's checksum verified the old way, then sealed the new way, in one
+  transaction per rank). Reserved in version 2 for this round's other issues, so that they
+  need no further version: record kinds 2 (raw ids behind a batch's slot ids) and 3
+  (evictions: slots taken from raw ids), and the optional header field ``"t"`` (wall-clock time
+  of a publish, seconds since the epoch). A reader of this version raises on a kind it does not
+  know and ignores header fields it does not know.
 """
 
 from __future__ import annotations
@@ -37,8 +52,8 @@ import torch
 
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 
-# Version 1: the layout described in the module docstring.
-FORMAT_VERSION = 1
+# See the module docstring for the format history.
+FORMAT_VERSION = 2
 
 # Record kinds. A reader that meets a kind it does not know raises CorruptRecordError.
 KIND_LOOKUP = 0  # ids (+ states) recorded from a batch, or a compacted range of them
@@ -160,8 +175,9 @@ _ZEROS = bytes(8)
 
 def encode_record(
     ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None
-) -> bytes:
-    """Encode one record value. ``ids`` is 1-D; ``states`` (optional) has ``len(ids)`` rows.
+) -> bytearray:
+    """Encode one record value (unsealed: see :func:`seal_record`). ``ids`` is 1-D;
+    ``states`` (optional) has ``len(ids)`` rows.
 
     ``window_start``: the record omits ids already recorded in ``[window_start, batch_idx)``
     (the writer's window filter); a reader starting after ``window_start`` must start there.
@@ -186,22 +202,33 @@ def encode_record(
     crc = 0
     for p in parts:
         crc = crc32c.crc32c(p, value=crc)
-    return b"".join([_PREFIX.pack(len(head), crc), *parts])
+    out = bytearray(b"".join([_PREFIX.pack(len(head), crc), *parts]))
+    return out
 
 
-def decode_record(buf: Union[bytes, memoryview], verify: bool = True) -> DecodedRecord:
-    """Decode a record value into tensor views over ``buf`` (no copy).
+def seal_record(value: bytearray, key: bytes) -> bytearray:
+    """Fold ``key`` into the checksum of an encoded ``value``, in place, before it is stored
+    under ``key`` (sealing twice with the same key unseals). A value stored unsealed reads back
+    only under the empty key."""
+    head_len, crc = _PREFIX.unpack_from(value, 0)
+    _PREFIX.pack_into(value, 0, head_len, crc ^ crc32c.crc32c(key))
+    return value
+
+
+def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> DecodedRecord:
+    """Decode a record value stored under ``key`` into tensor views over ``buf`` (no copy).
 
     Raises:
-        CorruptRecordError: checksum mismatch, truncated value, unknown kind or dtype.
+        CorruptRecordError: checksum mismatch (value or key altered), truncated value, unknown
+            kind or dtype.
     """
     mv = memoryview(buf)
     n = len(mv)
     if n < _PREFIX.size:
         raise CorruptRecordError(f"record value of {n} bytes is truncated")
     head_len, crc = _PREFIX.unpack_from(mv, 0)
-    if verify and crc32c.crc32c(mv[_PREFIX.size:]) != crc:
-        raise CorruptRecordError("record checksum mismatch (the stored bytes were altered)")
+    if verify and crc32c.crc32c(mv[_PREFIX.size:]) ^ crc32c.crc32c(bytes(key)) != crc:
+        raise CorruptRecordError("record checksum mismatch (the stored bytes or the record's key were altered)")
     try:
         header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
         kind = int(header["k"])
@@ -232,6 +259,21 @@ def decode_record(buf: Union[bytes, memoryview], verify: bool = True) -> Decoded
         states = _view(mv, s_dtype, count, pos).reshape(shape)
     w = header.get("w")
     return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w))
+
+
+def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:
+    """A format-1 record value, checked the format-1 way, sealed the format-2 way.
+
+    Raises:
+        CorruptRecordError: it fails its format-1 checksum.
+    """
+    out = bytearray(value)
+    if len(out) < _PREFIX.size:
+        raise CorruptRecordError("record value is truncated")
+    _, crc = _PREFIX.unpack_from(out, 0)
+    if crc32c.crc32c(memoryview(out)[_PREFIX.size:]) != crc:
+        raise CorruptRecordError("record checksum mismatch (format 1)")
+    return seal_record(out, key)
 
 
 def record_window_start(buf: Union[bytes, memoryview]) -> Optional[int]:

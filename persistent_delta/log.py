@@ -133,7 +133,7 @@ class ReadTxn:
             t, b, s = codec.decode_record_key(key)
             if end_idx is not None and b >= end_idx:
                 break
-            rec = codec.decode_record(value, verify=verify)
+            rec = codec.decode_record(value, verify=verify, key=bytes(key))
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start)
 
     def iter_record_keys(
@@ -234,8 +234,9 @@ class WriteTxn(ReadTxn):
         self.set_meta(META_NEXT_TABLE_ID, next_id + 1)
         return TableEntry(fqn=fqn, table_id=next_id)
 
-    def put_record(self, table_id: int, batch_idx: int, value: bytes, channel: str = LOOKUPS) -> int:
-        """Store ``value`` as the next record of (table_id, batch_idx); returns its seq."""
+    def put_record(self, table_id: int, batch_idx: int, value: Union[bytes, bytearray], channel: str = LOOKUPS) -> int:
+        """Store an encoded record ``value`` (:func:`codec.encode_record`) as the next record of
+        (table_id, batch_idx), sealed with its key; returns its seq."""
         dbh = self._dbs[DB_OF_CHANNEL[channel]]
         cur = self.txn.cursor(db=dbh)
         seq = 0
@@ -247,8 +248,17 @@ class WriteTxn(ReadTxn):
                 seq = s + 1
         if seq > codec.MAX_SEQ:
             raise PersistentDeltaError(f"too many records for one (table, batch_idx={batch_idx})")
-        # append=False on purpose: put(append=True) silently returns False out of order.
-        if not self.txn.put(codec.record_key(table_id, batch_idx, seq), value, db=dbh, overwrite=False):
+        key = codec.record_key(table_id, batch_idx, seq)
+        buf = value if isinstance(value, bytearray) else bytearray(value)
+        # Seal in place for the put (LMDB copies the value), then unseal: a transaction rerun
+        # after map growth puts the same value again.
+        codec.seal_record(buf, key)
+        try:
+            # append=False on purpose: put(append=True) silently returns False out of order.
+            stored = self.txn.put(key, buf, db=dbh, overwrite=False)
+        finally:
+            codec.seal_record(buf, key)
+        if not stored:
             raise PersistentDeltaError(f"record key (table {table_id}, batch {batch_idx}, seq {seq}) already exists")
         return seq
 
@@ -318,8 +328,10 @@ class DeltaLog:
         update_mode: Optional[str] = None,
         options: Optional[LogOptions] = None,
         writer_lock: bool = True,
+        formats: Tuple[int, ...] = (codec.FORMAT_VERSION,),
     ) -> None:
         self.path = os.path.realpath(os.fspath(path))
+        self._formats = formats  # (the upgrade tool opens older versions)
         self.readonly = readonly
         # Only the lock holder's table cache is authoritative; other handles reload it.
         self.owns_tables = not readonly and writer_lock
@@ -409,10 +421,12 @@ class DeltaLog:
 
     def _check_meta(self, update_mode: Optional[str]) -> None:
         version, stored = self.read(lambda r: (r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE)), refresh_tables=False)
-        if version != codec.FORMAT_VERSION:
+        if version not in self._formats:
+            how = ("upgrade it in place with `persistent-delta upgrade ROOT --execute` (stop the trainer first)"
+                   if version == 1 else "use the matching persistent_delta release, or start a fresh log")
             raise FormatMismatchError(
                 f"{self.path} was written with log format version {version}; this persistent_delta reads "
-                f"version {codec.FORMAT_VERSION}. Use the matching persistent_delta release, or start a fresh log"
+                f"version {codec.FORMAT_VERSION}: {how}"
             )
         if update_mode is None:
             return

@@ -71,7 +71,7 @@ def validate_record(rec: AppendRecord, mode: UpdateMode) -> None:
     codec.dtype_name(states.dtype)
 
 
-def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tuple[AppendRecord, bytes]]:
+def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tuple[AppendRecord, bytearray]]:
     """Validate and encode ``records`` (done outside the write transaction)."""
     out = []
     for rec in records:
@@ -80,7 +80,7 @@ def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tu
     return out
 
 
-def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytes]], channel: str = LOOKUPS) -> int:
+def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]], channel: str = LOOKUPS) -> int:
     """Append encoded records inside a write transaction; returns bytes written.
 
     Refuses (before writing anything) a lookups batch_idx lower than its table's last one.

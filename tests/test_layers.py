@@ -21,7 +21,7 @@ LAYERS = [
     {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer"},
     {"tracker"},
-    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum"},
+    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.replay import replay
+from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
 from persistent_delta.errors import PersistentDeltaError
@@ -244,11 +245,19 @@ def _cmd_vacuum(args: argparse.Namespace) -> Output:
                   tables=[Table("", ["RANK", "BYTES-BEFORE", "BYTES-AFTER", "RECLAIMED", "PATH"], rows)])
 
 
+def _cmd_upgrade(args: argparse.Namespace) -> Output:
+    results = upgrade(args.root, execute=args.execute)
+    rows = [[r.rank, r.from_version, r.to_version, r.records, "yes" if r.applied else "no", r.path] for r in results]
+    notes = [] if args.execute else ["DRY RUN: nothing changed; add --execute to apply"]
+    return Output(data={"ranks": _jsonable(results), "dry_run": not args.execute},
+                  tables=[Table("", ["RANK", "FROM", "TO", "RECORDS", "APPLIED", "PATH"], rows)], notes=notes)
+
+
 # ------------------------------------------------------------------------------ parser, main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands offsets, replay, verify, vacuum)."""
+    """The argument parser (subcommands offsets, replay, verify, vacuum, upgrade)."""
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p = argparse.ArgumentParser(prog=PROG, description="Inspect and maintain persistent_delta logs.")
@@ -290,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("vacuum", parents=[fmt], help="reclaim disk space (only while no process has the log open)")
     c.add_argument("root", help="log root")
     c.set_defaults(func=_cmd_vacuum)
+
+    u = sub.add_parser("upgrade", parents=[fmt], help="rewrite logs of an older format version in place",
+                       description="Format 1 -> 2: every record re-checked and sealed with a checksum that covers "
+                                   "its key; one transaction per rank. Stop the trainer first.")
+    u.add_argument("root", help="log root")
+    u.add_argument("--execute", action="store_true", help="apply (default: dry run)")
+    u.set_defaults(func=_cmd_upgrade)
     return p
 
 

@@ -203,7 +203,7 @@ class _Checker:
                 self.bad(where, f"unknown table id {t}")
             top[t] = max(top.get(t, b), b)
             try:
-                rec = codec.decode_record(value, verify=True)
+                rec = codec.decode_record(value, verify=True, key=key)
             except CorruptRecordError as exc:
                 self.bad(where, str(exc))
                 continue
