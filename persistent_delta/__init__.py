@@ -9,6 +9,7 @@ from persistent_delta.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.errors import (
     ConfigMismatchError,
     CorruptRecordError,
+    DamagedLogError,
     ForkedProcessError,
     FormatMismatchError,
     InexactRangeError,
@@ -45,6 +46,7 @@ __all__ = [
     "TableDelta",
     "WriterOptions",
     "CorruptRecordError",
+    "DamagedLogError",
     "DeltaConsumer",
     "DeltaLog",
     "DeltaPoll",

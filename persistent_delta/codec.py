@@ -35,7 +35,8 @@ Format history and plan (every format change of this round is here, once):
   transaction per rank). Reserved in version 2 for this round's other issues, so that they
   need no further version: record kinds 2 (raw ids behind a batch's slot ids) and 3
   (evictions: slots taken from raw ids), and the optional header field ``"t"`` (wall-clock time
-  of a publish, seconds since the epoch). A reader of this version raises on a kind it does not
+  of a publish, seconds since the epoch). Header fields in version 2: ``"w"`` (window start of
+  a filtered record), ``"e"`` (covered end of a compacted record). A reader of this version raises on a kind it does not
   know and ignores header fields it does not know.
 """
 
@@ -154,6 +155,7 @@ class DecodedRecord:
     states: Optional[torch.Tensor]
     nbytes: int
     window_start: Optional[int] = None
+    covers_end: Optional[int] = None
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -174,18 +176,23 @@ _ZEROS = bytes(8)
 
 
 def encode_record(
-    ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None
+    ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None,
+    covers_end: Optional[int] = None,
 ) -> bytearray:
     """Encode one record value (unsealed: see :func:`seal_record`). ``ids`` is 1-D;
     ``states`` (optional) has ``len(ids)`` rows.
 
     ``window_start``: the record omits ids already recorded in ``[window_start, batch_idx)``
     (the writer's window filter); a reader starting after ``window_start`` must start there.
+    ``covers_end``: a compacted record stamped ``b`` holds the batches ``[b, covers_end)``; a
+    reader starting inside that range must start at ``b``.
     """
     ids_buf = _raw_bytes(ids)
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
     if window_start is not None:
         header["w"] = int(window_start)
+    if covers_end is not None:
+        header["e"] = int(covers_end)
     states_buf: Optional[memoryview] = None
     if states is not None:
         states_buf = _raw_bytes(states)
@@ -257,8 +264,9 @@ def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True,
         if pos + count * s_dtype.itemsize > n:
             raise CorruptRecordError("record value shorter than its header says")
         states = _view(mv, s_dtype, count, pos).reshape(shape)
-    w = header.get("w")
-    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w))
+    w, e = header.get("w"), header.get("e")
+    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w),
+                         covers_end=None if e is None else int(e))
 
 
 def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:
@@ -276,18 +284,19 @@ def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:
     return seal_record(out, key)
 
 
-def record_window_start(buf: Union[bytes, memoryview]) -> Optional[int]:
-    """The ``window_start`` of a record value, reading its header only (no checksum)."""
+def record_bounds(buf: Union[bytes, memoryview]) -> Tuple[Optional[int], Optional[int]]:
+    """``(window_start, covers_end)`` of a record value, reading its header only (no checksum:
+    the record itself is checked when it is read)."""
     mv = memoryview(buf)
     if len(mv) < _PREFIX.size:
         raise CorruptRecordError("record value is truncated")
     head_len, _ = _PREFIX.unpack_from(mv, 0)
     try:
         header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
-        w = header.get("w")
+        w, e = header.get("w"), header.get("e")
+        return None if w is None else int(w), None if e is None else int(e)
     except Exception as exc:  # noqa: BLE001
         raise CorruptRecordError(f"record header cannot be decoded: {exc}") from exc
-    return None if w is None else int(w)
 
 
 def _view(mv: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

@@ -101,10 +101,14 @@ class DeltaReader:
         wait: seconds to wait for the root and every rank of the job to exist (default 0:
             the root must exist; a rank that appears later is picked up by a later poll).
         options: :class:`LogOptions` (default :meth:`LogOptions.resolve`).
+        check: walk each log file's whole structure before opening it (linear in the file;
+            every open makes constant-time checks anyway: file size against LMDB's meta pages,
+            their transaction ids -- see :func:`persistent_delta.lmdbenv.check_file`).
 
     Raises:
         NotALogError: no log under ``root`` (after ``wait``), or ranks still missing after a
             positive ``wait`` (named in the message).
+        DamagedLogError: a log file fails those checks (it is not opened).
         InvalidInputError: a bad channel, start, reset policy or wait.
     """
 
@@ -119,8 +123,10 @@ class DeltaReader:
         tables: Optional[Sequence[str]] = None,
         wait: float = 0.0,
         options: Optional[LogOptions] = None,
+        check: bool = False,
     ) -> None:
         self._closed = True
+        self._full_check = check
         self.channel = check_channel(channel)
         if reset is not None and reset not in RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
@@ -203,7 +209,7 @@ class DeltaReader:
             raise NotALogError(f"{self.root}: no rank of the job has a log yet")
 
     def _open(self, rank: int, path: str) -> None:
-        log = DeltaLog(path, readonly=self._readonly, writer_lock=False, options=self._options)
+        log = DeltaLog(path, readonly=self._readonly, writer_lock=False, options=self._options, check=self._full_check)
         try:
             self._positions[rank] = self._first_position(rank, log)
         except BaseException:
@@ -377,7 +383,7 @@ class DeltaConsumer(DeltaReader):
             channel start; ``"latest"``: its end).
         register: register the name in every rank's log where it is missing (durably: it holds
             back retention from now on). With False a missing name raises.
-        tables, wait, options: see :class:`DeltaReader`.
+        tables, wait, options, check: see :class:`DeltaReader`.
 
     Raises:
         NotALogError: ``root`` holds no log (after ``wait``).
@@ -400,6 +406,7 @@ class DeltaConsumer(DeltaReader):
         tables: Optional[Sequence[str]] = None,
         wait: float = 0.0,
         options: Optional[LogOptions] = None,
+        check: bool = False,
     ) -> None:
         self._closed = True
         self.name = check_consumer_name(name)
@@ -407,7 +414,8 @@ class DeltaConsumer(DeltaReader):
         self._claims: Dict[int, ConsumerClaims] = {}
         self._committed: Dict[int, int] = {}
         start: Start = "latest" if reset == "latest" else "earliest"
-        super().__init__(root, channel=channel, start=start, reset=reset, tables=tables, wait=wait, options=options)
+        super().__init__(root, channel=channel, start=start, reset=reset, tables=tables, wait=wait, options=options,
+                         check=check)
         logger.info("consumer %r (%s) on %s: positions %s", self.name, self.channel, self.root, self._positions)
 
     def _label(self) -> str:

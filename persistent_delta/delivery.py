@@ -38,9 +38,11 @@ read below the log start raises :class:`OffsetOutOfRangeError` or applies its re
 
 **Compaction** merges records of a range into one record stamped at the range start, which
 changes what a read starting strictly inside the range returns. :func:`safe_compact` therefore
-splits a range at every committed position and at the checkpoint floor, and leaves alone
-everything at or above the lowest position of a ``POLL_COMMIT`` lookups consumer (its
-uncommitted position may be anywhere up to the end).
+splits a range at every committed position and at the checkpoint floor, never reaches below the
+log start nor into the open batch, and leaves alone everything at or above the lowest position
+of a ``POLL_COMMIT`` lookups consumer (its uncommitted position may be anywhere up to the end).
+The merged record says which batches it covers, so a position that later lands inside them
+(a reset, a seek) reads from the merged record: at-least-once, never a lost row.
 """
 
 from __future__ import annotations
@@ -121,19 +123,30 @@ def checkpoint_floor(r: ReadTxn) -> Optional[int]:
 
 def read_start(r: ReadTxn, position: int, channel: str = LOOKUPS) -> int:
     """Where a read at ``position`` starts so that it misses nothing (see the module docs):
-    ``position``, or the start of the filtered window it lies inside, never below the log
-    start (nothing is stored there)."""
+    ``position``, or earlier when it lies inside a filtered window (the window start) or inside
+    a compacted record's range (the record's stamp) -- repeated until neither moves it -- and
+    never below the log start (nothing is stored there)."""
     if channel != LOOKUPS:
         return position
-    best = position
-    for entry in r.tables().values():
-        found = r.first_record_at(entry.table_id, position)
-        if found is None:
-            continue
-        w = codec.record_window_start(found[1])
-        if w is not None and w < best:
-            best = w
-    return max(best, min(log_start(r), position))
+    floor = min(log_start(r), position)
+    p = position
+    while p > floor:
+        q = p
+        for entry in r.tables().values():
+            after = r.first_record_at(entry.table_id, q)
+            if after is not None:
+                w, _ = codec.record_bounds(after[1])
+                if w is not None and w < q:
+                    q = w
+            before = r.last_record_before(entry.table_id, q)
+            if before is not None:
+                _, covers = codec.record_bounds(before[1])
+                if covers is not None and covers > q:
+                    q = before[0]
+        if q >= p:
+            break
+        p = q
+    return max(p, floor)
 
 
 def check_exact(r: ReadTxn, start: int, what: str) -> None:
@@ -216,7 +229,8 @@ def has_poll_commit_reader(consumers: Dict[str, ConsumerEntry]) -> bool:
 
 def retention_floor(r: ReadTxn, channel: str) -> Optional[int]:
     """Below this a channel may be deleted: the smallest committed position of its consumers
-    that are not expired, and (lookups) at most the checkpoint floor. None without consumers."""
+    that are not expired, and (lookups) at most the checkpoint floor, moved back to where a
+    read there starts. None without consumers."""
     offsets = [v.offset for v in r.consumers().values() if v.channel == channel and not v.expired]
     if not offsets:
         return None
@@ -225,6 +239,8 @@ def retention_floor(r: ReadTxn, channel: str) -> Optional[int]:
         cp = checkpoint_floor(r)
         if cp is not None:
             floor = min(floor, cp)
+        # a position inside a filtered window or a compacted record reads from further back
+        floor = read_start(r, floor)
     return floor
 
 
@@ -277,6 +293,8 @@ def safe_pieces(r: ReadTxn, start: int, end: int) -> List[Tuple[int, int]]:
     """``[start, end)`` cut into pieces that no reader can be positioned strictly inside (see
     the module docs). Empty when nothing in it may be merged."""
     consumers = lookups_consumers(r.consumers())
+    start = max(start, log_start(r))  # nothing below the log start may be stamped again
+    end = min(end, lookups_end(r))  # never the open batch: a reader registered at the end starts there
     polled = [v.offset for v in consumers.values() if v.delivery == Delivery.POLL_COMMIT]
     if polled:
         end = min(end, min(polled))  # a poller's uncommitted position may be anywhere above

@@ -47,6 +47,12 @@ class CorruptRecordError(PersistentDeltaError):
     """A stored record failed its checksum or could not be decoded."""
 
 
+class DamagedLogError(CorruptRecordError):
+    """The LMDB file itself is damaged (truncated, meta pages inconsistent, a broken B-tree):
+    opening or reading it could kill the process (SIGBUS) or return wrong data, so it is not
+    opened. The message names the file."""
+
+
 class LogFullError(PersistentDeltaError):
     """The disk is full (or the map cannot grow further); nothing committed was lost."""
 

@@ -31,17 +31,19 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import lmdb
+from lmdb import verify as _lmdb_verify
 
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import (
     CorruptRecordError,
+    DamagedLogError,
     LogFullError,
     LogLockedError,
     NotALogError,
     PersistentDeltaError,
     ReadOnlyLogError,
 )
-from persistent_delta.layout import LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
+from persistent_delta.layout import DATA_FILE, LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,49 @@ def is_io_failure(exc: BaseException) -> bool:
     """Whether ``exc`` may have left the environment unusable (LMDB flags it fatal after an
     I/O error during commit): it is then closed and reopened before the next use."""
     return isinstance(exc, (lmdb.DiskError, lmdb.PanicError)) or _code(exc) in _IO_CODES
+
+
+# ------------------------------------------------------------------------ file checks
+
+
+def check_file(path: str, full: bool = False) -> None:
+    """Check ``<path>/data.mdb`` against LMDB's own metadata before anything maps it.
+
+    Constant time (two meta pages read with ``read``, never mapped): both meta pages parse,
+    agree on the page size, have sane transaction ids (the two differ by one; a flipped high
+    byte would silently roll back to the older one), and the file holds every page the
+    committed meta page claims (a truncated file would kill every process that maps it with
+    SIGBUS at the first access to a missing page). With ``full``, py-lmdb's offline structural
+    verifier walks every reachable page too (``lmdb.verify``; time linear in the file).
+
+    Raises:
+        DamagedLogError: any of these fails; the message names the file.
+    """
+    data = os.path.join(path, DATA_FILE)
+    try:
+        size = os.path.getsize(data)
+        with open(data, "rb") as f:
+            v = _lmdb_verify._Verifier(f, size)  # py-lmdb's meta parser (pinned py-lmdb 3.0)
+            v.detect_engine()
+            v.load_metas()
+            m0, m1 = v._read_meta(0, 1), v._read_meta(1, v.psize)
+    except _lmdb_verify.VerifyError as exc:
+        raise DamagedLogError(f"{data}: damaged LMDB file: {exc}") from exc
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    problems = list(v.errors)
+    if m0.txnid and m1.txnid and abs(int(m0.txnid) - int(m1.txnid)) != 1:
+        problems.append(f"the meta pages' transaction ids {m0.txnid} and {m1.txnid} are not consecutive")
+    need = v.next_pgno * v.psize
+    if size < need:
+        problems.append(f"the file is truncated: {size} bytes, but its committed meta page needs {need}")
+    if not problems and full:
+        problems = _lmdb_verify.verify(data)
+    if problems:
+        raise DamagedLogError(
+            f"{data}: damaged LMDB file ({'; '.join(problems[:3])}); it was not opened. Restore it from a copy, "
+            "or move it away and start afresh"
+        )
 
 
 # ------------------------------------------------------------------------ writer lock

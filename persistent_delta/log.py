@@ -84,6 +84,7 @@ class StoredRecord:
     states: Optional[torch.Tensor]
     nbytes: int
     window_start: Optional[int] = None
+    covers_end: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------- transactions
@@ -134,7 +135,7 @@ class ReadTxn:
             if end_idx is not None and b >= end_idx:
                 break
             rec = codec.decode_record(value, verify=verify, key=bytes(key))
-            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start)
+            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end)
 
     def iter_record_keys(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
@@ -159,6 +160,15 @@ class ReadTxn:
         if cur is None or cur.key()[:4] != codec.table_prefix(table_id):
             return None
         return codec.decode_record_key(cur.key())[1], bytes(cur.value())
+
+    def last_record_before(self, table_id: int, position: int, channel: str = LOOKUPS) -> Optional[Tuple[int, bytes]]:
+        """``(batch_idx, value)`` of the table's last record below ``position``, or None."""
+        cur = self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]])
+        found = cur.prev() if cur.set_range(codec.record_key(table_id, max(0, position), 0)) else cur.last()
+        if not found or cur.key()[:4] != codec.table_prefix(table_id):
+            return None
+        b = codec.decode_record_key(cur.key())[1]
+        return (b, bytes(cur.value())) if b < position else None
 
     def iter_raw(self, channel: str = LOOKUPS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
         """Every (key, value) of a channel, in key order, undecoded (for verify)."""
@@ -317,6 +327,12 @@ class DeltaLog:
         update_mode: the :class:`UpdateMode` value (string) of the lookups channel. On create
             it is stored; on open it must match the stored one (:class:`ConfigMismatchError`).
         options: :class:`LogOptions` (durability, map size, readers).
+        check: walk the whole file's structure before opening it (``lmdb.verify``; linear in
+            the file). Every open makes the constant-time checks of
+            :func:`persistent_delta.lmdbenv.check_file` anyway.
+
+    Raises:
+        DamagedLogError: the file fails those checks (it is not opened).
     """
 
     def __init__(
@@ -329,6 +345,7 @@ class DeltaLog:
         options: Optional[LogOptions] = None,
         writer_lock: bool = True,
         formats: Tuple[int, ...] = (codec.FORMAT_VERSION,),
+        check: bool = False,
     ) -> None:
         self.path = os.path.realpath(os.fspath(path))
         self._formats = formats  # (the upgrade tool opens older versions)
@@ -352,6 +369,12 @@ class DeltaLog:
             self._lock_fd = lmdbenv.acquire_writer_lock(self.path)
             if self.options.tune_malloc:
                 tune_malloc()
+        if file_state(self.path) is FileState.PRESENT and not lmdbenv.open_in_process(self.path):
+            try:
+                lmdbenv.check_file(self.path, full=check)
+            except BaseException:
+                self._release_writer_lock()
+                raise
         try:
             self._shared = lmdbenv.acquire(self.path, self.options, readonly)
         except BaseException:

@@ -182,6 +182,7 @@ def compact_range(w: WriteTxn, mode: UpdateMode, start_idx: int, end_idx: int) -
         ids: List[torch.Tensor] = []
         states: List[torch.Tensor] = []
         windows: List[int] = []
+        covers = start_idx + 1
         for rec in w.iter_records(entry.table_id, start_idx, end_idx):
             # Copy: the views die when their pages are deleted below.
             ids.append(rec.ids.clone())
@@ -189,13 +190,16 @@ def compact_range(w: WriteTxn, mode: UpdateMode, start_idx: int, end_idx: int) -
                 states.append(rec.states.clone())
             if rec.window_start is not None:
                 windows.append(rec.window_start)
+            covers = max(covers, rec.batch_idx + 1, rec.covers_end or 0)
         if len(ids) <= 1:
             continue
         rows = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode)
         w.delete_records(entry.table_id, start_idx, end_idx)
-        # The merged record keeps the earliest window start it covers (read_start's input).
+        # The merged record keeps the earliest window start it holds, and says which batches it
+        # covers: a read starting inside them starts at the merged record (read_start's input).
         window = min(windows) if windows else None
-        w.put_record(entry.table_id, start_idx, codec.encode_record(rows.ids, rows.states, codec.KIND_LOOKUP, window))
+        w.put_record(entry.table_id, start_idx,
+                     codec.encode_record(rows.ids, rows.states, codec.KIND_LOOKUP, window, covers))
         merged[fqn] = len(ids)
     return merged
 

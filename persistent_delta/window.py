@@ -107,13 +107,16 @@ class WindowFilter:
         dropped = 0
         for r in records:
             n = r.ids.numel()
-            if r.batch_idx < start or n == 0 or r.ids.device.type != "cpu":
+            if r.batch_idx < start:
                 out.append(r)
+                continue
+            if n == 0 or r.ids.device.type != "cpu" or int(r.ids.max()) + 1 > self._max_rows:
+                # written whole, but it still carries the window start: a reader positioned at
+                # this batch must start at the window (records of the batch it joins may be
+                # filtered)
+                out.append(AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, start, r.unique))
                 continue
             top = int(r.ids.max()) + 1
-            if top > self._max_rows:
-                out.append(r)
-                continue
             ids = r.ids if r.ids.dtype == torch.int64 else r.ids.long()
             bitmap = self._bitmap(r.fqn, top)
             keep, ids = self._first_new(ids, bitmap)

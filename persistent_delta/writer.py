@@ -78,7 +78,8 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
         groups.setdefault((r.fqn, r.batch_idx), []).append(r)
     out: List[AppendRecord] = []
     for (fqn, b), recs in groups.items():
-        w = recs[0].window_start
+        starts = [r.window_start for r in recs if r.window_start is not None]
+        w = min(starts) if starts else None  # the merged record needs the window start of any part
         if all(r.unique for r in recs):
             if len(recs) == 1:
                 out.append(recs[0])

@@ -68,11 +68,11 @@ ITX, POLL = Delivery.IN_TRANSACTION, Delivery.POLL_COMMIT
 # examples). While a flag is True, the machine skips the steps that would run into that bug
 # (or, for C, runs the read without retention); set it to False once its xfail test passes, to
 # check the fix here too.
-KNOWN_BUG_A_COMPACTION_ACROSS_A_READ_START = True
-KNOWN_BUG_B_COMPACTION_ACROSS_THE_OPEN_BATCH = True
-KNOWN_BUG_C_RETENTION_INSIDE_A_WINDOW = True
-KNOWN_BUG_D_EMPTY_RECORD_LOSES_ITS_WINDOW = True  # (window.py/writer.py): no empty lookups drawn
-KNOWN_BUG_E_COMPACTION_BELOW_THE_LOG_START = True
+KNOWN_BUG_A_COMPACTION_ACROSS_A_READ_START = False
+KNOWN_BUG_B_COMPACTION_ACROSS_THE_OPEN_BATCH = False
+KNOWN_BUG_C_RETENTION_INSIDE_A_WINDOW = False
+KNOWN_BUG_D_EMPTY_RECORD_LOSES_ITS_WINDOW = False  # (window.py/writer.py): no empty lookups drawn
+KNOWN_BUG_E_COMPACTION_BELOW_THE_LOG_START = False
 
 # table -> id -> state (a tuple, or None in NONE mode)
 Rows = Dict[str, Dict[int, Optional[Tuple[float, ...]]]]
@@ -313,6 +313,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         if not live:
             return expired, self.start
         floor = min(live) if self.cp is None else min(min(live), self.cp)
+        # a position inside a filtered window (or a compacted record) reads from further back:
+        # retention keeps what that read needs
+        floor = self.log.read(lambda r: delivery.read_start(r, floor))
         return expired, max(self.start, floor)
 
     def _retain(self, k: Optional[int]) -> None:
@@ -606,7 +609,7 @@ def _poll(log, pos: int) -> Tuple[int, int, List[int]]:
     return log.read(read)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug A (delivery.safe_pieces): compaction across the window start "
+@pytest.mark.skipif(False, reason="known bug A (delivery.safe_pieces): compaction across the window start "
                    "that a position inside a filtered window reads from loses rows")
 def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     mode = UpdateMode.FIRST
@@ -625,7 +628,7 @@ def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     assert 0 in _consume(log, mode, window, "late", 4)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug B (delivery.consume/safe_pieces): get_unique compacts through the "
+@pytest.mark.skipif(False, reason="known bug B (delivery.consume/safe_pieces): get_unique compacts through the "
                    "open batch; a consumer registered at the end then never reads that batch")
 def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     mode = UpdateMode.LAST  # the window filter is off: get_unique compacts
@@ -641,7 +644,7 @@ def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     assert ids == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug C (delivery.retention_floor): retention deletes part of the "
+@pytest.mark.skipif(False, reason="known bug C (delivery.retention_floor): retention deletes part of the "
                    "filtered window a position reads from")
 def test_known_bug_c_retention_inside_a_window(tmp_path):
     mode = UpdateMode.FIRST
@@ -653,12 +656,12 @@ def test_known_bug_c_retention_inside_a_window(tmp_path):
     _consume(log, mode, window, "default", 3, delete_on_read=True)  # floor min(2, 3) = 2: [0, 2) deleted
     _append(log, mode, window, 3, [7])
     start, end, ids = _poll(log, 2)
-    assert (start, end) == (2, 3)
+    assert start <= 2 and end == 3  # (reads from the window start it needs, and says so)
     # BUG C: id 0, touched in batch 2 (at p's position), is never delivered to p.
     assert 0 in ids
 
 
-@pytest.mark.xfail(strict=True, reason="known bug D (window.WindowFilter.apply / writer.dedup_records): a batch's "
+@pytest.mark.skipif(False, reason="known bug D (window.WindowFilter.apply / writer.dedup_records): a batch's "
                    "records merged by the dedup keep the first record's window start, None when that one passed the "
                    "filter unmarked (empty, or ids beyond max_rows)")
 @pytest.mark.parametrize("first", [[], [500]], ids=["empty lookup", "ids beyond max_rows"])
@@ -677,7 +680,7 @@ def test_known_bug_d_unmarked_record_hides_the_window_start(tmp_path, first):
     assert 0 in _consume(log, mode, window, "late", 3)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug E (delivery.safe_pieces): a compaction that starts below the log "
+@pytest.mark.skipif(False, reason="known bug E (delivery.safe_pieces): a compaction that starts below the log "
                    "start stamps the merged record below it, where reads from the log start miss it")
 def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     mode = UpdateMode.FIRST
@@ -687,7 +690,7 @@ def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     _append(log, mode, window, 2, [2])
     _append(log, mode, window, 3, [3])
     _consume(log, mode, window, "default", 4)
-    assert log.read(lambda r: delivery.safe_pieces(r, 0, 4)) == [(0, 4)]
+    assert all(a >= 2 for a, _ in log.read(lambda r: delivery.safe_pieces(r, 0, 4)))  # (the fix)
     log.write(lambda w: delivery.safe_compact(w, mode, 0, 4))  # e.g. tracker.compact(0, 4)
     assert _register(log, "new", ITX, latest=False) == 2  # at the log start
     # BUG E: batches 2 and 3 now live in a record stamped 0, below the log start 2.

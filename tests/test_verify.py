@@ -67,7 +67,7 @@ def test_flipped_byte_in_data_file(tmp_path, capsys):
     assert code == 1 and not data["ok"]
     assert _problems(data) == [(
         "error", "records record (table 't', batch 3, seq 0)",
-        "record checksum mismatch (the stored bytes were altered)",
+        "record checksum mismatch (the stored bytes or the record's key were altered)",
     )]
     capsys.readouterr()
     assert main(["verify", root]) == 1

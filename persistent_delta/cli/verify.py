@@ -4,6 +4,8 @@ Owns: the list of structural checks and their severities.
 
 Checks, per rank (each log opened read-only, one read transaction):
 
+* the LMDB file's structure, before it is opened: meta pages, file size, every reachable page
+  (py-lmdb's offline verifier, ``lmdb.verify``, through :func:`persistent_delta.lmdbenv.check_file`);
 * the log opens: format version, table entries decode;
 * meta: format version, a known update mode, the tracker's table list has a table entry for
   every fqn, its rank matches the directory, batch indices are non-negative ints;
@@ -255,7 +257,7 @@ def verify(root: PathLike, progress: Optional[ProgressFn] = None) -> VerifyRepor
         report.ranks.append(rc)
         checker = _Checker(rc, progress)
         try:
-            log = DeltaLog(path, readonly=True)
+            log = DeltaLog(path, readonly=True, check=True)  # the whole file's structure first
         except PersistentDeltaError as exc:
             checker.bad("open", f"{type(exc).__name__}: {exc}")
             continue

@@ -1,0 +1,128 @@
+"""Damaged files (issue 13 items 3 and 13): truncations and byte flips on copies of a real log,
+opened by every tool and by a consumer, each in its own process: never a death by signal, never
+an exception that is not the library's, and a poll that succeeds returns exactly the undamaged
+rows unless verify reports damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta import DeltaReader, LmdbDeltaStore
+from persistent_delta.layout import DATA_FILE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROBE = r"""
+import json, sys, traceback
+from persistent_delta import DeltaReader, PersistentDeltaError
+from persistent_delta.cli import main
+root = sys.argv[1]
+for what in sys.argv[2:]:
+    out = {"what": what}
+    try:
+        if what == "poll":
+            with DeltaReader(root) as r:
+                p = r.poll()
+                out["rows"] = {d.fqn: sorted(d.ids.tolist()) for d in p}
+        else:
+            args = {"verify": ["verify", root], "offsets": ["offsets", root], "vacuum": ["vacuum", root],
+                    "replay": ["replay", root, "--from-batch", "0", "--to-batch", "50", "--dry-run"]}[what]
+            out["rc"] = main(args)
+    except PersistentDeltaError as exc:
+        out["error"] = type(exc).__name__
+    except BaseException:
+        out["foreign"] = traceback.format_exc()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _make(path: str) -> dict:
+    with LmdbDeltaStore(path, UpdateMode.NONE) as s:
+        for b in range(1, 40):
+            for t in ("a", "b"):
+                s.append(b, t, torch.arange(b, b + 30) % 97)
+    with DeltaReader(path) as r:
+        return {d.fqn: sorted(d.ids.tolist()) for d in r.poll()}
+
+
+def _probe(root: str, *whats: str) -> dict:
+    """Run the probes in one process (torch imports once); what -> result."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PROBE, root, *whats], capture_output=True, text=True, env=env,
+                          timeout=300)
+    results = {}
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("RESULT "):
+            out = json.loads(ln[len("RESULT "):])
+            results[out.pop("what")] = out
+    assert proc.returncode >= 0, (f"died by signal {-proc.returncode} on {root} after {sorted(results)}: "
+                                  f"{proc.stderr[-2000:]}")
+    assert set(results) == set(whats), f"no result for {set(whats) - set(results)}: {proc.stderr[-2000:]}"
+    for what, out in results.items():
+        assert "foreign" not in out, f"{what} raised a foreign exception on {root}:\n{out['foreign']}"
+    return results
+
+
+def _check_case(root: str, truth: dict) -> None:
+    res = _probe(root, "verify", "offsets", "replay", "poll")
+    damaged = res["verify"].get("rc", 1) != 0 or "error" in res["verify"]
+    if "rows" in res["poll"] and not damaged:
+        assert res["poll"]["rows"] == truth, f"a poll returned other rows than written, and verify said OK: {root}"
+
+
+@pytest.mark.parametrize("fraction", [0.5, 8192])
+def test_truncated_data_files_give_typed_errors_never_a_signal(tmp_path, fraction):
+    src = str(tmp_path / "log")
+    truth = _make(src)
+    case = str(tmp_path / "case")
+    shutil.copytree(src, case)
+    data = os.path.join(case, DATA_FILE)
+    size = os.path.getsize(data)
+    keep = int(size * fraction) if fraction < 1 else int(fraction)
+    with open(data, "r+b") as f:
+        f.truncate(keep)
+    res = _probe(case, "verify", "offsets", "replay", "poll", "vacuum")
+    assert res["verify"].get("rc") == 1
+    for what in ("offsets", "replay", "poll", "vacuum"):
+        assert res[what].get("error") == "DamagedLogError" or res[what].get("rc") == 1, (what, res[what])
+    assert not any(n.startswith(".vacuum-") for n in os.listdir(case))
+
+
+def _fuzz(tmp_path, flips: int, truncations: int, seed: int) -> None:
+    src = str(tmp_path / "log")
+    truth = _make(src)
+    size = os.path.getsize(os.path.join(src, DATA_FILE))
+    rng = random.Random(seed)
+    for i in range(flips + truncations):
+        case = str(tmp_path / f"case-{i}")
+        shutil.copytree(src, case)
+        data = os.path.join(case, DATA_FILE)
+        with open(data, "r+b") as f:
+            if i < flips:
+                off = rng.randrange(size)
+                f.seek(off)
+                byte = f.read(1)
+                f.seek(off)
+                f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+            else:
+                f.truncate(rng.randrange(size))
+        _check_case(case, truth)
+        shutil.rmtree(case)
+
+
+def test_damage_fuzz_small(tmp_path):
+    _fuzz(tmp_path, flips=8, truncations=3, seed=1)
+
+
+@pytest.mark.slow
+def test_damage_fuzz(tmp_path):
+    _fuzz(tmp_path, flips=80, truncations=20, seed=2)
