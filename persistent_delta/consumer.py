@@ -61,6 +61,7 @@ from persistent_delta.schema import (
     Delivery,
     TrackerMeta,
     check_batch_idx,
+    check_table_filter,
     check_channel,
     check_consumer_name,
 )
@@ -146,9 +147,12 @@ class DeltaReader:
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._watcher: Optional[FileWatch] = None
         self._watched: List[str] = []
+        check_table_filter(tables, None)
         self._closed = False
         try:
             self._discover(wait)
+            if not self.missing_ranks():
+                check_table_filter(tables, self._job_tables())
         except BaseException:
             self.close()
             raise
@@ -221,6 +225,14 @@ class DeltaReader:
         if isinstance(self._start, int):
             return self._start
         return log.read(lambda r: delivery.registration_offset(r, self.channel, latest=self._start == "latest"))
+
+    def _job_tables(self) -> List[str]:
+        """The job's table set: what each rank's tracker recorded at attach (a table-wise table
+        lives on one rank only), or the tables of a plain store."""
+        def tables(r: ReadTxn) -> List[str]:
+            meta = TrackerMeta.from_value(r.meta(META_TRACKER))
+            return list(meta.tables) if meta is not None else list(r.tables())
+        return sorted({fqn for log in self._logs.values() for fqn in log.read(tables)})
 
     def missing_ranks(self) -> List[int]:
         """Ranks of the job that have no log (yet)."""

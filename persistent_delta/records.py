@@ -94,6 +94,7 @@ def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]]
                     f"batch_idx {rec.batch_idx} for {rec.fqn!r} is lower than its last appended batch_idx "
                     f"{entry.last_batch_idx}: the log is append-only"
                 )
+            _check_row_shape(entry, rec)
             if rec.batch_idx > entry.last_batch_idx or not entry.listed or entry.states_dtype is None:
                 entry = _touched(entry, rec)
         entries[rec.fqn] = entry
@@ -106,6 +107,20 @@ def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]]
         if before is None or before.to_bytes() != entry.to_bytes():
             w.stage_table(entry)
     return nbytes
+
+
+def _check_row_shape(entry: TableEntry, rec: AppendRecord) -> None:
+    """A table's state rows keep one dtype and shape from its first append on (also after
+    ``delete(None)``): mixed rows could not be merged or read back. Before the first append the
+    entry may hold the tracker's guess from attach, which the first append replaces."""
+    if rec.states is None or entry.states_dtype is None or entry.last_batch_idx < 0:
+        return
+    dtype, tail = codec.dtype_name(rec.states.dtype), [int(d) for d in rec.states.shape[1:]]
+    if (dtype, tail) != (entry.states_dtype, list(entry.states_tail or [])):
+        raise InvalidInputError(
+            f"states of {rec.fqn!r} have dtype {dtype} and row shape {tail}, but the table's rows are "
+            f"{entry.states_dtype} {list(entry.states_tail or [])}: a table keeps one row shape (use another fqn)"
+        )
 
 
 def _touched(entry: TableEntry, rec: AppendRecord) -> TableEntry:

@@ -23,7 +23,7 @@ import enum
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -96,6 +96,27 @@ def check_batch_idx(batch_idx: object, what: str = "batch_idx") -> int:
     if batch_idx < 0 or batch_idx > MAX_BATCH_IDX:
         raise InvalidInputError(f"{what} must be in [0, 2**63), got {batch_idx}")
     return batch_idx
+
+
+def check_table_filter(tables: object, known: Optional[Sequence[str]]) -> Optional[List[str]]:
+    """Validate a table filter (a list of fqns, or None for all). ``known``: the job's table
+    set (None when it cannot be known yet: then only the type is checked).
+
+    Raises:
+        InvalidInputError: not a list of strings (a plain ``str`` included), or unknown fqns:
+            a filter that matches nothing would skip those tables' batches for good.
+    """
+    if tables is None:
+        return None
+    if isinstance(tables, (str, bytes)) or not isinstance(tables, (list, tuple, set, frozenset)) or not all(
+        isinstance(t, str) for t in tables
+    ):
+        raise InvalidInputError(f"tables must be a list of table fqns, got {tables!r}")
+    if known is not None:
+        unknown = sorted(set(tables) - set(known))
+        if unknown:
+            raise InvalidInputError(f"unknown tables {unknown}; the job's tables are {sorted(known)}")
+    return list(tables)
 
 
 def check_channel(channel: object) -> str:

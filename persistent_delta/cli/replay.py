@@ -36,9 +36,13 @@ still be incomplete then (a note says so).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -52,7 +56,7 @@ from persistent_delta.errors import InvalidInputError, OffsetOutOfRangeError, Un
 from persistent_delta.layout import PathLike, atomic_write_bytes, rank_paths
 from persistent_delta.log import DeltaLog, ReadTxn
 from persistent_delta.results import MergedDelta, RankDelta, TableDelta, merge_table, read_range
-from persistent_delta.schema import LOOKUPS
+from persistent_delta.schema import LOOKUPS, ShardInfo, check_table_filter
 from persistent_delta.shard_files import full_rows, load_shards
 
 logger = logging.getLogger(__name__)
@@ -195,8 +199,19 @@ def _write(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) ->
     return len(data)
 
 
-def _safe_name(fqn: str) -> str:
-    return fqn.replace(os.sep, "_")
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+
+
+def file_name(fqn: str) -> str:
+    """The file name (without extension) of a table's export: the fqn itself when it is a
+    plain name (letters, digits, ``._-``, up to 100 chars, not starting with a dot); else its
+    plain characters (up to 60) plus ``~`` and a hash of the whole fqn. ``~`` never occurs in a
+    plain name, so names are unique for every fqn the log accepts, and always safe (no ``/``,
+    no NUL, short). The manifest maps each fqn to its file."""
+    if _PLAIN_NAME.match(fqn):
+        return fqn
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", fqn)[:60].lstrip(".")
+    return f"{plain}~{hashlib.sha1(fqn.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 def replay(
@@ -241,17 +256,50 @@ def replay(
     if commit and consumer is None:
         raise InvalidInputError("--commit needs --consumer")
     root = os.fspath(root)
-    out = os.fspath(out_dir) if out_dir is not None else None
+    final = os.fspath(out_dir) if out_dir is not None else None
     shards = load_shards(checkpoint) if checkpoint is not None else None
+    if final is None or dry_run:
+        return _replay(root, final, final, from_batch, to_batch, consumer, commit, tables, window, shards, dry_run,
+                       progress)
+    # Files are staged and moved into place only when everything was written: a failed replay
+    # leaves no partial output (and removes an output directory it created).
+    created = not os.path.exists(final)
+    os.makedirs(final, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".replay-", dir=final)
+    try:
+        report = _replay(root, stage, final, from_batch, to_batch, consumer, commit, tables, window, shards, False,
+                         progress, publish=lambda rep: _publish(stage, final, rep))
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
+    return report
+
+
+def _publish(stage: str, final: str, report: "ReplayReport") -> None:
+    """Move the staged files into ``final`` and write the manifest last."""
+    for f in report.files:
+        if f.path is None:
+            continue
+        dest = os.path.join(final, os.path.relpath(f.path, stage))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(f.path, dest)
+        f.path = dest
+    shutil.rmtree(stage, ignore_errors=True)
+    report.out_dir = final
+    atomic_write_bytes(os.path.join(final, "manifest.json"), json.dumps(_manifest(report), indent=1).encode())
+
+
+def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Optional[int], to_batch: Optional[int],
+            consumer: Optional[str], commit: bool, tables: Optional[Sequence[str]], window: Optional[int],
+            shards: Optional[Dict[str, List[Tuple[ShardInfo, torch.Tensor]]]], dry_run: bool,
+            progress: Optional[ProgressFn], publish: Optional[Callable[["ReplayReport"], None]] = None) -> "ReplayReport":
     logs = {rank: DeltaLog(path, readonly=True) for rank, path in rank_paths(root).items()}
     try:
-        if tables is not None:
-            known = {fqn for log in logs.values() for fqn in log.tables()}
-            unknown = sorted(set(tables) - known)
-            if unknown:
-                raise InvalidInputError(f"unknown tables {unknown}; the log holds {sorted(known)}")
+        check_table_filter(tables, sorted({fqn for log in logs.values() for fqn in log.tables()}))
         ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
-        report = ReplayReport(root=root, out_dir=out, consumer=consumer, ranges=ranges, window=window,
+        report = ReplayReport(root=root, out_dir=final, consumer=consumer, ranges=ranges, window=window,
                               windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)
         mode = next(iter(logs.values())).read(lambda r: delivery.update_mode(r)).value
         touched: Dict[str, List[torch.Tensor]] = {}
@@ -284,9 +332,8 @@ def replay(
                 continue
             ids = torch.unique(torch.cat(ids_list), sorted=True)
             report.files.append(_export_snapshot(fqn, ids, full_rows(fqn, shards[fqn], ids), lo, hi, out, dry_run))
-    if out is not None and not dry_run:
-        os.makedirs(out, exist_ok=True)
-        atomic_write_bytes(os.path.join(out, "manifest.json"), json.dumps(_manifest(report), indent=1).encode())
+    if publish is not None:
+        publish(report)
     if commit and not dry_run and consumer is not None:
         with DeltaConsumer(root, consumer, register=False) as c:
             for rank, (_, end) in ranges.items():
@@ -309,7 +356,7 @@ def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[st
                    states_shape=list(states.shape) if states is not None else None,
                    column_split=m.column_split, path=None)
     if not dry_run and out is not None:
-        f.path = os.path.join(out, f"window-{ws:012d}-{we:012d}", f"{_safe_name(m.fqn)}.safetensors")
+        f.path = os.path.join(out, f"window-{ws:012d}-{we:012d}", f"{file_name(m.fqn)}.safetensors")
         meta = {
             "format": REPLAY_FORMAT, "kind": "delta", "fqn": m.fqn, "start_idx": str(ws), "end_idx": str(we),
             "update_mode": mode, "global_rows": str(m.global_rows), "global_cols": str(m.global_cols),
@@ -324,7 +371,7 @@ def _export_snapshot(fqn: str, ids: torch.Tensor, values: torch.Tensor, lo: int,
     f = ReplayFile(kind="snapshot", start_idx=lo, end_idx=hi, fqn=fqn, rows=int(ids.numel()),
                    states_shape=list(values.shape), column_split=False, path=None)
     if not dry_run and out is not None:
-        f.path = os.path.join(out, "snapshot", f"{_safe_name(fqn)}.safetensors")
+        f.path = os.path.join(out, "snapshot", f"{file_name(fqn)}.safetensors")
         meta = {"format": REPLAY_FORMAT, "kind": "snapshot", "fqn": fqn, "start_idx": str(lo), "end_idx": str(hi)}
         f.bytes = _write(f.path, {"ids": ids, "values": values}, meta)
     return f

@@ -211,6 +211,12 @@ class _Checker:
                 continue
             if rec.kind != kind:
                 self.bad(where, f"record kind {rec.kind} in the {db} DB (expected {kind})")
+            entry = r.tables().get(by_id.get(t, ""))
+            if (channel == LOOKUPS and rec.states is not None and entry is not None and entry.states_dtype is not None
+                    and (codec.dtype_name(rec.states.dtype), list(rec.states.shape[1:]))
+                    != (entry.states_dtype, list(entry.states_tail or []))):
+                self.bad(where, f"states {rec.states.dtype} {list(rec.states.shape[1:])} differ from the table's row "
+                                f"{entry.states_dtype} {list(entry.states_tail or [])}")
             if rec.states is not None and (rec.states.dim() == 0 or rec.states.shape[0] != rec.ids.numel()):
                 self.bad(where, f"{rec.ids.numel()} ids but states of shape {tuple(rec.states.shape)}")
             if log_start is not None and b < log_start:
