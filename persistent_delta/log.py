@@ -40,6 +40,7 @@ from persistent_delta import codec, lmdbenv
 from persistent_delta.alloc import tune_malloc
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
+    CorruptRecordError,
     ConfigMismatchError,
     ForkedProcessError,
     FormatMismatchError,
@@ -88,6 +89,15 @@ class StoredRecord:
 
 
 # ----------------------------------------------------------------------------- transactions
+
+
+def _name(key: Union[bytes, memoryview], db: str) -> str:
+    """A table fqn or consumer name stored as a key; a damaged one is a typed error."""
+    try:
+        return bytes(key).decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptRecordError(f"a key of the {db} database is not valid UTF-8 ({bytes(key)[:40]!r}): damaged") from exc
+
 
 
 class ReadTxn:
@@ -183,10 +193,11 @@ class ReadTxn:
     # consumers & meta ----------------------------------------------------------------
     def consumers(self) -> Dict[str, ConsumerEntry]:
         """Every registered consumer, by name."""
-        return {
-            bytes(k).decode(): ConsumerEntry.from_bytes(bytes(k).decode(), bytes(v))
-            for k, v in self.txn.cursor(db=self._dbs[DB_CONSUMERS])
-        }
+        out = {}
+        for k, v in self.txn.cursor(db=self._dbs[DB_CONSUMERS]):
+            name = _name(k, DB_CONSUMERS)
+            out[name] = ConsumerEntry.from_bytes(name, bytes(v))
+        return out
 
     def iter_consumer_bytes(self) -> Iterator[Tuple[str, bytes]]:
         """Every consumer entry undecoded (for verify, which reports a bad one by name)."""
@@ -202,7 +213,7 @@ class ReadTxn:
         return default if v is None else codec.unpack(v, f"meta {key!r}")
 
     def all_meta(self) -> Dict[str, Any]:
-        return {bytes(k).decode(): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
+        return {_name(k, DB_META): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
 
 
 class WriteTxn(ReadTxn):
@@ -359,6 +370,8 @@ class DeltaLog:
         self._tables: Dict[str, TableEntry] = {}
         self._tables_seen_version = -1
         may_create = self.owns_tables and create
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotALogError(f"{self.path} is a file, not a log directory; pass the directory that holds data.mdb")
         if file_state(self.path) is not FileState.PRESENT and not may_create:
             raise NotALogError(self._not_yet("no data"))
         if self.owns_tables:
@@ -473,7 +486,7 @@ class DeltaLog:
                 return
             tables: Dict[str, TableEntry] = {}
             for k, v in r.txn.cursor(db=self._shared.dbs[DB_TABLES]):
-                fqn = bytes(k).decode()
+                fqn = _name(k, DB_TABLES)
                 tables[fqn] = TableEntry.from_bytes(fqn, bytes(v))
             self._tables = tables
             self._tables_seen_version = version

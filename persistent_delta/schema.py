@@ -85,7 +85,8 @@ def check_consumer_name(name: object) -> str:
 def check_fqn(fqn: object) -> str:
     """Validate a table fqn: a non-empty string of at most ``MAX_FQN_BYTES`` UTF-8 bytes."""
     if not isinstance(fqn, str) or not fqn or len(fqn.encode("utf-8", "surrogatepass")) > MAX_FQN_BYTES:
-        raise InvalidInputError(f"table fqn must be a non-empty string of at most {MAX_FQN_BYTES} bytes, got {fqn!r}")
+        shown = repr(fqn) if len(repr(fqn)) <= 80 else repr(fqn)[:60] + f"... ({len(repr(fqn))} chars)"
+        raise InvalidInputError(f"table fqn must be a non-empty string of at most {MAX_FQN_BYTES} bytes, got {shown}")
     return fqn
 
 

@@ -85,16 +85,36 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
         )
     out: Dict[str, List[Tuple[ShardInfo, torch.Tensor]]] = {}
     for name in names:
-        with safe_open(os.path.join(ckpt_dir, name), "pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != CHECKPOINT_FORMAT:
-                raise NotALogError(f"{ckpt_dir}/{name} is not a shard checkpoint (format {meta.get('format')!r})")
-            shards = json.loads(meta["shards"])
-            for fqn in f.keys():
-                md = shards[fqn]
-                info = ShardInfo(**{k: md[k] for k in ShardInfo.__dataclass_fields__ if k in md})
-                out.setdefault(fqn, []).append((info, f.get_tensor(fqn)))
+        path = os.path.join(ckpt_dir, name)
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != CHECKPOINT_FORMAT:
+                    raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
+                shards = json.loads(meta["shards"])
+                for fqn in f.keys():
+                    weights = f.get_tensor(fqn)
+                    out.setdefault(fqn, []).append((_checked(path, fqn, ShardInfo.from_dict(shards[fqn]), weights), weights))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # malformed metadata or file
+            raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
     return out
+
+
+def _checked(path: str, fqn: str, info: ShardInfo, weights: torch.Tensor) -> ShardInfo:
+    """The placement of a shard, checked against its weights (a forged size must not drive a
+    huge allocation)."""
+    if weights.dim() != 2:
+        raise InvalidInputError(f"{path}: {fqn}: weights of shape {tuple(weights.shape)}, expected 2-D")
+    rows, cols = int(weights.shape[0]), int(weights.shape[1])
+    ok = (
+        info.local_rows in (None, rows) and info.local_cols in (None, cols)
+        and info.global_rows is not None and info.global_cols is not None
+        and 0 <= info.row_offset and info.row_offset + rows <= info.global_rows
+        and 0 <= info.col_offset and info.col_offset + cols <= info.global_cols
+    )
+    if not ok:
+        raise InvalidInputError(f"{path}: {fqn}: placement {info} does not fit weights of shape {(rows, cols)}")
+    return info
 
 
 def full_rows(fqn: str, shards: List[Tuple[ShardInfo, torch.Tensor]], global_ids: torch.Tensor) -> torch.Tensor:
@@ -107,6 +127,9 @@ def full_rows(fqn: str, shards: List[Tuple[ShardInfo, torch.Tensor]], global_ids
     if info0.global_cols is None:
         raise InvalidInputError(f"{fqn}: the checkpoint lacks the table's width")
     n, cols = int(global_ids.numel()), int(info0.global_cols)
+    covered_cols = max(info.col_offset + int(w.shape[1]) for info, w in shards)
+    if covered_cols != cols:
+        raise InvalidInputError(f"{fqn}: the checkpoint's shards cover {covered_cols} columns, the table claims {cols}")
     values = torch.zeros(n, cols, dtype=shards[0][1].dtype)
     covered = torch.zeros(n, cols, dtype=torch.bool)
     ids = global_ids.to(torch.int64)

@@ -39,7 +39,7 @@ from persistent_delta.records import (
     read_unique,
     write_records,
 )
-from persistent_delta.schema import check_batch_idx
+from persistent_delta.schema import MAX_BATCH_IDX, check_batch_idx
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,9 @@ class LmdbDeltaStore(DeltaStore):
 
         A table with nothing left gives empty tensors.
         """
-        return self._log.read(lambda r: read_unique(r, self.updateMode, from_idx))
+        if isinstance(from_idx, bool) or not isinstance(from_idx, int) or from_idx > MAX_BATCH_IDX:
+            raise InvalidInputError(f"from_idx must be an int below 2**63 (negative reads everything), got {from_idx!r}")
+        return self._log.read(lambda r: read_unique(r, self.updateMode, max(0, from_idx)))
 
     def get_indexed_lookups(self, start_idx: int, end_idx: int) -> Dict[str, List[IndexedLookup]]:
         """Per listed table, copies of its records with ``start_idx <= batch_idx < end_idx``."""

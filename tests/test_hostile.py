@@ -58,18 +58,20 @@ def test_a_failed_replay_leaves_no_partial_output(tmp_path):
     path = str(tmp_path / "log")
     _store(path, ["a", "b"])
     out = str(tmp_path / "out")
-    ckpt = str(tmp_path / "ckpt")  # a shard checkpoint without table "b": fails after the windows
+    # a shard checkpoint holding only rows [10, 20) of table "a": the snapshot of the changed rows
+    # (ids < 10) fails after every window file was written
+    ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     from safetensors.torch import save_file
-    save_file({"a": torch.zeros(20, 4)}, os.path.join(ckpt, "rank-0.safetensors"),
+    save_file({"a": torch.zeros(10, 4)}, os.path.join(ckpt, "rank-0.safetensors"),
               metadata={"format": "persistent_delta.shards/1", "rank": "0", "shards": json.dumps(
-                  {"a": {"table_name": "a", "sharding_type": "table_wise", "row_offset": 0, "col_offset": 0,
-                         "local_rows": 20, "local_cols": 4, "global_rows": 20, "global_cols": 3}})})
-    with pytest.raises(Exception):
+                  {"a": {"table_name": "a", "sharding_type": "row_wise", "row_offset": 10, "col_offset": 0,
+                         "local_rows": 10, "local_cols": 4, "global_rows": 20, "global_cols": 4}})})
+    with pytest.raises(InvalidInputError, match="no shard for rows"):
         replay(path, out, from_batch=0, to_batch=3, checkpoint=ckpt)
     assert not os.path.exists(out)  # it created out: it removed it
     os.makedirs(out)
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidInputError):
         replay(path, out, from_batch=0, to_batch=3, checkpoint=ckpt)
     assert os.listdir(out) == []  # an existing directory is left as it was
 
@@ -87,3 +89,42 @@ def test_a_table_keeps_one_row_shape(tmp_path):
         s.append(2, "t", torch.tensor([3]), torch.ones(1, 4))
         assert s.get_unique(0)["t"].states.shape == (1, 4)
     assert main(["verify", path]) == 0
+
+
+def test_cli_and_number_edges(tmp_path, capsys):
+    path = str(tmp_path / "log")
+    _store(path, ["t"])
+    with DeltaConsumer(path, "c") as c:
+        for bad in (2**63, 2**64, -1, 1.5, True):
+            with pytest.raises(InvalidInputError):
+                c.seek(bad)
+    with LmdbDeltaStore(path, UpdateMode.NONE) as s:
+        for bad in (2**64, 1.5, None):
+            with pytest.raises(InvalidInputError):
+                s.get_unique(bad)
+        assert s.get_unique(-1)["t"].ids.numel() > 0  # TorchRec's tracker reads with -1
+    assert main(["offsets", path, "--reset", "c", "--to-batch", "0", "--execute"]) == 0
+    assert main(["offsets", path, "--reset", "c", "--shift-by", "0"]) == 0
+    capsys.readouterr()
+    with pytest.raises(InvalidInputError) as info:
+        with LmdbDeltaStore(str(tmp_path / "s2"), UpdateMode.NONE) as s:
+            s.append(0, "x" * 10_000, torch.tensor([1]))
+    assert len(str(info.value)) < 300  # the name is not repeated whole
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    from persistent_delta import NotALogError
+    with pytest.raises(NotALogError, match="is a file"):
+        LmdbDeltaStore(str(regular))
+    bad_ckpt = tmp_path / "ckpt"
+    bad_ckpt.mkdir()
+    from safetensors.torch import save_file
+    save_file({"t": torch.zeros(4, 2)}, str(bad_ckpt / "rank-0.safetensors"),
+              metadata={"format": "persistent_delta.shards/1", "rank": "0", "shards": "{not json"})
+    assert main(["replay", path, "--from-batch", "0", "--to-batch", "3", "--out", str(tmp_path / "o"),
+                 "--checkpoint", str(bad_ckpt)]) == 1
+    assert "malformed shard file" in capsys.readouterr().err
+    save_file({"t": torch.zeros(4, 2)}, str(bad_ckpt / "rank-0.safetensors"),
+              metadata={"format": "persistent_delta.shards/1", "rank": "0", "shards": json.dumps(
+                  {"t": {"row_offset": 0, "col_offset": 0, "global_rows": 4, "global_cols": 10**12}})})
+    assert main(["replay", path, "--from-batch", "0", "--to-batch", "3", "--out", str(tmp_path / "o"),
+                 "--checkpoint", str(bad_ckpt)]) == 1

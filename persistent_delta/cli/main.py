@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
@@ -157,7 +158,8 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
 
 def _reset_target(args: argparse.Namespace) -> Optional[ResetTarget]:
     given = [(k, v) for k, v in (("earliest", args.to_earliest), ("latest", args.to_latest),
-                                 ("batch", args.to_batch), ("shift", args.shift_by)) if v not in (None, False)]
+                                 ("batch", args.to_batch), ("shift", args.shift_by))
+             if v is not None and v is not False]  # (0 is a batch and a shift: not "missing")
     if len(given) > 1:
         raise PersistentDeltaError("give at most one of --to-earliest, --to-latest, --to-batch, --shift-by")
     if not given:
@@ -329,10 +331,18 @@ def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) 
     except (PersistentDeltaError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
-    render(out, args.format, stream)
-    stream.flush()
+    try:
+        render(out, args.format, stream)
+        stream.flush()
+    except BrokenPipeError:  # `persistent-delta offsets ROOT | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        return out.exit_code
     if out.exit_code:
-        print(f"{PROG}: {args.command}: {out.notes[-1] if out.notes else 'failed'}", file=sys.stderr)
+        msg = out.notes[-1] if out.notes else "failed"
+        print(f"{PROG}: {msg}" if msg.startswith(f"{args.command}:") else f"{PROG}: {args.command}: {msg}",
+              file=sys.stderr)
     return out.exit_code
 
 
