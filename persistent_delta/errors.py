@@ -57,6 +57,11 @@ class LogFullError(PersistentDeltaError):
     """The disk is full (or the map cannot grow further); nothing committed was lost."""
 
 
+class LogIOError(PersistentDeltaError):
+    """An I/O error from the disk (EIO) while the filesystem has space: the device, not the log,
+    failed. Nothing committed before it was lost; the log is reopened at its last commit."""
+
+
 class ReadOnlyLogError(PersistentDeltaError):
     """A write was attempted on a log opened read-only, or the directory is not writable."""
 

@@ -38,6 +38,7 @@ from persistent_delta.errors import (
     CorruptRecordError,
     DamagedLogError,
     LogFullError,
+    LogIOError,
     LogLockedError,
     NotALogError,
     PersistentDeltaError,
@@ -64,8 +65,11 @@ def translate(exc: BaseException, path: str) -> PersistentDeltaError:
     code = _code(exc)
     if isinstance(exc, lmdb.MapFullError):
         return LogFullError(f"{path}: the LMDB map is full and may not grow further: raise max_map_size")
-    if isinstance(exc, lmdb.DiskError) or code in _FULL_CODES:
+    if isinstance(exc, lmdb.DiskError) or code in _FULL_CODES or (code == errno.EIO and _out_of_space(path)):
+        # (some filesystems report a full disk to LMDB's commit as EIO: the free space decides)
         return LogFullError(f"{path}: no space left on the device; free disk space and retry (nothing committed was lost)")
+    if code == errno.EIO:
+        return LogIOError(f"{path}: I/O error from the device with space left ({exc}); nothing committed was lost")
     if isinstance(exc, lmdb.ReadonlyError) or code in _READONLY_CODES:
         return ReadOnlyLogError(f"{path}: not writable ({exc}); open it read-only or fix the permissions")
     if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError)):
@@ -73,6 +77,17 @@ def translate(exc: BaseException, path: str) -> PersistentDeltaError:
     if isinstance(exc, _DAMAGE):
         return CorruptRecordError(f"{path}: the LMDB file is damaged ({exc}); run `persistent-delta verify`")
     return PersistentDeltaError(f"{path}: LMDB error: {exc}")
+
+
+_LOW_SPACE = 1 << 20  # below this many free bytes an EIO at commit is taken as a full disk
+
+
+def _out_of_space(path: str) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _LOW_SPACE
 
 
 def is_io_failure(exc: BaseException) -> bool:

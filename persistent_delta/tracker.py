@@ -60,9 +60,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     ``get_unique``/``clear``/``flush`` may also be called from another thread as long as calls
     do not overlap. The log may be read meanwhile by other processes (``DeltaConsumer``, tools).
 
-    Args:
-        model: the module to track (``dmp._dmp_wrapped_module`` for a DMP).
-        config: :class:`PersistentTrackerConfig`.
+    ``model`` is the module to track (``dmp._dmp_wrapped_module`` for a DMP).
 
     Raises:
         InvalidInputError: bad config (no path, EMBEDDING on an EBC, bad consumer names).
@@ -217,10 +215,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._log.write(lambda w: delivery.clear(w, name))
 
     def compact(self, start_idx: int, end_idx: int) -> None:
-        """Compact ``[start_idx, end_idx)`` now (one transaction). A range that crosses a
-        consumer position or the checkpoint floor is split there (and logged), so no
-        registered consumer and no restore reads anything different
-        (:func:`persistent_delta.delivery.safe_compact`).
+        """Compact ``[start_idx, end_idx)`` now (one transaction), split at consumer positions
+        and the checkpoint floor (logged) so no read changes (:func:`.delivery.safe_compact`).
 
         Raises:
             AssertionError: ``start_idx >= end_idx`` (the type TorchRec raises).
@@ -251,13 +247,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                 "tracking_mode": self._mode.value, "curr_batch_idx": batch, "offsets": info["offsets"]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> Dict[str, int]:
-        """Restore with a model checkpoint (call it after loading the model's weights and
-        optimizer state). If the log went past the checkpoint, the rows touched since are
-        re-delivered to every consumer with their restored states (see :mod:`.restore`).
-        With an initialised process group it is a collective: call it on every rank.
-
-        Returns:
-            fqn -> rows re-delivered (empty when the log ended at the checkpoint).
+        """Restore with a model checkpoint, after loading the model's weights and optimizer
+        state: rows touched after the checkpoint are re-delivered to every consumer with their
+        restored states (:mod:`.restore`); a collective with a process group. Returns fqn ->
+        rows re-delivered (empty when the log ended at the checkpoint).
 
         Raises:
             ConfigMismatchError: the state belongs to another log, rank or tracking mode.
@@ -331,6 +324,15 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Writer statistics (queue depth/bytes, commits, bytes written, longest wait, ...)."""
         return self._writer.stats() if self._writer is not None else {}
 
+    def resume(self) -> None:
+        """After a ``WriterError`` (e.g. the disk was full), once the cause is fixed: commit the
+        steps the writer kept (nothing was dropped) and flush; training continues. Raises
+        again if the cause persists."""
+        self._check()
+        if self._writer is not None:
+            self._writer.resume()
+        self.flush()
+
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Durability barrier: everything recorded so far is committed and fsynced when this
@@ -344,16 +346,15 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             return
         try:
             self._commit_recorded()
-            closed_end = self.curr_batch_idx + 1  # the open batch is complete now
-            self._log.write(lambda w: w.set_meta(META_CLOSED_END, closed_end))
+            self._log.write(lambda w: w.set_meta(META_CLOSED_END, self.curr_batch_idx + 1))  # open batch complete
             self._log.flush()
         finally:
             self._closed = True
             if self._writer is not None:
                 self._writer.close(drain=False)
             unregister_hooks(self._hooked, self)
-            self._hooked = []
             self._claims.release_all()
+            self._hooked = []
             dmp = getattr(self, "_dmp", None)
             if dmp is not None and dmp.model_trackers.get(Trackers.DELTA_TRACKER.name) is self:
                 del dmp.model_trackers[Trackers.DELTA_TRACKER.name]

@@ -19,8 +19,7 @@ Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
 ``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
 (disk full, ...), the failed tasks stay at the head of the queue, the writer stops, and the next
 ``submit``/``barrier`` raises :class:`WriterError`; :meth:`BackgroundWriter.resume` retries
-them (the tracker exposes no recovery yet: a tracker whose writer failed is closed and the
-trainer restarted from its last checkpoint).
+them (``PersistentDeltaTracker.resume`` for a tracker).
 """
 
 from __future__ import annotations
@@ -215,8 +214,8 @@ class BackgroundWriter:
         if self._error is not None:
             raise WriterError(
                 f"{self._log.path}: the background writer failed: {self._error}. Nothing queued was dropped yet. "
-                "Fix the cause (e.g. free disk space); a tracker cannot continue past this error: close it and "
-                "restart the trainer from its last checkpoint (used directly, BackgroundWriter.resume() retries)"
+                "Fix the cause (e.g. free disk space), then call the tracker's resume() (or the writer's) to "
+                "commit the kept steps and continue; or close the tracker"
             ) from self._error
 
     def stats(self) -> Dict[str, float]:

@@ -159,3 +159,14 @@ def test_corrupted_record_is_reported_not_returned(log_dir):
             store.per_fqn_lookups
         rows = store.log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("u").table_id)])
         assert rows == [[0, 1, 2]]
+
+
+@pytest.mark.dist
+def test_a_tracker_recovers_from_a_full_disk_with_resume(small_fs):
+    from harness import run_spawn
+    from tracker_cases import disk_full_resume_case
+
+    (r,) = run_spawn(disk_full_resume_case, 1, os.path.join(small_fs, "log"), small_fs)
+    assert r["failed_at"] is not None and r["full"], r  # a WriterError caused by LogFullError
+    # every batch trained is in the log: the failed one was kept and committed by resume()
+    assert r["stored"] == list(range(1, r["curr"] + 1)), r

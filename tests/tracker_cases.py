@@ -612,3 +612,47 @@ def rank_agreement_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     dist.barrier()
     t.close()
     return out
+
+
+def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dict[str, Any]:
+    """A tracker on a filesystem that fills up: WriterError (LogFullError cause) at the next
+    commit, nothing dropped; once space is back, resume() commits the kept steps and training
+    continues with every batch in the log."""
+    import uuid
+
+    from persistent_delta import LogFullError, WriterError
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+    batches = make_batches("ec", 12, 64, seed=4, world_size=world_size, rank=rank)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, map_size=1 << 20,
+                                            linger_steps=1))
+    for b in batches[:3]:
+        train_step(dmp, b)
+    t.flush()
+    filler = os.path.join(fs, f"filler-{uuid.uuid4().hex}")
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+    failed_at, cause = None, None
+    for i, b in enumerate(batches[3:9]):
+        try:
+            train_step(dmp, b)
+            t.flush()
+        except WriterError as exc:
+            failed_at, cause = 3 + i, exc.__cause__
+            break
+    os.unlink(filler)
+    t.resume()
+    for b in batches[(failed_at or 9) + 1:]:
+        train_step(dmp, b)
+    t.flush()
+    stored = t.log.read(lambda r: sorted({rec.batch_idx for e in r.tables().values()
+                                          for rec in r.iter_records(e.table_id)}))
+    out = {"failed_at": failed_at, "cause": type(cause).__name__ if cause else None,
+           "full": isinstance(cause, LogFullError), "stored": stored, "curr": t.curr_batch_idx}
+    t.close()
+    return out
