@@ -110,14 +110,18 @@ def check_file(path: str, full: bool = False) -> None:
     verifier walks every reachable page too (``lmdb.verify``; time linear in the file).
 
     Raises:
-        DamagedLogError: any of these fails; the message names the file.
+        NotALogError: the file is not an LMDB file at all (no LMDB magic).
+        DamagedLogError: any of the checks fails; the message names the file.
     """
     data = os.path.join(path, DATA_FILE)
     try:
         size = os.path.getsize(data)
         with open(data, "rb") as f:
             v = _lmdb_verify._Verifier(f, size)  # py-lmdb's meta parser (pinned py-lmdb 3.0)
-            v.detect_engine()
+            try:
+                v.detect_engine()
+            except _lmdb_verify.VerifyError as exc:
+                raise NotALogError(f"{data}: not an LMDB file ({exc})") from exc
             v.load_metas()
             m0, m1 = v._read_meta(0, 1), v._read_meta(1, v.psize)
     except _lmdb_verify.VerifyError as exc:

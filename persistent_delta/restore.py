@@ -25,7 +25,7 @@ index to continue from (:func:`agree_batch_idx`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.records import AppendRecord, delete_below, encode_records, last_appended, log_start, write_records
 from persistent_delta.rows import compute_unique_rows
 from persistent_delta.schema import (
+    CHANNELS,
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
     META_CLOSED_END,
@@ -58,11 +59,12 @@ _REQUIRED = ("log_id", "rank", "tracking_mode", "curr_batch_idx")
 def open_tracker_log(
     w: WriteTxn, want: TrackerMeta, shards: Dict[str, Dict[str, Any]], consumers: List[str], fresh: bool,
     row_shapes: Optional[Dict[str, Dict[str, Any]]] = None,
-) -> int:
+) -> Tuple[int, int]:
     """Check (or, with ``fresh``, empty) a tracker's log inside ``w``, store the shard metadata
     and row shapes (:func:`persistent_delta.capture.row_shapes`) of every table, register
     ``consumers`` (in-transaction delivery) and close a dead writer's open batch. Returns the
-    batch index to continue from.
+    batch index to continue from, and the end of the batches the previous writer completed
+    (what :func:`resume_at` agrees on over ranks).
 
     Raises:
         ConfigMismatchError: the log holds another tracking mode, table set or update mode.
@@ -96,25 +98,49 @@ def open_tracker_log(
             w.stage_table(entry)
     for name in consumers:
         delivery.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
-    curr = max(int(w.meta(META_CURR_BATCH, 0)), last_appended(w))
+    curr_meta = int(w.meta(META_CURR_BATCH, 0))
+    complete = max(curr_meta, int(w.meta(META_CLOSED_END, 0)))  # batches below it were complete
+    curr = max(curr_meta, last_appended(w))
     # The opener holds the writer lock: an earlier writer is gone and its open batch complete.
     w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
-    return curr
+    return curr, complete
 
 
-def resume_at(log: DeltaLog, batch_idx: int) -> int:
-    """Agree with the other ranks on the batch index to continue from after a (re)start (the
-    largest persisted over ranks: a collective with a process group of more than one rank) and
-    persist it. A batch index this rank never committed reads as empty for this rank."""
-    agreed = agree_batch_idx(batch_idx)
-    if agreed != batch_idx:
-        def skip(w: WriteTxn) -> None:
-            w.set_meta(META_CURR_BATCH, agreed)
-            w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), agreed + 1))
+def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> int:
+    """Agree with the other ranks on where to continue after a (re)start: a collective when a
+    process group of more than one rank is initialised.
 
-        log.write(skip)
-        logger.info("%s: continuing at batch %d with the other ranks (persisted here: %d)", log.path, agreed, batch_idx)
-    return agreed
+    ``complete``: every batch below it was completed by this rank's previous writer (a killed
+    one left its open batch incomplete; one that closed, even at exit after a failed collective,
+    completed it). A batch counts as committed only when *every* rank completed it: this rank
+    drops its records of batches at or above the smallest ``complete`` over ranks (no consumer
+    saw them: polls stop at the end every rank completed), so no merged table misses a column
+    half; and every rank continues at the largest ``batch_idx``, so no index is reused. The
+    batches in between read as empty on every rank. Returns the index to continue from."""
+    complete = batch_idx + 1 if complete is None else complete
+    lo, hi = complete, batch_idx
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        both = torch.tensor([batch_idx, -complete], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        hi, lo = int(both[0].item()), -int(both[1].item())
+    if hi == batch_idx and lo >= complete:
+        return batch_idx
+
+    def settle(w: WriteTxn) -> int:
+        dropped = 0
+        for entry in w.tables().values():
+            for channel in CHANNELS:
+                dropped += w.delete_records(entry.table_id, lo, None, channel=channel)[0]
+        w.set_meta(META_CURR_BATCH, hi)
+        w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), hi + 1))
+        return dropped
+
+    dropped = log.write(settle)
+    if dropped or hi != batch_idx:
+        logger.warning("%s: continuing at batch %d with the other ranks (persisted here: %d; complete on every "
+                       "rank: below %d); dropped %d records of batches not complete on every rank", log.path, hi,
+                       batch_idx, lo, dropped)
+    return hi
 
 
 def _difference(have: TrackerMeta, want: TrackerMeta) -> str:

@@ -95,7 +95,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         shards = {fqn: t.metadata(self._discovery.module_kind(fqn)) for fqn, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:
-            self.curr_batch_idx: int = restore.resume_at(self._log, self._log.write(
+            self.curr_batch_idx: int = restore.resume_at(self._log, *self._log.write(
                 lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes)))
             for c in self._consumers:
                 self._claims.claim(c, "track it")
