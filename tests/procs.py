@@ -31,3 +31,18 @@ def popen_python(code: str, *args: str) -> subprocess.Popen:
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
+
+
+def fill_filesystem(path: str) -> str:
+    """Fill the filesystem of ``path`` with a filler file until it is full; returns its name."""
+    import uuid
+
+    filler = os.path.join(path, f"filler-{uuid.uuid4().hex}")
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError:
+            pass
+    return filler

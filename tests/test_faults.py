@@ -7,7 +7,6 @@ skipped with the reason when mounting is not permitted.
 import os
 import signal
 import subprocess
-import uuid
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from persistent_delta.config import LogOptions
 from persistent_delta.log import DeltaLog
 from persistent_delta.records import AppendRecord
 from persistent_delta.writer import BackgroundWriter, WriteTask
-from procs import popen_python
+from procs import fill_filesystem, popen_python
 
 
 @pytest.fixture
@@ -42,16 +41,7 @@ def small_fs(tmp_path):
 
 
 def _fill(path: str) -> str:
-    """Fill the filesystem of ``path`` with a filler file; returns its name."""
-    filler = os.path.join(path, f"filler-{uuid.uuid4().hex}")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (256 << 10))
-                f.flush()
-        except OSError:
-            pass
-    return filler
+    return fill_filesystem(path)
 
 
 def test_disk_full_is_a_clear_error_and_loses_nothing(small_fs):

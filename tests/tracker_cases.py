@@ -618,7 +618,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
     """A tracker on a filesystem that fills up: WriterError (LogFullError cause) at the next
     commit, nothing dropped; once space is back, resume() commits the kept steps and training
     continues with every batch in the log."""
-    import uuid
+    from procs import fill_filesystem
 
     from persistent_delta import LogFullError, WriterError
 
@@ -629,14 +629,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
     for b in batches[:3]:
         train_step(dmp, b)
     t.flush()
-    filler = os.path.join(fs, f"filler-{uuid.uuid4().hex}")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (64 << 10))
-                f.flush()
-        except OSError:
-            pass
+    filler = fill_filesystem(fs)
     failed_at, cause = None, None
     for i, b in enumerate(batches[3:9]):
         try:
