@@ -14,6 +14,7 @@ The environment variables (read when a log is opened):
                                    see :mod:`persistent_delta.alloc`)
 ``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
                                    off; see :class:`RetentionBound`)
+``PERSISTENT_DELTA_GROUP_ACCESS``  ``1``: logs created group-readable/writable (default owner-only)
 =================================  ==========================================================
 """
 
@@ -81,6 +82,9 @@ class LogOptions:
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
         readahead: OS readahead on the map. Leave it on: cold reads were 40x slower without.
+        group_access: create logs group-readable and -writable (files 0660, directories 0770,
+            whatever the umask) so that readers running as another user of the group work;
+            default owner-only (0600 / 0700). Environment: ``PERSISTENT_DELTA_GROUP_ACCESS=1``.
         tune_malloc: opt in to raising glibc's malloc thresholds once per process when a log
             is opened for writing, so LMDB's write buffers are reused instead of page-faulted
             in at every commit (appends of large values ~2x faster). Off by default because
@@ -93,6 +97,18 @@ class LogOptions:
     max_readers: int = 256
     readahead: bool = True
     tune_malloc: bool = False
+    group_access: bool = False
+
+    @property
+    def file_mode(self) -> int:
+        """Permissions of the files a writer creates: owner-only by default (embedding values
+        and optimizer state are data); ``group_access`` adds group read/write (LMDB readers
+        write ``lock.mdb``, so a reader in the group needs write access)."""
+        return 0o660 if self.group_access else 0o600
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o770 if self.group_access else 0o700
 
     @staticmethod
     def resolve(
@@ -101,6 +117,7 @@ class LogOptions:
         max_map_size: Optional[int] = None,
         max_readers: Optional[int] = None,
         tune_malloc: Optional[bool] = None,
+        group_access: Optional[bool] = None,
     ) -> "LogOptions":
         """The options in force: each explicit (non-None) argument, else its environment
         variable, else the default.
@@ -115,9 +132,10 @@ class LogOptions:
             max_map_size=_env_int("PERSISTENT_DELTA_MAX_MAP_SIZE", d.max_map_size),
             max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", d.max_readers),
             tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", int(d.tune_malloc)) != 0,
+            group_access=_env_int("PERSISTENT_DELTA_GROUP_ACCESS", int(d.group_access)) != 0,
         )
         explicit = dict(durability=durability, map_size=map_size, max_map_size=max_map_size,
-                        max_readers=max_readers, tune_malloc=tune_malloc)
+                        max_readers=max_readers, tune_malloc=tune_malloc, group_access=group_access)
         kw = {k: v for k, v in explicit.items() if v is not None}
         if isinstance(kw.get("durability"), str):
             try:

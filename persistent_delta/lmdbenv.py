@@ -28,7 +28,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lmdb
 from lmdb import verify as _lmdb_verify
@@ -143,6 +143,18 @@ def check_file(path: str, full: bool = False) -> None:
         )
 
 
+def set_modes(path: str, file_mode: int) -> None:
+    """Give the log's files the configured permissions (the umask narrows what LMDB creates).
+    Only files this process owns are changed."""
+    for name in (DATA_FILE, LMDB_LOCK_FILE, WRITER_LOCK_FILE):
+        p = os.path.join(path, name)
+        try:
+            if os.stat(p).st_uid == os.geteuid() and (os.stat(p).st_mode & 0o777) != file_mode:
+                os.chmod(p, file_mode)
+        except OSError:
+            pass
+
+
 # ------------------------------------------------------------------------ writer lock
 
 
@@ -150,7 +162,7 @@ def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
     """Open ``lock_path`` and try its exclusive flock: ``(fd, None)`` when taken (our pid
     written into it), else ``(-1, holder)`` naming the holder ("pid N", "this process")."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o660)
     except OSError as exc:
         raise translate(exc, path) from exc
     try:
@@ -199,7 +211,9 @@ def acquire_consumer_lock(path: str, name: str, action: str) -> int:
     """
     lock = consumer_lock_file(path, name)
     try:
-        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        if not os.path.isdir(os.path.dirname(lock)):
+            os.makedirs(os.path.dirname(lock), exist_ok=True)
+            os.chmod(os.path.dirname(lock), os.stat(path).st_mode & 0o777)  # the log directory's access
     except OSError as exc:
         raise translate(exc, path) from exc
     fd, who = _flock_file(lock, path)
@@ -259,6 +273,7 @@ class SharedEnv:
     db_names: Tuple[str, ...]
     # Set after an I/O failure: the environment is reopened (at its last commit) before next use.
     broken: bool = False
+    lock_ino: Optional[Tuple[int, int]] = None  # (dev, ino) of lock.mdb at open
 
 
 _REGISTRY: Dict[str, SharedEnv] = {}
@@ -287,6 +302,7 @@ def _open(path: str, opts: LogOptions, readonly: bool) -> lmdb.Environment:
             readahead=opts.readahead,
             subdir=True,
             create=not readonly,
+            mode=opts.file_mode,
             meminit=False,
             **_flags(opts),
         )
@@ -325,7 +341,7 @@ def acquire(path: str, opts: LogOptions, readonly: bool) -> SharedEnv:
             return shared
         env = _open(path, opts, readonly)
         shared = SharedEnv(env=env, dbs={}, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock(),
-                           opts=opts, db_names=())
+                           opts=opts, db_names=(), lock_ino=_lock_identity(path))
         _REGISTRY[path] = shared
         return shared
 
@@ -373,6 +389,51 @@ def grow(path: str, shared: SharedEnv, max_map_size: int) -> None:
         shared.env.set_mapsize(new)
     except lmdb.Error as exc:
         raise translate(exc, path) from exc
+
+
+def _lock_identity(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(os.path.join(path, LMDB_LOCK_FILE))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_lock_file(path: str, shared: SharedEnv) -> None:
+    """Before a write: LMDB's ``lock.mdb`` must still be the file this process opened. Deleted
+    or replaced, processes that open the log afterwards get a lock table of their own and
+    LMDB no longer serialises their writes with ours (that corrupted the consumers database).
+
+    Raises:
+        LogLockedError: it was deleted or replaced.
+    """
+    if shared.lock_ino is not None and _lock_identity(path) != shared.lock_ino:
+        raise LogLockedError(
+            f"{path}: LMDB's {LMDB_LOCK_FILE} was deleted or replaced while this process had the log open, so "
+            "writers are no longer serialised: stop every process that has the log open, then open it again. "
+            "Never delete lock.mdb of a log in use"
+        )
+
+
+def mapping_pids(path: str) -> List[int]:
+    """Pids of the other processes that map ``<path>/data.mdb`` (Linux ``/proc``), found
+    without relying on ``lock.mdb`` (which may have been deleted)."""
+    try:
+        st = os.stat(os.path.join(path, DATA_FILE))
+    except OSError:
+        return []
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
+    out = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if any(want in line for line in f):
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return sorted(out)
 
 
 def open_in_process(path: str) -> bool:

@@ -375,8 +375,11 @@ class DeltaLog:
         if file_state(self.path) is not FileState.PRESENT and not may_create:
             raise NotALogError(self._not_yet("no data"))
         if self.owns_tables:
+            new_dir = not os.path.isdir(self.path)
             try:
-                os.makedirs(self.path, exist_ok=True)
+                os.makedirs(self.path, mode=self.options.dir_mode, exist_ok=True)
+                if new_dir:
+                    os.chmod(self.path, self.options.dir_mode)  # (not narrowed by the umask)
             except OSError as exc:
                 raise lmdbenv.translate(exc, self.path) from exc
             self._lock_fd = lmdbenv.acquire_writer_lock(self.path)
@@ -436,6 +439,7 @@ class DeltaLog:
                     self._shared.dbs = lmdbenv.open_dbs(env, DB_NAMES, txn=txn, create=True)
                     for key, value in self._initial_meta(update_mode).items():
                         txn.put(key.encode(), codec.pack(value), db=self._shared.dbs[DB_META])
+                lmdbenv.set_modes(self.path, self.options.file_mode)
                 logger.info("created the log %s", self.path)
         except lmdb.Error as exc:
             self._shared.dbs = {}
@@ -561,6 +565,7 @@ class DeltaLog:
         if self.readonly:
             raise ReadOnlyLogError(f"{self.path}: opened read-only")
         shared = self._shared
+        lmdbenv.check_lock_file(self.path, shared)
         with shared.lock:
             while True:
                 if shared.broken:

@@ -128,3 +128,56 @@ def test_cli_and_number_edges(tmp_path, capsys):
                   {"t": {"row_offset": 0, "col_offset": 0, "global_rows": 4, "global_cols": 10**12}})})
     assert main(["replay", path, "--from-batch", "0", "--to-batch", "3", "--out", str(tmp_path / "o"),
                  "--checkpoint", str(bad_ckpt)]) == 1
+
+
+def test_logs_are_owner_only_unless_group_access(tmp_path):
+    from persistent_delta import LogOptions
+
+    old = os.umask(0o022)
+    try:
+        for group, dmode, fmode in ((False, 0o700, 0o600), (True, 0o770, 0o660)):
+            path = str(tmp_path / f"log-{group}")
+            with LmdbDeltaStore(path, UpdateMode.NONE, options=LogOptions(group_access=group)) as s:
+                s.append(0, "t", torch.tensor([1]))
+            assert os.stat(path).st_mode & 0o777 == dmode
+            for name in ("data.mdb", "lock.mdb", "writer.lock"):
+                assert os.stat(os.path.join(path, name)).st_mode & 0o777 == fmode, (group, name)
+    finally:
+        os.umask(old)
+
+
+HOLD_OPEN = """
+import sys, time
+from persistent_delta import DeltaReader
+r = DeltaReader(sys.argv[1])
+r.poll()
+print("OPEN", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_deleted_lock_file_stops_writers_and_vacuum(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    from persistent_delta import LogLockedError
+
+    path = str(tmp_path / "log")
+    _store(path, ["t"])
+    s = LmdbDeltaStore(path, UpdateMode.NONE)
+    os.unlink(os.path.join(path, "lock.mdb"))
+    with pytest.raises(LogLockedError, match="lock.mdb was deleted"):
+        s.append(9, "t", torch.tensor([1]))
+    s.close()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_OPEN, path], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "OPEN"
+        os.unlink(os.path.join(path, "lock.mdb"))  # the reader's lock table is gone
+        assert main(["vacuum", path]) == 1
+        assert f"process {proc.pid}" in capsys.readouterr().err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

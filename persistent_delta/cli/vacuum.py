@@ -32,7 +32,7 @@ from typing import List
 
 from persistent_delta.errors import LogLockedError
 from persistent_delta.layout import DATA_FILE, PathLike, fsync_path, rank_paths
-from persistent_delta.lmdbenv import acquire_writer_lock, open_in_process, other_opener, release_lock
+from persistent_delta.lmdbenv import acquire_writer_lock, mapping_pids, open_in_process, other_opener, release_lock
 from persistent_delta.log import DeltaLog
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ def _refuse_if_open(path: str) -> None:
     if open_in_process(path):
         raise LogLockedError(f"{path}: this process has the log open; close those handles first")
     pid = other_opener(path)
+    if pid is None:  # lock.mdb may be gone: look for processes that map the data file
+        pid = next(iter(mapping_pids(path)), None)
     if pid is not None:
         raise LogLockedError(
             f"{path}: process {pid} has the log open (a consumer or tool); stop it and run vacuum again"
