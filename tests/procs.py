@@ -38,11 +38,11 @@ def fill_filesystem(path: str) -> str:
     import uuid
 
     filler = os.path.join(path, f"filler-{uuid.uuid4().hex}")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (64 << 10))
-                f.flush()
-        except OSError:
-            pass
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (64 << 10, 4 << 10, 512):  # down to the last block
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
     return filler

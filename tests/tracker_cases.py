@@ -623,7 +623,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
     from persistent_delta import LogFullError, WriterError
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
-    batches = make_batches("ec", 12, 64, seed=4, world_size=world_size, rank=rank)
+    batches = make_batches("ec", 60, 512, seed=4, world_size=world_size, rank=rank)
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, map_size=1 << 20,
                                             linger_steps=1))
     for b in batches[:3]:
@@ -631,7 +631,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
     t.flush()
     filler = fill_filesystem(fs)
     failed_at, cause = None, None
-    for i, b in enumerate(batches[3:9]):
+    for i, b in enumerate(batches[3:50]):
         try:
             train_step(dmp, b)
             t.flush()
@@ -640,7 +640,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
             break
     os.unlink(filler)
     t.resume()
-    for b in batches[(failed_at or 9) + 1:]:
+    for b in batches[(failed_at or 50) + 1:(failed_at or 50) + 5]:
         train_step(dmp, b)
     t.flush()
     stored = t.log.read(lambda r: sorted({rec.batch_idx for e in r.tables().values()
