@@ -25,6 +25,7 @@ BENCHMARKS = [
     "reopen_time",
     "disk_steady_state",
     "poll_wait",
+    "read_path",
 ]
 
 

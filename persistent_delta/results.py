@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torchrec.distributed.model_tracker.types import UniqueRows
+from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn
 from persistent_delta.records import read_unique
+from persistent_delta.rows import compute_unique_rows, is_ascending, unique_ids
 from persistent_delta.schema import LOOKUPS, ShardInfo
 
 
@@ -81,6 +82,11 @@ class MergedDelta:
             slices (embeddings, snapshots); otherwise None (see ``column_parts``).
         column_parts: col_offset -> UniqueRows (global ids, that column slice's states).
         column_split: whether shards hold different column ranges.
+
+    Where one shard holds all of a table's rows (one rank, or one column slice), these tensors
+    are that shard's :class:`TableDelta` tensors, not copies: the poll already copied them out
+    of the log once. Copy them before changing them in place if the poll's per-rank deltas must
+    stay as read.
     """
 
     fqn: str
@@ -94,20 +100,31 @@ class MergedDelta:
 
 
 def _cat_rows(parts: Sequence[UniqueRows]) -> UniqueRows:
-    """Concatenate row sets of disjoint row ranges; duplicate ids (replicated tables) keep the
-    first part's row. Ascending ids."""
+    """Unite row sets, in ascending ids; an id in several parts (replicated tables) keeps the
+    first part's row (``UpdateMode.FIRST`` over the parts in order).
+
+    No sort when it is not needed: one part with ascending ids is returned as it is (no
+    copy); parts with ascending ids over disjoint id ranges (row-wise shards) are concatenated
+    in range order, each row copied once (:func:`~persistent_delta.rows.compute_unique_rows`).
+    """
     nonempty = [p for p in parts if p.ids.numel()]
     if not nonempty:
         return parts[0]
-    ids = torch.cat([p.ids for p in nonempty])
-    order = torch.argsort(ids, stable=True)
-    ids = ids[order]
-    keep = torch.ones(ids.numel(), dtype=torch.bool)
-    keep[1:] = ids[1:] != ids[:-1]
-    states = None
+    if len(nonempty) == 1 and is_ascending(nonempty[0].ids):
+        return nonempty[0]
     if all(p.states is not None for p in nonempty):
-        states = torch.cat([p.states for p in nonempty])[order][keep]  # type: ignore[misc]
-    return UniqueRows(ids=ids[keep], states=states)
+        return compute_unique_rows([p.ids for p in nonempty], [p.states for p in nonempty], UpdateMode.FIRST)
+    return compute_unique_rows([p.ids for p in nonempty], None, UpdateMode.NONE)
+
+
+def _union_ids(column_parts: Dict[int, UniqueRows]) -> torch.Tensor:
+    """Ascending unique ids over the column groups (the first group's ids when they all hold
+    the same ids, the usual case)."""
+    groups: List[torch.Tensor] = [c.ids for c in column_parts.values()]
+    first = groups[0]
+    if all(torch.equal(first, g) for g in groups[1:]):
+        return first
+    return unique_ids(torch.cat(groups))
 
 
 def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
@@ -131,7 +148,7 @@ def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
         only = next(iter(column_parts.values()))
         ids, states = only.ids, only.states
     else:
-        ids = torch.unique(torch.cat([c.ids for c in column_parts.values()]), sorted=True)
+        ids = _union_ids(column_parts)
         widths = {off: ps[0].shard.local_cols if ps[0].shard is not None else None for off, ps in groups.items()}
         states = _assemble_columns(column_parts, widths, global_cols, ids)
     return MergedDelta(

@@ -1,0 +1,339 @@
+"""The consumer read path (issue 14 item 1): the fast paths of ``rows`` (ordered runs, direct
+address, chunked gather), ``records.read_unique`` and ``results`` (row-wise shards concatenated,
+column slices assembled, replicated tables) against straightforward references on random
+logs, and every record's checksum still checked on the way."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta import DeltaReader, codec, rows
+from persistent_delta.errors import CorruptRecordError
+from persistent_delta.layout import rank_dir
+from persistent_delta.log import DeltaLog, WriteTxn
+from persistent_delta.records import AppendRecord, encode_records, write_records
+from persistent_delta.results import TableDelta, merge_table
+from persistent_delta.rows import compute_unique_rows, gather_rows
+from persistent_delta.schema import (
+    DB_OF_CHANNEL,
+    LOOKUPS,
+    META_CURR_BATCH,
+    META_SNAPSHOT_END,
+    META_TRACKER,
+    SNAPSHOTS,
+    ShardInfo,
+    TrackerMeta,
+)
+from torchrec.distributed.model_tracker.types import UniqueRows
+
+Rows = Dict[int, torch.Tensor]  # id -> row (None-free: NONE mode keeps rows as empty tensors)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_rule(ids: List[torch.Tensor], states: Optional[List[torch.Tensor]], mode: UpdateMode) -> Rows:
+    """The FIRST/LAST/NONE rule, one row at a time, in log order."""
+    out: Rows = {}
+    for k, rec in enumerate(ids):
+        for i, x in enumerate(rec.tolist()):
+            row = torch.empty(0) if states is None or mode == UpdateMode.NONE else states[k][i]
+            if mode == UpdateMode.LAST or x not in out:
+                out[x] = row
+    return out
+
+
+def check_rows(got: UniqueRows, want: Rows, mode: UpdateMode) -> None:
+    keys = sorted(want)
+    assert got.ids.tolist() == keys
+    if mode == UpdateMode.NONE:
+        assert got.states is None
+    else:
+        assert torch.equal(got.states, torch.stack([want[k] for k in keys]) if keys else got.states[:0])
+
+
+def random_ids(g: random.Random, kind: str, n: int, high: int) -> torch.Tensor:
+    """``sorted``: ascending unique (what the writer stores); ``dups``: unsorted with repeats
+    (a plain store's appends); ``sparse``: ascending unique over a huge range (the sort path)."""
+    if kind == "dups":
+        return torch.tensor([g.randrange(high) for _ in range(n)], dtype=torch.int64)
+    if kind == "sparse":
+        return torch.tensor(sorted(g.sample(range(10**12), n)), dtype=torch.int64)
+    return torch.tensor(sorted(g.sample(range(high), min(n, high))), dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@pytest.mark.parametrize("mode", list(UpdateMode))
+@pytest.mark.parametrize("layout", ["ordered", "disjoint_unordered", "overlapping", "sparse", "sparse_shuffled", "dups",
+                                    "one_unsorted"])
+@pytest.mark.parametrize("rows_per_record", [7, 3000])
+@pytest.mark.parametrize("concat_bytes", [rows._CONCAT_BYTES, 0])  # concatenate, or the chunked gather
+def test_compute_unique_rows_matches_the_rule(monkeypatch, mode, layout, rows_per_record, concat_bytes):
+    monkeypatch.setattr(rows, "_CONCAT_BYTES", concat_bytes)
+    g = random.Random(hash((mode.value, layout, rows_per_record)) % 1000)
+    k, dim = 6, 48
+    if layout == "ordered":
+        ids = [torch.arange(i * rows_per_record, (i + 1) * rows_per_record) for i in range(k)]
+        ids.insert(2, torch.empty(0, dtype=torch.int64))
+    elif layout == "disjoint_unordered":
+        pool = torch.randperm(k * rows_per_record * 3)[: k * rows_per_record]
+        ids = list(pool.split(rows_per_record))
+    elif layout == "one_unsorted":
+        ids = [torch.randperm(rows_per_record * 2)[:rows_per_record]]
+    elif layout == "sparse_shuffled":  # many descents: torch's sort, not the merge of runs
+        pool = random_ids(g, "sparse", rows_per_record * 2, 0)
+        ids = [pool[torch.randperm(pool.numel())[:rows_per_record]] for _ in range(k)]
+    else:
+        ids = [random_ids(g, layout if layout != "overlapping" else "sorted", rows_per_record, 2 * rows_per_record)
+               for _ in range(k)]
+    states = [torch.randn(i.numel(), dim) for i in ids]
+    got = compute_unique_rows(ids, None if mode == UpdateMode.NONE else states, mode)
+    check_rows(got, ref_rule(ids, states, mode), mode)
+    # results own their memory
+    for t in [got.ids] + ([got.states] if got.states is not None else []):
+        assert all(t.data_ptr() != x.data_ptr() for x in ids + states)
+
+
+@pytest.mark.parametrize("dtype", sorted(codec.INTEGER_ID_DTYPES, key=str))
+@pytest.mark.parametrize("mode", list(UpdateMode))
+@pytest.mark.parametrize("sparse", [False, True])
+def test_every_id_dtype(dtype, mode, sparse):
+    g = torch.Generator().manual_seed(3)
+    high = min(10**6, torch.iinfo(dtype).max) if sparse else 120  # sparse: the sort (32/64-bit ids)
+    ids = [torch.randint(0, high, (n,), generator=g).to(dtype) for n in (9, 0, 14, 5)]
+    ids[2] = ids[2].sort().values
+    states = [torch.randn(i.numel(), 3, generator=g) for i in ids]
+    got = compute_unique_rows(ids, None if mode == UpdateMode.NONE else states, mode)
+    assert got.ids.dtype == dtype
+    check_rows(got, ref_rule(ids, states, mode), mode)
+
+
+@pytest.mark.parametrize("n_parts,rows_per_part,dim", [(1, 50, 4), (5, 10, 3), (10, 2000, 64), (3, 5000, 1)])
+@pytest.mark.parametrize("concat_bytes", [rows._CONCAT_BYTES, 0])
+def test_gather_rows_is_cat_then_index(monkeypatch, n_parts, rows_per_part, dim, concat_bytes):
+    monkeypatch.setattr(rows, "_CONCAT_BYTES", concat_bytes)
+    parts = [torch.randn(rows_per_part + i, dim) for i in range(n_parts)]
+    total = sum(p.shape[0] for p in parts)
+    picked = torch.randperm(total)[: total // 2]
+    assert torch.equal(gather_rows(parts, picked), torch.cat(parts)[picked])
+    assert torch.equal(gather_rows(parts, picked.sort().values), torch.cat(parts)[picked.sort().values])
+    # other dtypes and row shapes are copied as bytes
+    b = [p.to(torch.bfloat16).reshape(p.shape[0], dim, 1) for p in parts]
+    assert torch.equal(gather_rows(b, picked), torch.cat(b)[picked])
+
+
+def test_ordered_runs():
+    a, b, e = torch.tensor([1, 2, 5]), torch.tensor([6, 9]), torch.empty(0, dtype=torch.int64)
+    assert rows.ordered_runs([b, e, a]) == [2, 0]
+    assert rows.ordered_runs([a, torch.tensor([5, 7])]) is None  # ranges touch
+    assert rows.ordered_runs([torch.tensor([3, 1]), torch.tensor([7])]) is None  # not ascending
+    assert rows.ordered_runs([torch.tensor([1, 1])]) is None  # a repeat
+    assert rows.ordered_runs([e]) == []
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+def _job(root: str, world: int, layout: str, mode: UpdateMode, seed: int, global_rows: int = 4000,
+         dim: int = 8) -> Dict[Tuple[int, str], Dict[str, list]]:
+    """Random records on ``world`` rank logs of tables "a" (records) and "e" (no records in
+    range); returns (rank, channel) -> fqn -> list of (local ids, local rows) in log order."""
+    g = random.Random(seed)
+    written: Dict[Tuple[int, str], Dict[str, list]] = {}
+    for rank in range(world):
+        if layout == "row":
+            lo, hi, c0, c1, stype = rank * global_rows // world, (rank + 1) * global_rows // world, 0, dim, "row_wise"
+        elif layout == "col":
+            lo, hi, c0, c1, stype = 0, global_rows, rank * dim // world, (rank + 1) * dim // world, "column_wise"
+        else:  # replicated: every rank all rows and columns, ids overlapping
+            lo, hi, c0, c1, stype = 0, global_rows, 0, dim, "data_parallel"
+        local = hi - lo
+        lookups = []
+        for b in range(6):
+            for _ in range(g.choice([1, 1, 2])):  # sometimes two records in one batch (seq 0, 1)
+                kind = g.choice(["sorted", "sorted", "dups"])
+                ids = random_ids(g, kind, g.randrange(0, 300), local)
+                st = None if mode == UpdateMode.NONE else torch.randn(ids.numel(), c1 - c0)
+                lookups.append(AppendRecord(b, "a", ids, st))
+        snaps = []
+        for stamp in (6, 7, 9):  # three publishes, overlapping ids: the newest wins
+            ids = random_ids(g, g.choice(["sorted", "sorted", "dups"]), g.randrange(1, 400), local)
+            snaps.append((stamp, ids, torch.randn(ids.numel(), c1 - c0)))
+        written[(rank, LOOKUPS)] = {"a": [(r.ids, r.states) for r in lookups]}
+        written[(rank, SNAPSHOTS)] = {"a": [(i, v) for _, i, v in snaps]}
+
+        def build(w: WriteTxn, rank: int = rank, lookups: list = lookups, snaps: list = snaps, lo: int = lo,
+                  hi: int = hi, c0: int = c0, c1: int = c1, stype: str = stype) -> None:
+            w.set_meta(META_TRACKER, TrackerMeta("embedding", mode.value, ["a", "e"], rank, world).to_value())
+            for fqn in ("a", "e"):
+                entry = w.ensure_table(fqn)
+                entry.meta["shard"] = dict(table_name=fqn, sharding_type=stype, row_offset=lo, col_offset=c0,
+                                           local_rows=hi - lo, local_cols=c1 - c0, global_rows=global_rows,
+                                           global_cols=dim)
+                entry.values_dtype, entry.values_tail = "float32", [c1 - c0]
+                if mode != UpdateMode.NONE:
+                    entry.states_dtype, entry.states_tail = "float32", [c1 - c0]
+                w.stage_table(entry)
+            write_records(w, encode_records(lookups, mode))
+            for stamp, ids, vals in snaps:
+                w.put_record(w.tables()["a"].table_id, stamp, codec.encode_record(ids, vals, codec.KIND_SNAPSHOT),
+                             channel=SNAPSHOTS)
+            w.set_meta(META_CURR_BATCH, 6)
+            w.set_meta(META_SNAPSHOT_END, 10)
+
+        with DeltaLog(rank_dir(root, rank), update_mode=mode.value) as log:
+            log.write(build)
+    return written
+
+
+def _ref_merged(per_rank: Dict[int, Rows], shards: Dict[int, ShardInfo]) -> Tuple[List[int], Optional[torch.Tensor]]:
+    """Merged over ranks: global ids; an id on several ranks of one column slice keeps the
+    lowest rank's row; column slices side by side."""
+    by_col: Dict[int, Dict[int, torch.Tensor]] = {}
+    for rank in sorted(per_rank):
+        sh = shards[rank]
+        group = by_col.setdefault(sh.col_offset, {})
+        for x, row in per_rank[rank].items():
+            group.setdefault(x + sh.row_offset, row)
+    keys = sorted(set().union(*[set(g) for g in by_col.values()]))
+    if any(sorted(g) != keys for g in by_col.values()) or not keys:
+        return keys, None
+    return keys, torch.cat([torch.stack([g[k] for k in keys]) for _, g in sorted(by_col.items())], dim=1)
+
+
+@pytest.mark.parametrize("mode,channel", [(m, LOOKUPS) for m in UpdateMode] + [(UpdateMode.FIRST, SNAPSHOTS)])
+@pytest.mark.parametrize("world,layout", [(1, "row"), (3, "row"), (2, "col"), (4, "col"), (2, "replicated")])
+@pytest.mark.parametrize("concat_bytes", [rows._CONCAT_BYTES, 0])
+def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world, layout, channel, concat_bytes):
+    """Snapshots merge LAST whatever the lookups mode (one lookups mode suffices for them)."""
+    monkeypatch.setattr(rows, "_CONCAT_BYTES", concat_bytes)
+    root = str(tmp_path)
+    written = _job(root, world, layout, mode, seed=world * 31 + len(layout) + len(mode.value))
+    rule = UpdateMode.LAST if channel == SNAPSHOTS else mode
+    with DeltaReader(root, channel=channel) as reader:
+        poll = reader.poll()
+    per_rank: Dict[int, Rows] = {}
+    shards: Dict[int, ShardInfo] = {}
+    for rank in range(world):
+        recs = written[(rank, channel)]["a"]
+        want = ref_rule([i for i, _ in recs], None if rule == UpdateMode.NONE else [s for _, s in recs], rule)
+        delta = poll.ranks[rank].tables["a"]
+        check_rows(delta.rows, want, rule)
+        assert delta.shard is not None
+        assert delta.global_ids.tolist() == [x + delta.shard.row_offset for x in sorted(want)]
+        per_rank[rank], shards[rank] = want, delta.shard
+        empty = poll.ranks[rank].tables["e"]
+        assert empty.ids.numel() == 0
+        if rule != UpdateMode.NONE:  # an empty table keeps (0, *row_shape)
+            assert empty.states.shape == (0, delta.shard.local_cols) and empty.states.dtype == torch.float32
+    merged = poll.merged()
+    keys, states = _ref_merged(per_rank, shards)
+    assert merged["a"].global_ids.tolist() == keys
+    assert merged["e"].global_ids.numel() == 0
+    if rule == UpdateMode.NONE:
+        assert merged["a"].states is None
+    elif states is None:
+        assert merged["a"].states is None and layout == "col"
+    else:
+        assert torch.equal(merged["a"].states, states)
+
+
+def _part(rank: int, ids: List[int], col: int = 0, width: int = 2, row_offset: int = 0,
+          states: bool = True) -> TableDelta:
+    local = torch.tensor(ids, dtype=torch.int64)
+    st = torch.randn(len(ids), width) if states else None
+    shard = ShardInfo(row_offset=row_offset, col_offset=col, local_cols=width, global_rows=100, global_cols=width)
+    return TableDelta("t", rank, 0, 1, UniqueRows(local, st), local + row_offset, shard)
+
+
+def test_merge_table_fast_paths_keep_the_old_rule():
+    # one shard: its tensors as they are (the poll copied them out of the log already)
+    p = _part(0, [1, 4, 7])
+    m = merge_table("t", [p, _part(1, [], row_offset=50)])
+    assert m.global_ids is p.global_ids and m.states is p.states
+    # row-wise shards in any rank order: concatenated by id range, no sort
+    a, b, c = _part(2, [0, 3], row_offset=20), _part(0, [2, 5]), _part(1, [1], row_offset=10)
+    m = merge_table("t", [a, b, c])
+    assert m.global_ids.tolist() == [2, 5, 11, 20, 23]
+    assert torch.equal(m.states, torch.cat([b.states, c.states, a.states]))
+    # overlapping (replicated) shards: the first part's row wins, as before
+    a, b = _part(0, [1, 5, 9]), _part(1, [0, 5, 6, 9])
+    m = merge_table("t", [a, b])
+    assert m.global_ids.tolist() == [0, 1, 5, 6, 9]
+    assert torch.equal(m.states, torch.stack([b.states[0], a.states[0], a.states[1], b.states[2], a.states[2]]))
+    # a part without states: ids only
+    m = merge_table("t", [_part(0, [1, 2]), _part(1, [3], row_offset=0, states=False)])
+    assert m.global_ids.tolist() == [1, 2, 3] and m.states is None
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _corrupt(path: str, channel: str, table_id: int, batch_idx: int) -> None:
+    """Flip the last byte (a state value) of record (table_id, batch_idx, 0), keeping its key."""
+    with DeltaLog(path) as log:
+        def flip(w: WriteTxn) -> None:
+            db = w._dbs[DB_OF_CHANNEL[channel]]
+            key = codec.record_key(table_id, batch_idx, 0)
+            value = bytearray(w.txn.get(key, db=db))
+            value[-1] ^= 0x01
+            assert w.txn.put(key, bytes(value), db=db)
+
+        log.write(flip)
+
+
+@pytest.mark.parametrize("channel,batch_idx", [(LOOKUPS, 0), (LOOKUPS, 5), (SNAPSHOTS, 9)])
+def test_a_flipped_byte_is_caught_on_the_read_path(tmp_path, channel, batch_idx):
+    root = str(tmp_path)
+    _job(root, 2, "row", UpdateMode.FIRST, seed=5)
+    with DeltaReader(root, channel=channel) as reader:
+        reader.poll()  # intact
+    path = rank_dir(root, 1)
+    with DeltaLog(path, readonly=True) as log:
+        table_id = log.read(lambda r: r.tables()["a"].table_id)
+    _corrupt(path, channel, table_id, batch_idx)
+    with DeltaReader(root, channel=channel) as reader:
+        with pytest.raises(CorruptRecordError):
+            reader.poll()
+
+
+def test_a_flipped_byte_in_a_data_file_copy_is_caught(tmp_path):
+    """The same through the file: a byte of a stored snapshot value flipped in a copy of
+    ``data.mdb`` (the single-record snapshot path copies the rows in one piece)."""
+    root = str(tmp_path / "job")
+    vals = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) + 0.5
+    with DeltaLog(rank_dir(root, 0), update_mode="first") as log:
+        def build(w: WriteTxn) -> None:
+            w.set_meta(META_TRACKER, TrackerMeta("embedding", "first", ["a"], 0, 1).to_value())
+            entry = w.ensure_table("a")
+            w.stage_table(entry)
+            w.put_record(entry.table_id, 3, codec.encode_record(torch.arange(64), vals, codec.KIND_SNAPSHOT),
+                         channel=SNAPSHOTS)
+            w.set_meta(META_SNAPSHOT_END, 4)
+
+        log.write(build)
+    data = os.path.join(rank_dir(root, 0), "data.mdb")
+    raw = bytearray(open(data, "rb").read())
+    pattern = vals[20].numpy().tobytes()
+    at = raw.find(pattern)
+    assert at > 0
+    while at >= 0:  # (a page may also hold an older copy: flip the byte in every copy)
+        raw[at + 5] ^= 0x10
+        at = raw.find(pattern, at + 1)
+    copy = str(tmp_path / "copy")
+    os.makedirs(rank_dir(copy, 0))
+    with open(os.path.join(rank_dir(copy, 0), "data.mdb"), "wb") as f:
+        f.write(raw)
+    with DeltaReader(root, channel=SNAPSHOTS) as reader:
+        assert torch.equal(reader.poll().merged()["a"].states, vals)
+    with DeltaReader(copy, channel=SNAPSHOTS) as reader:
+        with pytest.raises(CorruptRecordError):
+            reader.poll()
