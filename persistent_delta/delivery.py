@@ -38,8 +38,8 @@ read below the log start raises :class:`OffsetOutOfRangeError` or applies its re
 
 **Compaction** merges records of a range into one record stamped at the range start, which
 changes what a read starting strictly inside the range returns. :func:`safe_compact` therefore
-splits a range at every committed position and at the checkpoint floor, never reaches below the
-log start nor into the open batch, and leaves alone everything at or above the lowest position
+splits a range at every committed position, at the checkpoint floor and at the log start, never
+reaches into the open batch, and leaves alone everything at or above the lowest position
 of a ``POLL_COMMIT`` lookups consumer (its uncommitted position may be anywhere up to the end).
 The merged record says which batches it covers, so a position that later lands inside them
 (a reset, a seek) reads from the merged record: at-least-once, never a lost row.
@@ -293,12 +293,13 @@ def safe_pieces(r: ReadTxn, start: int, end: int) -> List[Tuple[int, int]]:
     """``[start, end)`` cut into pieces that no reader can be positioned strictly inside (see
     the module docs). Empty when nothing in it may be merged."""
     consumers = lookups_consumers(r.consumers())
-    start = max(start, log_start(r))  # nothing below the log start may be stamped again
     end = min(end, lookups_end(r))  # never the open batch: a reader registered at the end starts there
     polled = [v.offset for v in consumers.values() if v.delivery == Delivery.POLL_COMMIT]
     if polled:
         end = min(end, min(polled))  # a poller's uncommitted position may be anywhere above
     cuts = {v.offset for v in consumers.values()}
+    if consumers:  # a consumer may register at the log start: nothing merged across it (a plain
+        cuts.add(log_start(r))  # store without consumers compacts exactly as DeltaStoreTrec)
     cp = checkpoint_floor(r)
     if cp is not None:
         cuts.add(cp)
