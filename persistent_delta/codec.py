@@ -209,7 +209,13 @@ def encode_record(
     crc = 0
     for p in parts:
         crc = crc32c.crc32c(p, value=crc)
-    out = bytearray(b"".join([_PREFIX.pack(len(head), crc), *parts]))
+    # One copy of the payload: straight into the (mutable: see seal_record) result.
+    out = bytearray(_PREFIX.size + sum(len(p) for p in parts))
+    _PREFIX.pack_into(out, 0, len(head), crc)
+    pos = _PREFIX.size
+    for p in parts:
+        out[pos:pos + len(p)] = p
+        pos += len(p)
     return out
 
 

@@ -163,22 +163,27 @@ class ReadTxn:
                 break
             yield b, s, len(value)
 
-    def first_record_at(self, table_id: int, start_idx: int, channel: str = LOOKUPS) -> Optional[Tuple[int, bytes]]:
-        """``(batch_idx, value)`` of the table's first record at or after ``start_idx`` (the
-        value copied out of the map), or None."""
+    def first_record_at(
+        self, table_id: int, start_idx: int, channel: str = LOOKUPS
+    ) -> Optional[Tuple[int, Union[bytes, memoryview]]]:
+        """``(batch_idx, value)`` of the table's first record at or after ``start_idx``, or None.
+        The value is a view into the map (valid inside this transaction; nothing is copied)."""
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None or cur.key()[:4] != codec.table_prefix(table_id):
             return None
-        return codec.decode_record_key(cur.key())[1], bytes(cur.value())
+        return codec.decode_record_key(cur.key())[1], cur.value()
 
-    def last_record_before(self, table_id: int, position: int, channel: str = LOOKUPS) -> Optional[Tuple[int, bytes]]:
-        """``(batch_idx, value)`` of the table's last record below ``position``, or None."""
+    def last_record_before(
+        self, table_id: int, position: int, channel: str = LOOKUPS
+    ) -> Optional[Tuple[int, Union[bytes, memoryview]]]:
+        """``(batch_idx, value)`` of the table's last record below ``position``, or None (the
+        value a view, as :meth:`first_record_at`)."""
         cur = self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]])
         found = cur.prev() if cur.set_range(codec.record_key(table_id, max(0, position), 0)) else cur.last()
         if not found or cur.key()[:4] != codec.table_prefix(table_id):
             return None
         b = codec.decode_record_key(cur.key())[1]
-        return (b, bytes(cur.value())) if b < position else None
+        return (b, cur.value()) if b < position else None
 
     def iter_raw(self, channel: str = LOOKUPS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
         """Every (key, value) of a channel, in key order, undecoded (for verify)."""
@@ -186,9 +191,11 @@ class ReadTxn:
             yield bytes(k), v
 
     def first_batch_idx(self, table_id: int, channel: str = LOOKUPS) -> Optional[int]:
-        """The lowest batch_idx stored for the table in a channel, or None."""
-        found = self.first_record_at(table_id, 0, channel)
-        return None if found is None else found[0]
+        """The lowest batch_idx stored for the table in a channel, or None (keys only)."""
+        cur = self._cursor_at(table_id, 0, channel)
+        if cur is None or cur.key()[:4] != codec.table_prefix(table_id):
+            return None
+        return codec.decode_record_key(cur.key())[1]
 
     # consumers & meta ----------------------------------------------------------------
     def consumers(self) -> Dict[str, ConsumerEntry]:

@@ -97,7 +97,7 @@ class WindowFilter:
         if delivery.has_poll_commit_reader(consumers):
             self.reset()  # exactly-once for consumers that poll and commit apart: no filtering
             return records, lambda: None
-        start = max(delivery.committed_offsets(w).values(), default=0)
+        start = max((v.offset for v in delivery.lookups_consumers(consumers).values()), default=0)
         old_seen, old_start = self._seen, self._start
         same_window = start == self._start
         self._seen = dict(old_seen) if same_window else {}
