@@ -18,7 +18,7 @@ LAYERS = [
     {"records"},
     {"delivery"},
     {"results", "sharding"},
-    {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"consumer", "apply", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer"},
     {"tracker"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
@@ -27,7 +27,7 @@ LAYERS = [
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk"}
-READERS = {"consumer", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
+READERS = {"consumer", "apply", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 
 
