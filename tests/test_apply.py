@@ -129,3 +129,25 @@ def test_refusals_apply_nothing(job):
     with DeltaConsumer(root, "lookups-reader") as consumer:
         with pytest.raises(InvalidInputError, match="snapshots"):
             apply_poll(replica, consumer.poll())
+
+
+def test_offsets_shows_the_lag_in_seconds_of_the_oldest_unread_publish(job):
+    import time
+
+    from persistent_delta.cli.offsets import describe, register_consumer
+
+    root, results = job
+    register_consumer(root, "late", channel="snapshots", execute=True)  # at the earliest publish
+    with DeltaConsumer(root, "caught-up", channel="snapshots") as consumer:
+        consumer.poll()
+        consumer.commit()
+    before = time.time()
+    rows = {(r.rank, c.name): c for r in describe(root) for c in r.consumers}
+    after = time.time()
+    oldest = min(min(res["windows"][s][0] for s in res["windows"]) for res in results)
+    newest = max(max(res["windows"][s][1] for s in res["windows"]) for res in results)
+    for rank in range(2):
+        late, done = rows[(rank, "late")], rows[(rank, "caught-up")]
+        assert late.lag_s is not None and before - newest <= late.lag_s <= after - oldest + 1e-3, late
+        assert done.lag_s == 0.0
+        assert rows[(rank, "serving")].lag_s is None  # a lookups consumer: no publish times
