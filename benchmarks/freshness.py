@@ -63,6 +63,9 @@ def replica_main(root: str, out: str, stop: str) -> int:
     polls = rows = nbytes = 0
     t0, c0 = time.time(), _cpu_s()
     with DeltaConsumer(root, "replica", channel="snapshots", wait=60.0) as consumer:
+        consumer.poll()
+        consumer.commit()
+        open(stop + ".ready", "w").close()  # the trainer starts now: no start-up time in the lags
         while True:
             stopping = os.path.exists(stop)
             poll = consumer.poll(timeout=0.2)
@@ -98,6 +101,11 @@ class Replica:
         env = dict(os.environ)
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.freshness", "--role", "replica", "--root", root,
                                       "--replica-out", self.out, "--replica-stop", self.stop], env=env)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.stop + ".ready"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the replica did not start")
+            time.sleep(0.05)
 
     def finish(self) -> Dict[str, Any]:
         open(self.stop, "w").close()

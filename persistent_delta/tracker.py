@@ -284,7 +284,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Register a consumer (durably). It starts at position 0 (everything still in the
         log), or after the current batch with ``from_latest``. An existing name is a no-op."""
         check_consumer_name(name)
-        self._check()
+        self._commit_recorded()  # (after a queued publish's commit)
         offset = self.curr_batch_idx + 1 if from_latest else 0
         self._claims.claim(name, "add it to the tracker")
         self._log.write(lambda w: delivery.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
@@ -294,7 +294,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def remove_consumer(self, name: str) -> None:
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
-        self._check()
+        self._commit_recorded()  # (after a queued publish's commit)
         self._log.write(lambda w: delivery.unregister(w, name))
         self._claims.release(name)
         if name in self._consumers:
