@@ -15,9 +15,9 @@ LAYERS = [
     {"schema", "layout", "watch"},
     {"lmdbenv"},
     {"log", "rows"},
-    {"records"},
+    {"records", "zchlog"},
     {"delivery"},
-    {"results", "sharding"},
+    {"results", "sharding", "zch"},
     {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer"},
     {"tracker"},
@@ -26,8 +26,8 @@ LAYERS = [
     {"cli"},
     {"__init__", "__main__"},
 ]
-TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk"}
-READERS = {"consumer", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
+TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch"}
+READERS = {"consumer", "results", "delivery", "records", "zchlog", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 
 

@@ -1,0 +1,141 @@
+"""A sharded managed-collision model for the ZCH tests (CPU, gloo), and per-rank test bodies.
+
+Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
+
+* A ``ManagedCollisionEmbeddingCollection`` over ``MCHManagedCollisionModule`` shards on CPU
+  when the planner is constrained to the ``fused`` kernel (the default kernel list fails);
+  row-wise with ``buckets = world_size`` (the planner refuses uneven buckets).
+* Raw ids are bucketed to ranks by range over ``input_hash_size``: raw id ``x`` goes to rank
+  ``x * world_size // input_hash_size``.
+* The first eviction calls ``fbgemm::reset_weight_momentum``, which has no CPU kernel
+  (``NotImplementedError: Could not run 'fbgemm::reset_weight_momentum' with arguments from the
+  'CPU' backend``). :func:`build_mc_model` gives those TBEs a Python version (zero the rows and
+  their optimizer state), as the CUDA kernel does; TorchRec then re-initialises the rows.
+* TorchRec's tracker fqn of an MC table is the MCH module's path
+  (``sparse._managed_collision_collection._managed_collision_modules.<table>``): its
+  ``fqn_to_feature_names`` lets the last module whose path holds the table name win.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import types
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.optim import RowWiseAdagrad
+
+INPUT_HASH_SIZE = 4000
+FEATURES = {"mc_0": ["f_0", "f_1"], "mc_1": ["f_2"]}
+
+
+class MCModel(nn.Module):
+    """An MC-EC under ``self.sparse``; returns a scalar loss."""
+
+    def __init__(self, slots: int, world_size: int, eviction_interval: int, dim: int) -> None:
+        super().__init__()
+        ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=t, embedding_dim=dim, num_embeddings=slots, feature_names=f)
+                    for t, f in FEATURES.items()], device=torch.device("meta"))
+        mcc = ManagedCollisionCollection(
+            managed_collision_modules={
+                t: MCHManagedCollisionModule(zch_size=slots, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+                                             eviction_interval=eviction_interval, input_hash_size=INPUT_HASH_SIZE,
+                                             buckets=world_size)
+                for t in FEATURES},
+            embedding_configs=ec.embedding_configs())
+        self.sparse = ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=False)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        out, _ = self.sparse(kjt)
+        loss = torch.zeros(())
+        for jt in out.values():
+            loss = loss + (jt.values() - 0.5).pow(2).sum()
+        return loss
+
+
+def _reset_weight_momentum(self: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
+                           logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+    """``fbgemm::reset_weight_momentum`` in Python (it has no CPU kernel): zero the rows and
+    their optimizer state."""
+    weights, states = self.split_embedding_weights(), self.split_optimizer_states()
+    with torch.no_grad():
+        for k, t in enumerate(logical_table_ids.tolist()):
+            idx = pruned_indices[int(pruned_indices_offsets[k]):int(pruned_indices_offsets[k + 1])].long()
+            weights[t][idx] = 0
+            for s in states[t]:
+                s[idx] = 0
+
+
+def build_mc_model(rank: int, world_size: int, slots: int = 32, eviction_interval: int = 2, dim: int = 8,
+                   seed: int = 0) -> DistributedModelParallel:
+    """Shard an :class:`MCModel` (``slots`` rows per table in all, row-wise over the ranks)."""
+    torch.manual_seed(seed)
+    model = MCModel(slots, world_size, eviction_interval, dim)
+    _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse._embedding_module.parameters(), {"lr": 0.1, "eps": 1e-8})
+    pg = dist.GroupMember.WORLD
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={t: ParameterConstraints(compute_kernels=["fused"], sharding_types=["row_wise"]) for t in FEATURES})
+    plan = planner.collective_plan(model, None, pg)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan)
+    for module in dmp.modules():
+        for tbe, _ in getattr(module, "_table_to_tbe_and_index", {}).values():
+            tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum, tbe)
+    return dmp
+
+
+def mc_batches(rank: int, world_size: int, n: int, seed: int, batch: int = 12, zipf_s: float = 1.05) -> List[KeyedJaggedTensor]:
+    """Deterministic batches of raw ids (Zipf over a permutation of ``[0, INPUT_HASH_SIZE)``, so
+    a few ids stay hot and many come and go: with a small slot budget evictions are frequent)."""
+    feats = [f for fs in FEATURES.values() for f in fs]
+    perm = torch.randperm(INPUT_HASH_SIZE, generator=torch.Generator().manual_seed(seed))
+    probs = 1.0 / torch.arange(1, INPUT_HASH_SIZE + 1, dtype=torch.float64) ** zipf_s
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 31 + world_size)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(1, 3, (len(feats) * batch,), generator=g)
+        ids = perm[torch.multinomial(probs, int(lengths.sum()), replacement=True, generator=g)]
+        out.append(KeyedJaggedTensor.from_lengths_sync(keys=feats, values=ids.long(), lengths=lengths))
+    return out
+
+
+def mc_step(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor) -> None:
+    dmp(kjt).backward()
+
+
+def module_maps(dmp: nn.Module) -> Dict[str, Dict[int, int]]:
+    """table name -> {raw id: global slot} straight from this rank's MCH buffers (the reference)."""
+    out: Dict[str, Dict[int, int]] = {}
+    for module in dmp.modules():
+        mcms = getattr(getattr(module, "_managed_collision_collection", None), "_managed_collision_modules", None)
+        if mcms is None:
+            continue
+        for name, mcm in mcms.items():
+            raw, mapping = mcm._mch_sorted_raw_ids, mcm._mch_remapped_ids_mapping
+            held = raw != torch.iinfo(torch.int64).max
+            out[name] = dict(zip(raw[held].tolist(), mapping[held].tolist()))
+    return out
+
+
+def gather_maps(maps: Dict[str, Dict[int, int]]) -> Dict[str, Dict[int, int]]:
+    """The union over ranks of :func:`module_maps` (a collective)."""
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, maps)
+    out: Dict[str, Dict[int, int]] = {}
+    for p in parts:
+        for name, m in p.items():
+            out.setdefault(name, {}).update(m)
+    return out
