@@ -94,6 +94,7 @@ class ZchCapture:
         self._emit, self._batch_idx = emit, batch_idx
         self.tables: Dict[str, _Table] = {}
         self._hooked: List[Tuple[Any, str]] = []
+        self._chained: Dict[int, Any] = {}  # a collection's previous post-lookup hook (TorchRec's RawIdTracker)
         by_name: Dict[str, List[str]] = {}
         for fqn, (name, _, _) in tables.items():
             by_name.setdefault(name, []).append(fqn)
@@ -123,8 +124,8 @@ class ZchCapture:
         for mcc in {id(t.mcc): t.mcc for t in self.tables.values()}.values():
             self._set(mcc, "get_lookup_value", self._lookup_hook(mcc, mcc.get_lookup_value))
             if any(t.kind == "hash_zch" for t in self.tables.values() if t.mcc is mcc):
-                mcc.register_post_lookup_tracker_fn(self._hash_zch_record)
-                self._hooked.append((mcc, "post_lookup_tracker_fn"))
+                # TorchRec's RawIdTracker may hold this hook already (DMP builds it first): chain it
+                self._set(mcc, "post_lookup_tracker_fn", self._hash_zch_hook(mcc.post_lookup_tracker_fn))
         for t in self.tables.values():
             if t.kind == "mch":
                 mcm, policy = t.mcm, t.mcm._eviction_policy
@@ -133,7 +134,19 @@ class ZchCapture:
                           self._policy_hook(t, policy.update_metadata_and_generate_eviction_scores))
                 self._set(mcm, "_sort_mch_buffers", self._sort_hook(t, mcm._sort_mch_buffers))
 
+    def _hash_zch_hook(self, prev: Optional[Callable[..., None]]) -> Callable[..., None]:
+        def record(kjt: Any, states: torch.Tensor, emb_module: Any = None, raw_ids: Optional[torch.Tensor] = None,
+                   runtime_meta: Optional[torch.Tensor] = None) -> None:
+            self._hash_zch_record(kjt, raw_ids)
+            if prev is not None:
+                prev(kjt, states, emb_module, raw_ids, runtime_meta)
+
+        record.chained = prev  # type: ignore[attr-defined]
+        return record
+
     def _set(self, obj: Any, attr: str, fn: Callable[..., Any]) -> None:
+        if attr == "post_lookup_tracker_fn":
+            self._chained[id(obj)] = getattr(fn, "chained", None)
         object.__setattr__(obj, attr, fn)
         self._hooked.append((obj, attr))
 
@@ -141,7 +154,7 @@ class ZchCapture:
         """Remove every hook :meth:`hook` installed."""
         for obj, attr in reversed(self._hooked):
             if attr == "post_lookup_tracker_fn":
-                setattr(obj, attr, None)
+                object.__setattr__(obj, attr, self._chained.pop(id(obj), None))
             elif attr in vars(obj):
                 object.__delattr__(obj, attr)
         self._hooked = []
@@ -219,8 +232,7 @@ class ZchCapture:
 
         return _sort_mch_buffers
 
-    def _hash_zch_record(self, kjt: Any, states: torch.Tensor, emb_module: Any = None,
-                         raw_ids: Optional[torch.Tensor] = None, runtime_meta: Optional[torch.Tensor] = None) -> None:
+    def _hash_zch_record(self, kjt: Any, raw_ids: Optional[torch.Tensor]) -> None:
         """TorchRec's hook of a HashZch lookup: ``kjt`` holds shard-local slots (keyed by table),
         ``raw_ids`` the identities of those slots ``[n, k]`` (the first column is the raw id)."""
         if raw_ids is None or kjt.values().numel() == 0:

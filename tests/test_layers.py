@@ -21,12 +21,13 @@ LAYERS = [
     {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer"},
     {"tracker"},
+    {"raw_ids"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
-TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch"}
+TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
 READERS = {"consumer", "results", "delivery", "records", "zchlog", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 

@@ -139,3 +139,63 @@ def gather_maps(maps: Dict[str, Dict[int, int]]) -> Dict[str, Dict[int, int]]:
         for name, m in p.items():
             out.setdefault(name, {}).update(m)
     return out
+
+
+def _side_of_batch(tracker: Any, batch_idx: int) -> Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor]]]:
+    """fqn -> side records (kind, shard-local slots, states) of one batch, read from the log."""
+    from persistent_delta.zchlog import iter_side
+
+    def read(r: Any) -> Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor]]]:
+        return {fqn: [(k, ids, st) for _, k, ids, st in iter_side(r, r.table(fqn), batch_idx, batch_idx + 1)]
+                for fqn in tracker.zch.tables}
+    return tracker.log.read(read)
+
+
+def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dict[str, Any]:
+    """Every step: the raw ids recorded for the batch are the raw ids fed (over all ranks); an
+    admitted one's slot is the one the module's own buffers give it after the step, an
+    unadmitted one sits in the default slot and is in no map; the slot reassignments applied in
+    order reproduce the module's map. The durable get_indexed_lookups gives the batch's raw ids."""
+    from persistent_delta import PersistentTrackerConfig, RawIdMap, attach, install_raw_id_tracker
+    from persistent_delta import codec
+    from persistent_delta.zchlog import ZchDelta, slots_states  # noqa: F401
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    dmp = build_mc_model(rank, world_size)
+    tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, linger_steps=1))
+    raw_tracker = install_raw_id_tracker(dmp, tracker, consumers=["rawc"])
+    replica = RawIdMap()
+    names = {fqn: z.name for fqn, z in tracker.zch.tables.items()}
+    counts = {"admitted": 0, "unadmitted": 0, "moves": 0, "evicted": 0}
+    for kjt in mc_batches(rank, world_size, steps, seed=5):
+        mc_step(dmp, kjt)
+        b = tracker.curr_batch_idx
+        got = raw_tracker.get_indexed_lookups(sorted(names.values()), "rawc")
+        mine = torch.cat([torch.cat(got[n][0]).view(-1) for n in sorted(got)]) if got else torch.empty(0, dtype=torch.int64)
+        fed = kjt.values()
+        all_fed: List[Any] = [None] * world_size
+        all_got: List[Any] = [None] * world_size
+        dist.all_gather_object(all_fed, fed)
+        dist.all_gather_object(all_got, mine)
+        assert torch.equal(torch.cat(all_fed).sort().values, torch.cat(all_got).sort().values), f"batch {b}: raw ids"
+        maps = module_maps(dmp)
+        for fqn, recs in _side_of_batch(tracker, b).items():
+            z = tracker.zch.tables[fqn]
+            m = maps[names[fqn]]
+            for kind, slots, st in recs:
+                gslots = slots + z.row_offset
+                if kind == codec.KIND_SLOTS:
+                    counts["moves"] += int(slots.numel())
+                    counts["evicted"] += int((st[:, 0] != -1).sum())
+                    replica.apply(ZchDelta(fqn, b, b + 1, slots=gslots, taken=st[:, 0], given=st[:, 1]))
+                    continue
+                for raw, ok, slot in zip(st[:, 0].tolist(), st[:, 1].tolist(), gslots.tolist()):
+                    if ok:
+                        assert m.get(raw) == slot, (b, fqn, raw, slot, m.get(raw))
+                        counts["admitted"] += 1
+                    else:
+                        assert raw not in m and slot == z.row_offset + z.default_slot(), (b, fqn, raw, slot)
+                        counts["unadmitted"] += 1
+            assert replica.as_dict(fqn) == m, f"batch {b} {fqn}: replica map differs from the module's"
+    tracker.close()
+    return counts
