@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from harness import run_spawn
-from zch_cases import mch_hook_case
+from zch_cases import hash_zch_case, mch_hook_case
 
 pytestmark = pytest.mark.dist
 
@@ -116,3 +116,8 @@ def test_replica_map_follows_evictions_through_sigkill_and_restore(tmp_path):
     for fqn, name in names.items():
         assert len(trainer[name]) > 10, trainer[name]
         assert replica.as_dict(fqn) == trainer[name], f"{fqn}: the replica's raw-id map differs from the trainer's"
+
+
+def test_durable_get_indexed_lookups_equals_raw_id_trackers_on_hash_zch(tmp_path):
+    out = run_spawn(hash_zch_case, 2, str(tmp_path / "log"), timeout=240)
+    assert all(o["compared"] > 20 for o in out), out

@@ -199,3 +199,84 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
             assert replica.as_dict(fqn) == m, f"batch {b} {fqn}: replica map differs from the module's"
     tracker.close()
     return counts
+
+
+class _Sparse(nn.Module):
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+
+    def forward(self, kjt: KeyedJaggedTensor) -> Any:
+        return self.sparse(kjt)
+
+
+def hash_zch_case(rank: int, world_size: int, root: str, steps: int = 5) -> Dict[str, Any]:
+    """Differential test against TorchRec's ``RawIdTracker`` on a HashZch MC-EC (eval mode:
+    fbgemm-gpu-cpu's ``zero_collision_hash`` runs read-only lookups only, so the identities are
+    filled as a trained checkpoint would hold them). Per forward, TorchRec's answer to its TBE
+    consumer and the durable ``get_indexed_lookups`` of the same batch are equal."""
+    from torchrec.distributed.model_tracker.types import ModelTrackerConfigs, RawIdTrackerConfig, Trackers
+    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    from persistent_delta import PersistentRawIdTracker, PersistentTrackerConfig, attach
+
+    torch.manual_seed(0)
+    slots = 32
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="hz_0", embedding_dim=8, num_embeddings=slots,
+                                                     feature_names=["g_0", "g_1"])], device=torch.device("meta"))
+    mcc = ManagedCollisionCollection(
+        managed_collision_modules={"hz_0": HashZchManagedCollisionModule(
+            zch_size=slots, device=torch.device("cpu"), total_num_buckets=world_size, max_probe=4, input_hash_size=0)},
+        embedding_configs=ec.embedding_configs())
+    model = _Sparse(ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=False))
+    _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse._embedding_module.parameters(), {"lr": 0.1})
+    pg = dist.GroupMember.WORLD
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={"hz_0": ParameterConstraints(compute_kernels=["fused"], sharding_types=["row_wise"])})
+    plan = planner.collective_plan(model, None, pg)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan,
+                                   model_tracker_configs=ModelTrackerConfigs(raw_id_tracker_config=RawIdTrackerConfig()))
+    trec = dmp.model_trackers[Trackers.RAW_ID_TRACKER.name]
+    answers: List[Dict[str, Any]] = []
+    orig = trec.get_indexed_lookups
+
+    def spy(tables: List[str], consumer: Any = None) -> Dict[str, Any]:
+        out = orig(tables, consumer)
+        answers.append(out)
+        return out
+
+    spied = 0
+    for lookup in dmp._dmp_wrapped_module.sparse._embedding_module._lookups:
+        for emb in lookup._emb_modules:  # the TBE asks through the wrapper it was given
+            wrapper = getattr(emb, "_raw_id_tracker_wrapper", None)
+            if wrapper is not None:
+                wrapper.get_indexed_lookups, spied = spy, spied + 1
+    assert spied, "TorchRec wired no TBE to its raw-id tracker"
+    mcm = dmp._dmp_wrapped_module.sparse._managed_collision_collection._managed_collision_modules["hz_0"]
+    with torch.no_grad():  # a trained table's identities: slot s holds raw id 7 * s + 1000 * rank
+        mcm._hash_zch_identities.copy_(torch.arange(mcm._hash_zch_identities.numel()).view_as(mcm._hash_zch_identities) * 7
+                                       + 1000 * rank)
+    tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY))
+    ours = PersistentRawIdTracker(tracker, consumers=["ours"])
+    dmp.eval()
+    g = torch.Generator().manual_seed(rank + 1)
+    compared = 0
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.randint(0, 5000, (24,), generator=g)
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=["g_0", "g_1"], values=ids,
+                                                      lengths=torch.ones(24, dtype=torch.long))
+            before = len(answers)
+            dmp(kjt)
+            assert len(answers) == before + 1, "TorchRec's TBE consumer did not ask its raw-id tracker"
+            ref = answers[-1]
+            got = ours.get_indexed_lookups(["hz_0"], "ours")
+            assert set(got) == set(ref), (got, ref)
+            for table, (raws, _meta) in ref.items():
+                mine = got[table][0]
+                assert len(mine) == len(raws) and all(torch.equal(a, b) for a, b in zip(mine, raws)), (table, mine, raws)
+                compared += sum(int(r.numel()) for r in raws)
+    tracker.close()
+    return {"compared": compared}
