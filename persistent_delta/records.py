@@ -274,11 +274,14 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) 
 
 def pending_stats(r: ReadTxn, channel: str, start_idx: int, end_idx: int) -> Tuple[int, int, int]:
     """``(records, rows, bytes)`` stored in ``[start_idx, end_idx)`` over every table (rows as
-    stored, before de-duplication; value bytes)."""
+    stored, before de-duplication; value bytes; side records of managed-collision tables
+    included on the lookups channel)."""
     recs = rows = nbytes = 0
     if end_idx <= start_idx:
         return 0, 0, 0
     for entry in r.tables().values():
-        for rec in r.iter_records(entry.table_id, start_idx, end_idx, verify=False, channel=channel):
-            recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
+        ids = [entry.table_id] + ([codec.side_table_id(entry.table_id)] if channel == LOOKUPS else [])
+        for table_id in ids:  # lookups: a managed-collision table's side records count too
+            for rec in r.iter_records(table_id, start_idx, end_idx, verify=False, channel=channel):
+                recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
     return recs, rows, nbytes

@@ -3,6 +3,7 @@ durable records, read back by consumers and replayed into a replica's raw-id map
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from harness import run_spawn
+from persistent_delta.cli import main
 from zch_cases import hash_zch_case, mch_hook_case
 
 pytestmark = pytest.mark.dist
@@ -22,11 +24,21 @@ REPO = os.path.dirname(HERE)
 
 
 def test_mch_raw_ids_and_reassignments_match_the_module(tmp_path):
-    out = run_spawn(mch_hook_case, 2, str(tmp_path / "log"), timeout=240)
+    root = str(tmp_path / "log")
+    out = run_spawn(mch_hook_case, 2, root, timeout=240)
     for counts in out:
         # the case ran through evictions and unadmitted ids, or it proved nothing
         assert counts["admitted"] > 20 and counts["unadmitted"] > 20, counts
         assert counts["moves"] > 10 and counts["evicted"] > 2, counts
+    # the tools know the side records: verify checks them, offsets --tables counts them
+    buf = io.StringIO()
+    assert main(["verify", root, "--format", "json"], stdout=buf) == 0, buf.getvalue()
+    report = json.loads(buf.getvalue())
+    assert report["ok"] and all(r["side_records"] > 0 for r in report["ranks"]), report
+    buf = io.StringIO()
+    assert main(["offsets", root, "--tables", "--format", "json"], stdout=buf) == 0
+    tables = [t for r in json.loads(buf.getvalue())["ranks"] for t in r["tables"]]
+    assert tables and all(t["managed_collision"] == "mch" and t["zch_records"] > 0 for t in tables), tables
 
 
 def _port() -> int:

@@ -150,9 +150,11 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
                  tables=[Table("", headers, rows), Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "PATH"], logs)])
     if args.tables:
         trows = [[r.rank, t.fqn, t.sharding_type or "-", t.records, t.rows, t.bytes, t.first_batch, t.last_batch_idx,
-                  t.snapshot_records, t.snapshot_bytes] for r in ranks for t in (r.tables or [])]
+                  t.snapshot_records, t.snapshot_bytes, t.managed_collision or "-", t.zch_records, t.zch_bytes]
+                 for r in ranks for t in (r.tables or [])]
         out.tables.append(Table("", ["RANK", "TABLE", "SHARDING", "RECORDS", "ROWS", "BYTES", "FIRST-BATCH",
-                                     "LAST-BATCH", "SNAPSHOTS", "SNAPSHOT-BYTES"], trows))
+                                     "LAST-BATCH", "SNAPSHOTS", "SNAPSHOT-BYTES", "ZCH", "ZCH-RECORDS", "ZCH-BYTES"],
+                                trows))
     return out
 
 
@@ -225,13 +227,14 @@ def _cmd_verify(args: argparse.Namespace) -> Output:
         report = verify(args.root, progress=bar.add)
     finally:
         bar.close()
-    summary = [[rc.rank, rc.records, rc.snapshots, rc.bytes, rc.tables, rc.consumers,
+    summary = [[rc.rank, rc.records, rc.snapshots, rc.side_records, rc.bytes, rc.tables, rc.consumers,
                 sum(p.severity == "error" for p in rc.problems), rc.path] for rc in report.ranks]
     problems = [[p.rank, p.severity, p.where, p.message] for p in report.problems]
     status = "OK" if report.ok else f"DAMAGED: {len(report.errors)} error(s)"
     out = Output(
         data={"root": report.root, "ok": report.ok, "ranks": _jsonable(report.ranks)},
-        tables=[Table("", ["RANK", "RECORDS", "SNAPSHOTS", "BYTES", "TABLES", "CONSUMERS", "ERRORS", "PATH"], summary)],
+        tables=[Table("", ["RANK", "RECORDS", "SNAPSHOTS", "ZCH-RECORDS", "BYTES", "TABLES", "CONSUMERS", "ERRORS",
+                           "PATH"], summary)],
         notes=[f"verify: {status}"],
         exit_code=0 if report.ok else 1,
     )
