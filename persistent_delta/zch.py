@@ -98,9 +98,11 @@ class ZchCapture:
         by_name: Dict[str, List[str]] = {}
         for fqn, (name, _, _) in tables.items():
             by_name.setdefault(name, []).append(fqn)
+        self._embedding_modules: List[nn.Module] = []
         for path, module in model.named_modules():
             if not isinstance(module, _MC_MODULES):
                 continue
+            self._embedding_modules.append(module._embedding_module)
             mcc = module._managed_collision_collection
             for name, mcm in mcc._managed_collision_modules.items():
                 fqns = [f for f in by_name.get(name, []) if f.startswith(_clean(path) + ".") or not _clean(path)]
@@ -120,7 +122,14 @@ class ZchCapture:
 
     # ------------------------------------------------------------------ hooks
     def hook(self) -> None:
-        """Install the hooks (instance attributes) on every managed-collision collection."""
+        """Install the hooks (instance attributes) on every managed-collision collection, and
+        on the sharded EC/EBC inside each MC module: TorchRec's MC module calls its ``compute``
+        directly, which never calls the post-lookup tracker callable (only
+        ``compute_and_output_dist`` does), so without this hook no tracker -- TorchRec's
+        included -- sees an MC table's lookups."""
+        if self.tables:
+            for ec in self._embedding_modules:
+                self._set(ec, "compute", self._compute_hook(ec, ec.compute))
         for mcc in {id(t.mcc): t.mcc for t in self.tables.values()}.values():
             self._set(mcc, "get_lookup_value", self._lookup_hook(mcc, mcc.get_lookup_value))
             if any(t.kind == "hash_zch" for t in self.tables.values() if t.mcc is mcc):
@@ -170,6 +179,18 @@ class ZchCapture:
         given = t.slot_raw()
         self._record(t, codec.KIND_SLOTS, torch.arange(t.rows, dtype=torch.int64),
                      slots_states(torch.full_like(given, NO_RAW_ID), given))
+
+    @staticmethod
+    def _compute_hook(ec: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def compute(ctx: Any, dist_input: Any) -> Any:
+            out = orig(ctx, dist_input)
+            record = ec.post_lookup_tracker_fn
+            if record is not None:  # what compute_and_output_dist does after each lookup
+                for features, embs in zip(dist_input, out):
+                    record(features, embs, ec, None)
+            return out
+
+        return compute
 
     def _lookup_hook(self, mcc: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
         tables = {t.name: t for t in self.tables.values() if t.mcc is mcc}

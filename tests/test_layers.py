@@ -19,16 +19,17 @@ LAYERS = [
     {"delivery"},
     {"results", "sharding", "zch"},
     {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
-    {"writer"},
+    {"writer", "ordered"},
     {"tracker"},
     {"raw_ids"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
+    {"cli.apply"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
-READERS = {"consumer", "results", "delivery", "records", "zchlog", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
+READERS = {"consumer", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 
 

@@ -280,3 +280,35 @@ def hash_zch_case(rank: int, world_size: int, root: str, steps: int = 5) -> Dict
                 compared += sum(int(r.numel()) for r in raws)
     tracker.close()
     return {"compared": compared}
+
+
+def ordered_case(rank: int, world_size: int, root: str, ckpt_root: str, kind: str) -> Dict[str, Any]:
+    """Train, saving a shard checkpoint (which records its batch) every 4 steps, three times;
+    an external consumer is registered so the trainer writes every batch whole (replay can
+    start anywhere). Returns the checkpoints' batches and, for an MC model, the final raw-id
+    maps (union over ranks)."""
+    from harness import build_sharded_model, make_batches, train_step
+    from persistent_delta import DeltaConsumer, PersistentTrackerConfig, attach
+    from persistent_delta.shard_files import save_local_shards
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    if kind == "mc":
+        dmp = build_mc_model(rank, world_size)
+        feed = [lambda k=k: mc_step(dmp, k) for k in mc_batches(rank, world_size, 12, seed=13)]
+    else:
+        dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+        feed = [lambda b=b: train_step(dmp, b) for b in make_batches("ec", 12, 8, seed=13, world_size=world_size,
+                                                                         rank=rank)]
+    tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY))
+    if rank == 0:
+        DeltaConsumer(root, "exporter", wait=30).close()
+    dist.barrier()
+    batches = []
+    for i, step in enumerate(feed):
+        step()
+        if i % 4 == 3:
+            save_local_shards(tracker, os.path.join(ckpt_root, f"ckpt{i // 4}"))
+            batches.append(tracker.curr_batch_idx)
+    tracker.close()
+    maps = gather_maps(module_maps(dmp)) if kind == "mc" else {}
+    return {"batches": batches, "maps": maps}

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
+from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.replay import replay
 from persistent_delta.cli.upgrade import upgrade
@@ -243,6 +244,15 @@ def _cmd_verify(args: argparse.Namespace) -> Output:
     return out
 
 
+def _cmd_apply(args: argparse.Namespace) -> Output:
+    report = apply_inputs(args.inputs, out=args.out, replica=args.replica, dry_run=args.dry_run)
+    rows = [[path, kind, r, a, b] for path, kind, ranges in report.inputs for r, (a, b) in sorted(ranges.items())]
+    nxt = ", ".join(f"rank {r}: {b}" for r, b in sorted(report.next_batch.items()))
+    notes = [f"next input starts at: {nxt}"]
+    notes.append("DRY RUN: order checked, nothing applied or written" if report.dry_run else f"replica: {report.out}")
+    return Output(data=_jsonable(report), tables=[Table("", ["INPUT", "KIND", "RANK", "FROM", "TO"], rows)], notes=notes)
+
+
 def _cmd_vacuum(args: argparse.Namespace) -> Output:
     results = vacuum(args.root)
     rows = [[r.rank, r.bytes_before, r.bytes_after, r.bytes_before - r.bytes_after, r.path] for r in results]
@@ -262,7 +272,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> Output:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands offsets, replay, verify, vacuum, upgrade)."""
+    """The argument parser (subcommands offsets, replay, apply, verify, vacuum, upgrade)."""
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p = argparse.ArgumentParser(prog=PROG, description="Inspect and maintain persistent_delta logs.")
@@ -296,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint", metavar="CKPT", help="shard checkpoint dir: also write the changed rows' values")
     r.add_argument("--dry-run", action="store_true", help="print the summary; write and commit nothing")
     r.set_defaults(func=_cmd_replay)
+
+    a = sub.add_parser("apply", parents=[fmt], help="apply a base and replay outputs to a replica, in order",
+                       description="Inputs: a shard checkpoint (a base, first) and replay output directories, in "
+                                   "batch order; a gap, an overlap or an input out of order is refused.")
+    a.add_argument("inputs", nargs="+", metavar="INPUT", help="shard checkpoint dir or replay output dir")
+    a.add_argument("--out", metavar="REPLICA", help="replica file to write (default: --replica)")
+    a.add_argument("--replica", metavar="PREV", help="continue this replica (inputs start where it ended)")
+    a.add_argument("--dry-run", action="store_true", help="check the order only")
+    a.set_defaults(func=_cmd_apply)
 
     v = sub.add_parser("verify", parents=[fmt], help="check every record, key, offset and meta value")
     v.add_argument("root", help="log root")
