@@ -86,12 +86,13 @@ class ZchCapture:
 
     ``tables``: fqn -> (table name, row_offset, local_rows) of the tracker's tables on this rank;
     ``emit``: where captured side records go (the tracker's capture of the current batch);
-    ``batch_idx``: the batch being recorded. Training thread only.
+    ``batch_idx``: the batch being recorded; ``raw_ids``: False records no side records (an MC
+    table's lookups are still recorded, as any table's). Training thread only.
     """
 
     def __init__(self, model: nn.Module, tables: Dict[str, Tuple[str, int, int]],
-                 emit: Callable[[AppendRecord], None], batch_idx: Callable[[], int]) -> None:
-        self._emit, self._batch_idx = emit, batch_idx
+                 emit: Callable[[AppendRecord], None], batch_idx: Callable[[], int], raw_ids: bool = True) -> None:
+        self._emit, self._batch_idx, self._raw_ids = emit, batch_idx, raw_ids
         self.tables: Dict[str, _Table] = {}
         self._hooked: List[Tuple[Any, str]] = []
         self._chained: Dict[int, Any] = {}  # a collection's previous post-lookup hook (TorchRec's RawIdTracker)
@@ -116,9 +117,10 @@ class ZchCapture:
                 self.tables[fqns[0]] = _Table(fqns[0], name, mcc, mcm, row_offset, rows)
 
     def describe(self, fqn: str) -> Dict[str, Any]:
-        """What the table entry's shard metadata says about a managed-collision table."""
+        """What the table entry's shard metadata says about a managed-collision table (nothing
+        when its raw ids are not recorded)."""
         t = self.tables.get(fqn)
-        return {} if t is None else {ZCH_META: t.kind}
+        return {} if t is None or not self._raw_ids else {ZCH_META: t.kind}
 
     # ------------------------------------------------------------------ hooks
     def hook(self) -> None:
@@ -130,6 +132,8 @@ class ZchCapture:
         if self.tables:
             for ec in self._embedding_modules:
                 self._set(ec, "compute", self._compute_hook(ec, ec.compute))
+        if not self._raw_ids:
+            return
         for mcc in {id(t.mcc): t.mcc for t in self.tables.values()}.values():
             self._set(mcc, "get_lookup_value", self._lookup_hook(mcc, mcc.get_lookup_value))
             if any(t.kind == "hash_zch" for t in self.tables.values() if t.mcc is mcc):
@@ -287,6 +291,8 @@ class ZchCapture:
         every slot reassigned in them gets the restored model's raw id back, as one slot record
         stamped ``stamp`` (taken: the lost timeline's last raw id of the slot)."""
         out: List[AppendRecord] = []
+        if not self._raw_ids:
+            return out
         for fqn, t in self.tables.items():
             entry = w.table(fqn)
             if entry is None or t.kind != "mch":

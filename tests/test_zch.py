@@ -133,3 +133,11 @@ def test_replica_map_follows_evictions_through_sigkill_and_restore(tmp_path):
 def test_durable_get_indexed_lookups_equals_raw_id_trackers_on_hash_zch(tmp_path):
     out = run_spawn(hash_zch_case, 2, str(tmp_path / "log"), timeout=240)
     assert all(o["compared"] > 20 for o in out), out
+
+
+def test_zch_example_feeds_a_replica(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "zch_replica.py"), "--steps=20",
+                           f"--out={tmp_path / 'log'}"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "[zch] PASS" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "OK" in proc.stdout and "evictions seen" in proc.stdout
