@@ -96,7 +96,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank, world)
         self.zch = ZchCapture(  # this rank's managed-collision tables (raw ids, slot reassignments)
             model, {f: (t.table_name, t.row_offset, t.local_rows) for f, t in self._tables.items()},
-            lambda rec: self._capture.pending.append(rec), lambda: self.curr_batch_idx, config.zch_raw_ids)
+            lambda rec: self._capture.pending.append(rec), lambda: self.curr_batch_idx, config)
         shards = {f: {**t.metadata(self._discovery.module_kind(f)), **self.zch.describe(f)} for f, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:

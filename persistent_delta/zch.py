@@ -36,6 +36,7 @@ from torch import nn
 from torchrec.distributed.mc_embedding import ShardedManagedCollisionEmbeddingCollection
 from torchrec.distributed.mc_embeddingbag import ShardedManagedCollisionEmbeddingBagCollection
 from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+from torchrec.distributed.model_tracker.types import TrackingMode
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
 from persistent_delta import codec
@@ -52,8 +53,9 @@ _EMPTY_RAW = torch.iinfo(torch.int64).max  # MCH's marker of an empty buffer pos
 class _Table:
     """One managed-collision table with a shard on this rank."""
 
-    def __init__(self, fqn: str, name: str, mcc: nn.Module, mcm: nn.Module, row_offset: int, rows: int) -> None:
-        self.fqn, self.name, self.mcc, self.mcm = fqn, name, mcc, mcm
+    def __init__(self, fqn: str, name: str, mcc: nn.Module, mcm: nn.Module, row_offset: int, rows: int,
+                 tbe: Any = None) -> None:
+        self.fqn, self.name, self.mcc, self.mcm, self.tbe = fqn, name, mcc, mcm, tbe  # tbe: (TBE, index) or None
         self.row_offset, self.rows = row_offset, rows
         self.kind = "mch" if isinstance(mcm, MCHManagedCollisionModule) else "hash_zch"
         self.base_pending = True  # the first lookup after attach writes the whole map first
@@ -86,13 +88,17 @@ class ZchCapture:
 
     ``tables``: fqn -> (table name, row_offset, local_rows) of the tracker's tables on this rank;
     ``emit``: where captured side records go (the tracker's capture of the current batch);
-    ``batch_idx``: the batch being recorded; ``raw_ids``: False records no side records (an MC
-    table's lookups are still recorded, as any table's). Training thread only.
+    ``batch_idx``: the batch being recorded; ``config``: the tracker's
+    :class:`~persistent_delta.config.PersistentTrackerConfig` (``zch_raw_ids=False``: no side
+    records; an MC table's lookups, and the slots an eviction re-initialised, are still
+    recorded, as any table's changed rows). Training thread only.
     """
 
     def __init__(self, model: nn.Module, tables: Dict[str, Tuple[str, int, int]],
-                 emit: Callable[[AppendRecord], None], batch_idx: Callable[[], int], raw_ids: bool = True) -> None:
-        self._emit, self._batch_idx, self._raw_ids = emit, batch_idx, raw_ids
+                 emit: Callable[[AppendRecord], None], batch_idx: Callable[[], int], config: Any = None) -> None:
+        self._emit, self._batch_idx = emit, batch_idx
+        self._raw_ids = bool(getattr(config, "zch_raw_ids", True))
+        self._mode = getattr(config, "tracking_mode", None)
         self.tables: Dict[str, _Table] = {}
         self._hooked: List[Tuple[Any, str]] = []
         self._chained: Dict[int, Any] = {}  # a collection's previous post-lookup hook (TorchRec's RawIdTracker)
@@ -114,7 +120,8 @@ class ZchCapture:
                                    type(mcm).__name__)
                     continue
                 _, row_offset, rows = tables[fqns[0]]
-                self.tables[fqns[0]] = _Table(fqns[0], name, mcc, mcm, row_offset, rows)
+                tbe = getattr(module, "_table_to_tbe_and_index", {}).get(name)
+                self.tables[fqns[0]] = _Table(fqns[0], name, mcc, mcm, row_offset, rows, tbe)
 
     def describe(self, fqn: str) -> Dict[str, Any]:
         """What the table entry's shard metadata says about a managed-collision table (nothing
@@ -132,9 +139,7 @@ class ZchCapture:
         if self.tables:
             for ec in self._embedding_modules:
                 self._set(ec, "compute", self._compute_hook(ec, ec.compute))
-        if not self._raw_ids:
-            return
-        for mcc in {id(t.mcc): t.mcc for t in self.tables.values()}.values():
+        for mcc in {id(t.mcc): t.mcc for t in self.tables.values()}.values() if self._raw_ids else []:
             self._set(mcc, "get_lookup_value", self._lookup_hook(mcc, mcc.get_lookup_value))
             if any(t.kind == "hash_zch" for t in self.tables.values() if t.mcc is mcc):
                 # TorchRec's RawIdTracker may hold this hook already (DMP builds it first): chain it
@@ -146,6 +151,18 @@ class ZchCapture:
                 self._set(policy, "update_metadata_and_generate_eviction_scores",
                           self._policy_hook(t, policy.update_metadata_and_generate_eviction_scores))
                 self._set(mcm, "_sort_mch_buffers", self._sort_hook(t, mcm._sort_mch_buffers))
+
+    def _touched(self, t: _Table, slots: torch.Tensor) -> None:
+        """A reassigned slot's row is re-initialised by TorchRec (``_evict``) whether or not this
+        batch looks it up: record it as changed (a lookups record), so ``get_unique`` and
+        ``publish`` deliver it. ID_ONLY: ids; EMBEDDING: the row before the reset (the FIRST
+        value). Optimizer-state modes: not recorded (the reset zeroes the state)."""
+        if self._mode == TrackingMode.ID_ONLY:
+            self._record(t, codec.KIND_LOOKUP, slots, None)
+        elif self._mode == TrackingMode.EMBEDDING and t.tbe is not None:
+            tbe, index = t.tbe
+            weights = tbe.split_embedding_weights()[int(index)]
+            self._record(t, codec.KIND_LOOKUP, slots, weights[slots].detach().clone())
 
     def _hash_zch_hook(self, prev: Optional[Callable[..., None]]) -> Callable[..., None]:
         def record(kjt: Any, states: torch.Tensor, emb_module: Any = None, raw_ids: Optional[torch.Tensor] = None,
@@ -172,7 +189,7 @@ class ZchCapture:
                 object.__delattr__(obj, attr)
         self._hooked = []
 
-    def _record(self, t: _Table, kind: int, ids: torch.Tensor, states: torch.Tensor) -> None:
+    def _record(self, t: _Table, kind: int, ids: torch.Tensor, states: Optional[torch.Tensor]) -> None:
         self._emit(AppendRecord(self._batch_idx(), t.fqn, ids, states, kind=kind))
 
     def _base(self, t: _Table) -> None:
@@ -252,7 +269,9 @@ class ZchCapture:
                 given[given == _EMPTY_RAW] = NO_RAW_ID
                 changed = taken != given
                 if bool(changed.any()):
-                    self._record(t, codec.KIND_SLOTS, slots[changed], slots_states(taken[changed], given[changed]))
+                    if self._raw_ids:
+                        self._record(t, codec.KIND_SLOTS, slots[changed], slots_states(taken[changed], given[changed]))
+                    self._touched(t, slots[changed])
             return orig()
 
         return _sort_mch_buffers

@@ -164,12 +164,16 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
     dmp = build_mc_model(rank, world_size)
     tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, linger_steps=1))
     raw_tracker = install_raw_id_tracker(dmp, tracker, consumers=["rawc"])
+    tracker.add_consumer("keep")  # never reads: retention keeps the log for the tools checked afterwards
     replica = RawIdMap()
     names = {fqn: z.name for fqn, z in tracker.zch.tables.items()}
     counts = {"admitted": 0, "unadmitted": 0, "moves": 0, "evicted": 0}
     for kjt in mc_batches(rank, world_size, steps, seed=5):
         mc_step(dmp, kjt)
         b = tracker.curr_batch_idx
+        tracker.flush()
+        side = _side_of_batch(tracker, b)  # before the reads below: their retention deletes what both consumed
+        changed = tracker.get_unique()  # rows changed in this batch: looked up, or re-initialised by an eviction
         got = raw_tracker.get_indexed_lookups(sorted(names.values()), "rawc")
         mine = torch.cat([torch.cat(got[n][0]).view(-1) for n in sorted(got)]) if got else torch.empty(0, dtype=torch.int64)
         fed = kjt.values()
@@ -179,12 +183,14 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
         dist.all_gather_object(all_got, mine)
         assert torch.equal(torch.cat(all_fed).sort().values, torch.cat(all_got).sort().values), f"batch {b}: raw ids"
         maps = module_maps(dmp)
-        for fqn, recs in _side_of_batch(tracker, b).items():
+        for fqn, recs in side.items():
             z = tracker.zch.tables[fqn]
             m = maps[names[fqn]]
             for kind, slots, st in recs:
                 gslots = slots + z.row_offset
                 if kind == codec.KIND_SLOTS:
+                    moved = slots[st[:, 0] != st[:, 1]]  # (a base lists unchanged slots too)
+                    assert bool(torch.isin(moved, changed[fqn].ids).all()), f"batch {b}: reassigned slots not changed rows"
                     counts["moves"] += int(slots.numel())
                     counts["evicted"] += int((st[:, 0] != -1).sum())
                     replica.apply(ZchDelta(fqn, b, b + 1, slots=gslots, taken=st[:, 0], given=st[:, 1]))
