@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import types
 import warnings
 from typing import Any, Dict

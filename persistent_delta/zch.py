@@ -53,7 +53,7 @@ _EMPTY_RAW = torch.iinfo(torch.int64).max  # MCH's marker of an empty buffer pos
 class _Table:
     """One managed-collision table with a shard on this rank."""
 
-    def __init__(self, fqn: str, name: str, mcc: nn.Module, mcm: nn.Module, row_offset: int, rows: int,
+    def __init__(self, fqn: str, name: str, mcc: Any, mcm: Any, row_offset: int, rows: int,
                  tbe: Any = None) -> None:
         self.fqn, self.name, self.mcc, self.mcm, self.tbe = fqn, name, mcc, mcm, tbe  # tbe: (TBE, index) or None
         self.row_offset, self.rows = row_offset, rows
@@ -105,7 +105,7 @@ class ZchCapture:
         by_name: Dict[str, List[str]] = {}
         for fqn, (name, _, _) in tables.items():
             by_name.setdefault(name, []).append(fqn)
-        self._embedding_modules: List[nn.Module] = []
+        self._embedding_modules: List[Any] = []
         for path, module in model.named_modules():
             if not isinstance(module, _MC_MODULES):
                 continue
@@ -202,7 +202,7 @@ class ZchCapture:
                      slots_states(torch.full_like(given, NO_RAW_ID), given))
 
     @staticmethod
-    def _compute_hook(ec: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _compute_hook(ec: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
         def compute(ctx: Any, dist_input: Any) -> Any:
             out = orig(ctx, dist_input)
             record = ec.post_lookup_tracker_fn
@@ -213,7 +213,7 @@ class ZchCapture:
 
         return compute
 
-    def _lookup_hook(self, mcc: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _lookup_hook(self, mcc: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
         tables = {t.name: t for t in self.tables.values() if t.mcc is mcc}
 
         def get_lookup_value(table: str, features: Any, write_weights: Optional[torch.Tensor] = None) -> Any:

@@ -113,7 +113,8 @@ def _evicted(taken: torch.Tensor, given: torch.Tensor, slots: torch.Tensor) -> t
         return _empty()
     _, final = _last_per_key(slots, given)
     out = torch.unique(out)
-    return out[~torch.isin(out, final)]
+    kept: torch.Tensor = out[~torch.isin(out, final)]
+    return kept
 
 
 def _check(rec_states: Optional[torch.Tensor], n: int, where: str) -> torch.Tensor:

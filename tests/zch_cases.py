@@ -19,9 +19,6 @@ Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import types
 from typing import Any, Dict, List, Tuple
 
@@ -158,7 +155,7 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
     order reproduce the module's map. The durable get_indexed_lookups gives the batch's raw ids."""
     from persistent_delta import PersistentTrackerConfig, RawIdMap, attach, install_raw_id_tracker
     from persistent_delta import codec
-    from persistent_delta.zchlog import ZchDelta, slots_states  # noqa: F401
+    from persistent_delta.zchlog import ZchDelta
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     dmp = build_mc_model(rank, world_size)
