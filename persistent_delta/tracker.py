@@ -242,6 +242,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         the log (retention keeps what a restore of it needs). Save it with the model."""
         self._commit_recorded()
         batch = self.curr_batch_idx
+        self.zch.rebase()  # a replica that starts after the checkpoint gets the whole raw-id map
         info = self._log.write(lambda w: restore.mark_checkpoint(w, batch))
         self._log.flush()
         return {"version": restore.STATE_VERSION, "log_id": info["log_id"], "rank": self.rank,

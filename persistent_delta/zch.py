@@ -129,6 +129,14 @@ class ZchCapture:
         t = self.tables.get(fqn)
         return {} if t is None or not self._raw_ids else {ZCH_META: t.kind}
 
+    def rebase(self) -> None:
+        """The next lookup of every table writes a base first (the whole map of the shard): the
+        tracker asks at every checkpoint, so a replica registered after the log start moved
+        past the first base still gets every raw id (retention keeps what follows the latest
+        checkpoint)."""
+        for t in self.tables.values():
+            t.base_pending = True
+
     # ------------------------------------------------------------------ hooks
     def hook(self) -> None:
         """Install the hooks (instance attributes) on every managed-collision collection, and

@@ -16,9 +16,10 @@ behind them:
 * **slot reassignments** (``KIND_SLOTS``, when the module admits or evicts): ``ids`` are the
   slots whose raw id changed, states int64 ``[n, 2]`` = (raw id taken from the slot, raw id
   given it), :data:`~persistent_delta.codec.NO_RAW_ID` for none. An *eviction* is a taken raw
-  id that holds no slot afterwards. The trainer also writes one after every attach (a *base*:
-  every slot of the shard with its current raw id, taken column ``NO_RAW_ID``) and at a restore
-  (the checkpoint's raw id for every slot reassigned after the checkpoint).
+  id that holds no slot afterwards. The trainer also writes one in the first batch after every attach
+  and every checkpoint (a *base*: every slot of the shard with its current raw id, taken column
+  ``NO_RAW_ID``) and at a restore (the checkpoint's raw id for every slot reassigned after the
+  checkpoint).
 
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
 (admitted raw id -> slot) map: :class:`RawIdMap` does that. Ranges are half-open
