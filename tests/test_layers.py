@@ -18,7 +18,7 @@ LAYERS = [
     {"records", "zchlog"},
     {"delivery"},
     {"results", "sharding", "zch"},
-    {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"consumer", "apply", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer", "ordered"},
     {"tracker"},
     {"raw_ids"},
@@ -29,7 +29,7 @@ LAYERS = [
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
-READERS = {"consumer", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
+READERS = {"consumer", "apply", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 
 
