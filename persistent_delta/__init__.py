@@ -35,6 +35,8 @@ from persistent_delta.results import DeltaPoll, MergedDelta, RankDelta, TableDel
 from persistent_delta.schema import ConsumerEntry, Delivery, ShardInfo
 from persistent_delta.store import LmdbDeltaStore
 from persistent_delta.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
+from persistent_delta.raw_ids import PersistentRawIdTracker, install_raw_id_tracker
+from persistent_delta.zchlog import RawIdMap, ZchDelta
 
 __version__ = "0.1.0"
 
@@ -80,4 +82,8 @@ __all__ = [
     "PersistentDeltaTracker",
     "PersistentTrackerConfig",
     "attach",
+    "PersistentRawIdTracker",
+    "install_raw_id_tracker",
+    "RawIdMap",
+    "ZchDelta",
 ]

@@ -34,7 +34,11 @@ Format history and plan (every format change of this round is here, once):
   place (every record's checksum verified the old way, then sealed the new way, in one
   transaction per rank). Reserved in version 2 for this round's other issues, so that they
   need no further version: record kinds 2 (raw ids behind a batch's slot ids) and 3
-  (evictions: slots taken from raw ids). Header fields in version 2: ``"w"`` (window start of
+  (evictions: slots taken from raw ids). Kinds 2 and 3 are stored under the table's *side
+  id* (``table_id | 2**31``, :func:`side_table_id`) in the lookups database: kind 2 holds a
+  batch's slot ids (``ids``) and int64 states ``[n, 2]`` = (raw id, admitted 0/1); kind 3 the
+  slots reassigned (``ids``) and int64 states ``[n, 2]`` = (raw id taken from the slot, raw id
+  given it), :data:`NO_RAW_ID` for none. Header fields in version 2: ``"w"`` (window start of
   a filtered record), ``"e"`` (covered end of a compacted record), ``"t"`` (on snapshot
   records: wall-clock time of the ``publish()`` call that wrote them, seconds since the
   epoch; records written before it existed have none). A reader of this version raises on a kind it does not
@@ -60,7 +64,18 @@ FORMAT_VERSION = 2
 # Record kinds. A reader that meets a kind it does not know raises CorruptRecordError.
 KIND_LOOKUP = 0  # ids (+ states) recorded from a batch, or a compacted range of them
 KIND_SNAPSHOT = 1  # ids + current row values written by a publish
-_KNOWN_KINDS = (KIND_LOOKUP, KIND_SNAPSHOT)
+# Managed-collision (ZCH) tables (see "Side records" below and persistent_delta/zchlog.py):
+KIND_RAW_IDS = 2  # ids: the slot ids a batch looked up; states int64 [n, 2]: (raw id, admitted 0/1)
+KIND_SLOTS = 3  # ids: slots reassigned; states int64 [n, 2]: (raw id taken from the slot, raw id given it)
+SIDE_KINDS = (KIND_RAW_IDS, KIND_SLOTS)
+_KNOWN_KINDS = (KIND_LOOKUP, KIND_SNAPSHOT, KIND_RAW_IDS, KIND_SLOTS)
+NO_RAW_ID = -1  # in a KIND_SLOTS record: the slot held no raw id (before), or holds none (after)
+
+# Side records (kinds 2 and 3) of table ``t`` live in the lookups database under the table id
+# ``t | SIDE_TABLE_BIT`` (the table's *side id*): readers of the lookups channel walk the
+# table's own id and never meet them, compaction never merges them, and the deletions that
+# apply to a table's lookups (retention, restart settling) apply to its side id too.
+SIDE_TABLE_BIT = 1 << 31
 
 _KEY = struct.Struct(">IQI")
 _TABLE_PREFIX = struct.Struct(">I")
@@ -136,6 +151,18 @@ def decode_record_key(key: Union[bytes, memoryview]) -> Tuple[int, int, int]:
         raise CorruptRecordError(f"record key of {len(key)} bytes, expected {KEY_SIZE}")
     t, b, s = _KEY.unpack(bytes(key))
     return int(t), int(b), int(s)
+
+
+def side_table_id(table_id: int) -> int:
+    """The key table id of table ``table_id``'s side records (kinds 2 and 3)."""
+    if not 0 <= table_id < SIDE_TABLE_BIT:
+        raise InvalidInputError(f"table id {table_id} out of range for side records")
+    return table_id | SIDE_TABLE_BIT
+
+
+def is_side_table_id(key_table_id: int) -> bool:
+    """Whether a record key's table id is a side id (:func:`side_table_id`)."""
+    return bool(key_table_id & SIDE_TABLE_BIT)
 
 
 def table_prefix(table_id: int) -> bytes:

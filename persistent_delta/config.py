@@ -275,6 +275,9 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
             ``torch_threads`` for ``writer_torch_threads``); a shortcut that is set wins.
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
+        zch_raw_ids: record managed-collision tables' raw ids and slot reassignments (side
+            records, :mod:`persistent_delta.zch`; default True). False records their slot ids
+            only, as any table's.
     """
 
     path: str = ""
@@ -292,6 +295,7 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
     linger_s: Optional[float] = None
     linger_bytes: Optional[int] = None
     rank: Optional[int] = None
+    zch_raw_ids: bool = True
 
     def writer_options(self) -> WriterOptions:
         """The writer's options: ``writer`` (or the defaults) with the shortcuts applied."""

@@ -88,7 +88,10 @@ def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]]
     entries: Dict[str, TableEntry] = {}
     for rec, _ in encoded:
         entry = entries.get(rec.fqn) or w.ensure_table(rec.fqn)
-        if channel == LOOKUPS:
+        if rec.kind in codec.SIDE_KINDS:
+            if channel != LOOKUPS:
+                raise InvalidInputError(f"record kind {rec.kind} belongs to the lookups channel")
+        elif channel == LOOKUPS:
             if rec.batch_idx < entry.last_batch_idx:
                 raise InvalidInputError(
                     f"batch_idx {rec.batch_idx} for {rec.fqn!r} is lower than its last appended batch_idx "
@@ -100,7 +103,10 @@ def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]]
         entries[rec.fqn] = entry
     nbytes = 0
     for rec, value in encoded:
-        w.put_record(entries[rec.fqn].table_id, rec.batch_idx, value, channel=channel)
+        table_id = entries[rec.fqn].table_id
+        if rec.kind in codec.SIDE_KINDS:  # a managed-collision table's side records (see codec)
+            table_id = codec.side_table_id(table_id)
+        w.put_record(table_id, rec.batch_idx, value, channel=channel)
         nbytes += len(value)
     for fqn, entry in entries.items():
         before = w.table(fqn)
@@ -235,6 +241,18 @@ def last_appended(r: ReadTxn) -> int:
     return max((e.last_batch_idx for e in r.tables().values()), default=-1)
 
 
+def delete_table_records(
+    w: WriteTxn, entry: TableEntry, start_idx: int, end_idx: Optional[int], channel: str = LOOKUPS
+) -> Tuple[int, int]:
+    """Delete a table's records in ``[start_idx, end_idx)`` of a channel -- on the lookups
+    channel its side records (raw ids, slot reassignments) too; returns (records, bytes)."""
+    n, nbytes = w.delete_records(entry.table_id, start_idx, end_idx, channel=channel)
+    if channel == LOOKUPS:
+        sn, sb = w.delete_records(codec.side_table_id(entry.table_id), start_idx, end_idx, channel=channel)
+        n, nbytes = n + sn, nbytes + sb
+    return n, nbytes
+
+
 def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) -> Tuple[int, int]:
     """Delete records with ``batch_idx < up_to_idx`` (all when None); returns (records, bytes).
 
@@ -245,7 +263,7 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) 
     if channel == LOOKUPS:
         raise_log_start(w, last_appended(w) + 1 if up_to_idx is None else up_to_idx)
     for entry in w.tables().values():
-        rn, rb = w.delete_records(entry.table_id, 0, up_to_idx, channel=channel)
+        rn, rb = delete_table_records(w, entry, 0, up_to_idx, channel)
         n, nbytes = n + rn, nbytes + rb
         if up_to_idx is None and channel == LOOKUPS and entry.listed:
             e = entry.copy()
@@ -256,13 +274,16 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) 
 
 def pending_stats(r: ReadTxn, channel: str, start_idx: int, end_idx: int) -> Tuple[int, int, int]:
     """``(records, rows, bytes)`` stored in ``[start_idx, end_idx)`` over every table (rows as
-    stored, before de-duplication; value bytes)."""
+    stored, before de-duplication; value bytes; side records of managed-collision tables
+    included on the lookups channel)."""
     recs = rows = nbytes = 0
     if end_idx <= start_idx:
         return 0, 0, 0
     for entry in r.tables().values():
-        for rec in r.iter_records(entry.table_id, start_idx, end_idx, verify=False, channel=channel):
-            recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
+        ids = [entry.table_id] + ([codec.side_table_id(entry.table_id)] if channel == LOOKUPS else [])
+        for table_id in ids:  # lookups: a managed-collision table's side records count too
+            for rec in r.iter_records(table_id, start_idx, end_idx, verify=False, channel=channel):
+                recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
     return recs, rows, nbytes
 
 

@@ -25,16 +25,17 @@ index to continue from (:func:`agree_batch_idx`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
-from persistent_delta import delivery
+from persistent_delta import codec, delivery
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
 from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.records import AppendRecord, delete_below, encode_records, last_appended, log_start, write_records
+from persistent_delta.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
+                                     log_start, write_records)
 from persistent_delta.rows import compute_unique_rows
 from persistent_delta.schema import (
     CHANNELS,
@@ -130,7 +131,7 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
         dropped = 0
         for entry in w.tables().values():
             for channel in CHANNELS:
-                dropped += w.delete_records(entry.table_id, lo, None, channel=channel)[0]
+                dropped += delete_table_records(w, entry, lo, None, channel)[0]
         w.set_meta(META_CURR_BATCH, hi)
         w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), hi + 1))
         return dropped
@@ -230,10 +231,13 @@ def redeliver(
     tables: Dict[str, LocalTable],
     checkpoint_batch: int,
     log_end_batch: int,
+    side: Optional[Callable[[WriteTxn, int, int], List[AppendRecord]]] = None,
 ) -> Dict[str, int]:
     """Replace the records of batches ``[checkpoint_batch + 1, log_end_batch + 1)`` (the lost
     timeline) by one re-delivery record per table stamped ``log_end_batch + 1``, and continue
-    the log there. Returns rows re-delivered per table.
+    the log there. Returns rows re-delivered per table. ``side(w, first, stamp)`` does the same
+    for side records (managed-collision slots: :meth:`persistent_delta.zch.ZchCapture.redeliver`)
+    and returns the records to write at the stamp.
 
     Raises:
         OffsetOutOfRangeError: records after the checkpoint were already deleted.
@@ -255,12 +259,14 @@ def redeliver(
         if touched.numel() == 0:
             continue
         records.append(AppendRecord(stamp, fqn, touched, current_states(mode, tables[fqn], touched)))
+    if side is not None:
+        records += side(w, first, stamp)
     if records:
         write_records(w, encode_records(records, update_mode))
     w.set_meta(META_CURR_BATCH, stamp)
     w.set_meta(META_CHECKPOINT_FLOOR, first)
     logger.info(
         "restored to batch %d: re-delivering rows of batches [%d, %d) as batch %d: %s",
-        checkpoint_batch, first, stamp, stamp, {r.fqn: int(r.ids.numel()) for r in records},
+        checkpoint_batch, first, stamp, stamp, {r.fqn: int(r.ids.numel()) for r in records if r.kind == codec.KIND_LOOKUP},
     )
-    return {r.fqn: int(r.ids.numel()) for r in records}
+    return {r.fqn: int(r.ids.numel()) for r in records if r.kind == codec.KIND_LOOKUP}

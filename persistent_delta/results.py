@@ -21,6 +21,7 @@ from persistent_delta.log import ReadTxn
 from persistent_delta.records import last_stamps, publish_times, read_unique
 from persistent_delta.rows import compute_unique_rows, is_ascending, unique_ids
 from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
+from persistent_delta.zchlog import ZchDelta, merge_side, read_side
 
 
 # ----------------------------------------------------------------------------- poll results
@@ -43,6 +44,7 @@ class TableDelta:
     global_ids: torch.Tensor
     shard: Optional[ShardInfo] = None
     stamps: Optional[torch.Tensor] = None  # snapshots of a replicated table: per row, its publish's stamp
+    zch: Optional[ZchDelta] = None  # a managed-collision table's raw ids (lookups channel)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -264,6 +266,26 @@ class DeltaPoll:
         """fqn -> the table's delta merged over ranks, in global row ids."""
         return {fqn: merge_table(fqn, parts) for fqn, parts in self.tables().items()}
 
+    def zch(self) -> Dict[str, ZchDelta]:
+        """fqn -> a managed-collision table's raw ids, slot reassignments and evictions over
+        the poll's ranges, merged over ranks (:mod:`persistent_delta.zchlog`); ``states`` holds
+        the poll's rows of the admitted raw ids' slots when every one of them is in the poll."""
+        out: Dict[str, ZchDelta] = {}
+        merged: Optional[Dict[str, MergedDelta]] = None
+        for fqn, parts in self.tables().items():
+            sides = [(p.rank, p.zch) for p in parts if p.zch is not None]
+            if not sides:
+                continue
+            z = out[fqn] = merge_side(fqn, sides)
+            if merged is None:
+                merged = self.merged()
+            m = merged[fqn]
+            if m.states is not None and z.slot_ids.numel() and m.global_ids.numel():
+                pos = torch.searchsorted(m.global_ids, z.slot_ids).clamp_(max=m.global_ids.numel() - 1)
+                if bool((m.global_ids[pos] == z.slot_ids).all()):
+                    z.states = m.states.index_select(0, pos)
+        return out
+
     def ranges(self) -> Dict[int, Tuple[int, int]]:
         """rank -> ``(start_idx, end_idx)`` read (half-open)."""
         return {r: (d.start_idx, d.end_idx) for r, d in self.ranks.items()}
@@ -312,5 +334,7 @@ def read_range(
         stamps = None
         if channel == SNAPSHOTS and shard is not None and shard.replicated and u.ids.numel():
             stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
-        out.tables[fqn] = TableDelta(fqn, rank, start_idx, end_idx, u, gids, shard, stamps)
+        side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
+            else None
+        out.tables[fqn] = TableDelta(fqn, rank, start_idx, end_idx, u, gids, shard, stamps, side)
     return out

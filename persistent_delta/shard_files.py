@@ -6,7 +6,11 @@ checkpoint is :mod:`persistent_delta.restore`'s.)
 
 ``save_local_shards(tracker, ckpt_dir)`` writes ``<ckpt_dir>/rank-<r>.safetensors``: every
 tracked table's local shard (``tracker.local_tables[fqn].weights()``) keyed by fqn, with the
-shard placement (row/column offsets and sizes) in the file's metadata. Every rank calls it with
+shard placement (row/column offsets and sizes), a managed-collision table's raw id -> slot map
+(``zch.raw:<fqn>``, ``zch.slot:<fqn>``) and the batch index it was taken at
+(``batch_idx``: the tracker's ``curr_batch_idx``; the weights hold every batch up to it, so an
+increment applied on top must start at ``batch_idx + 1``: :func:`shard_batches`) in the file's
+metadata. Every rank calls it with
 the same directory. ``replay`` reads the files of all ranks to assemble the current values of
 changed rows as full rows in global row ids (an incremental snapshot).
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, List, Protocol, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 from safetensors import safe_open
@@ -30,6 +34,8 @@ from persistent_delta.schema import ShardInfo
 from persistent_delta.sharding import LocalTable
 
 CHECKPOINT_FORMAT = "persistent_delta.shards/1"
+# a managed-collision table's (admitted raw id -> global slot) map of the rank, as two tensors
+ZCH_PREFIX, ZCH_RAW, ZCH_SLOT = "zch.", "zch.raw:", "zch.slot:"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.safetensors$")
 
 
@@ -37,6 +43,7 @@ class ShardSource(Protocol):
     """What :func:`save_local_shards` reads: a tracker (``PersistentDeltaTracker`` fits)."""
 
     rank: int
+    curr_batch_idx: int
 
     @property
     def local_tables(self) -> Dict[str, LocalTable]: ...
@@ -63,10 +70,65 @@ def save_local_shards(tracker: ShardSource, ckpt_dir: PathLike) -> str:
             "row_offset": t.row_offset, "col_offset": t.col_offset, "local_rows": t.local_rows,
             "local_cols": t.local_cols, "global_rows": t.global_rows, "global_cols": t.global_cols,
         }
-    meta = {"format": CHECKPOINT_FORMAT, "rank": str(tracker.rank), "shards": json.dumps(shards)}
+    zch = getattr(tracker, "zch", None)  # managed-collision tables: this rank's raw id -> slot map too
+    for fqn, (raw, slots) in (zch.current_maps() if zch is not None else {}).items():
+        tensors[ZCH_RAW + fqn], tensors[ZCH_SLOT + fqn] = raw.contiguous(), slots.contiguous()
+    meta = {"format": CHECKPOINT_FORMAT, "rank": str(tracker.rank), "shards": json.dumps(shards),
+            "batch_idx": str(int(tracker.curr_batch_idx))}
     path = os.path.join(os.fspath(ckpt_dir), f"rank-{tracker.rank}.safetensors")
     atomic_write_bytes(path, safetensors_save(tensors, metadata=meta))
     return path
+
+
+def _rank_files(ckpt_dir: str) -> List[str]:
+    names = sorted(n for n in os.listdir(ckpt_dir) if _RANK_FILE.match(n)) if os.path.isdir(ckpt_dir) else []
+    if not names:
+        raise NotALogError(
+            f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
+            "persistent_delta.shard_files.save_local_shards)"
+        )
+    return names
+
+
+def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
+    """rank -> the batch index each rank file was taken at (None: written before files
+    recorded it).
+
+    Raises:
+        NotALogError: no shard checkpoint in ``ckpt_dir``.
+        InvalidInputError: a malformed file.
+    """
+    ckpt_dir = os.fspath(ckpt_dir)
+    out: Dict[int, Optional[int]] = {}
+    for name in _rank_files(ckpt_dir):
+        path = os.path.join(ckpt_dir, name)
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on a bad file
+            raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
+        b = meta.get("batch_idx")
+        try:
+            out[int(_RANK_FILE.match(name).group(1))] = None if b is None else int(b)  # type: ignore[union-attr]
+        except ValueError as exc:
+            raise InvalidInputError(f"{path}: malformed batch_idx {b!r}") from exc
+    return out
+
+
+def load_raw_id_maps(ckpt_dir: PathLike) -> Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """fqn -> [(raw ids, global slots)] per rank file: the managed-collision maps at the
+    checkpoint (empty for a model without managed-collision tables)."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    out: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name in _rank_files(ckpt_dir):
+        with safe_open(os.path.join(ckpt_dir, name), "pt") as f:
+            for key in f.keys():
+                if key.startswith(ZCH_RAW):
+                    fqn = key[len(ZCH_RAW):]
+                    out.setdefault(fqn, []).append((f.get_tensor(key), f.get_tensor(ZCH_SLOT + fqn)))
+    return out
 
 
 def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Tensor]]]:
@@ -77,14 +139,8 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
             :func:`save_local_shards`.
     """
     ckpt_dir = os.fspath(ckpt_dir)
-    names = sorted(n for n in os.listdir(ckpt_dir) if _RANK_FILE.match(n)) if os.path.isdir(ckpt_dir) else []
-    if not names:
-        raise NotALogError(
-            f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
-            "persistent_delta.shard_files.save_local_shards)"
-        )
     out: Dict[str, List[Tuple[ShardInfo, torch.Tensor]]] = {}
-    for name in names:
+    for name in _rank_files(ckpt_dir):
         path = os.path.join(ckpt_dir, name)
         try:
             with safe_open(path, "pt") as f:
@@ -93,6 +149,8 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
                     raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
                 shards = json.loads(meta["shards"])
                 for fqn in f.keys():
+                    if fqn.startswith(ZCH_PREFIX):
+                        continue
                     weights = f.get_tensor(fqn)
                     out.setdefault(fqn, []).append((_checked(path, fqn, ShardInfo.from_dict(shards[fqn]), weights), weights))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # malformed metadata or file

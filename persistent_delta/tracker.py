@@ -3,7 +3,7 @@
 Owns: the wiring of TorchRec's hooks and API to the modules that hold the rules. Capture and
 hooks: :mod:`.capture`; commits off the training thread: :mod:`.writer` and :mod:`.window`;
 what a read returns and what retention and compaction may do: :mod:`.delivery`; publish:
-:mod:`.publish`; checkpoints and restore: :mod:`.restore`; top-k: :mod:`.topk`.
+:mod:`.publish`; checkpoints and restore: :mod:`.restore`; top-k: :mod:`.topk`; ZCH raw ids: :mod:`.zch`.
 
 ``DMP.forward`` calls ``step()`` before the lookups, so batch ``b``'s records carry ``b``. The
 hot path (``record_lookup``) keeps references; ``step()`` hands the finished batch, with the
@@ -45,6 +45,7 @@ from persistent_delta.schema import (
 from persistent_delta.sharding import LocalTable, local_tables
 from persistent_delta.writer import BackgroundWriter, WriteTask, commit_tasks
 from persistent_delta.window import WindowFilter
+from persistent_delta.zch import ZchCapture
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._claims = ConsumerClaims(self.path)  # one active user per consumer name: us, for ours
         world = dist.get_world_size() if dist.is_initialized() else (1 if config.rank is None else None)
         want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank, world)
-        shards = {fqn: t.metadata(self._discovery.module_kind(fqn)) for fqn, t in self._tables.items()}
+        self.zch = ZchCapture(  # this rank's managed-collision tables (raw ids, slot reassignments)
+            model, {f: (t.table_name, t.row_offset, t.local_rows) for f, t in self._tables.items()},
+            lambda rec: self._capture.pending.append(rec), lambda: self.curr_batch_idx, config)
+        shards = {f: {**t.metadata(self._discovery.module_kind(f)), **self.zch.describe(f)} for f, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:
             self.curr_batch_idx: int = restore.resume_at(self._log, *self._log.write(
@@ -115,6 +119,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hooked = register_hooks(
             self.tracked_modules, self._mode, self.record_lookup, self.trigger_compaction if self._auto_compact else None
         )
+        self.zch.hook()  # managed-collision tables: raw ids and slot reassignments (persistent_delta.zch)
         close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
@@ -138,13 +143,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         else:
             commit_tasks(self._log, self._update_mode, [task], self._window)
 
-    def record_lookup(
-        self,
-        kjt: KeyedJaggedTensor,
-        states: torch.Tensor,
-        emb_module: Optional[nn.Module] = None,
-        raw_ids: Optional[torch.Tensor] = None,
-    ) -> None:
+    def record_lookup(self, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module] = None,
+                      raw_ids: Optional[torch.Tensor] = None) -> None:
         """Record one lookup of the current batch (TorchRec's callables call it): ``kjt`` holds
         shard-local ids, ``states`` the lookup output (EMBEDDING), ``emb_module`` the grouped
         embedding module (optimizer-state modes)."""
@@ -242,6 +242,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         the log (retention keeps what a restore of it needs). Save it with the model."""
         self._commit_recorded()
         batch = self.curr_batch_idx
+        self.zch.rebase()  # a replica that starts after the checkpoint gets the whole raw-id map
         info = self._log.write(lambda w: restore.mark_checkpoint(w, batch))
         self._log.flush()
         return {"version": restore.STATE_VERSION, "log_id": info["log_id"], "rank": self.rank,
@@ -267,7 +268,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._log.write(lambda w: w.set_meta(META_CURR_BATCH, ckpt))
             return {}
         redelivered = self._log.write(
-            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last))
+            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver))
         self._window.reset()
         self.curr_batch_idx = self.curr_compact_index = last + 1
         self._log.flush()
@@ -354,6 +355,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             if self._writer is not None:
                 self._writer.close(drain=False)
             unregister_hooks(self._hooked, self)
+            self.zch.unhook()
             self._claims.release_all()
             self._hooked = []
             dmp = getattr(self, "_dmp", None)
@@ -386,15 +388,12 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     Raises:
         InvalidInputError: ``dmp`` is not a DMP, or it already has a delta tracker.
     """
-    trackers = getattr(dmp, "model_trackers", None)
-    if trackers is None or not hasattr(dmp, "_dmp_wrapped_module"):
+    trackers, wrapped = getattr(dmp, "model_trackers", None), getattr(dmp, "_dmp_wrapped_module", None)
+    if trackers is None or not isinstance(wrapped, nn.Module):
         raise InvalidInputError("attach() needs a torchrec DistributedModelParallel")
     existing = trackers.get(Trackers.DELTA_TRACKER.name)
     if existing is not None:
         raise InvalidInputError(f"this DMP already has a delta tracker ({type(existing).__name__}); close it first")
-    wrapped = dmp._dmp_wrapped_module
-    if not isinstance(wrapped, nn.Module):
-        raise InvalidInputError("attach() needs a torchrec DistributedModelParallel")
     tracker = PersistentDeltaTracker(wrapped, config)
     tracker._dmp = dmp  # type: ignore[attr-defined]
     trackers[Trackers.DELTA_TRACKER.name] = tracker

@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
+from persistent_delta.codec import SIDE_KINDS
 from persistent_delta.config import WriterOptions
 from persistent_delta.errors import LogClosedError, WriterError
 from persistent_delta.log import DeltaLog, WriteTxn
@@ -342,13 +343,15 @@ def commit_tasks(
 
     def apply(w: WriteTxn) -> Tuple[int, int]:
         rollback()  # a retried transaction (map growth) filters again from the same window
-        kept = records
-        if window is not None and records:
-            kept, revert = window.apply(w, records)
+        # side records (managed-collision raw ids, slot reassignments) are written as captured
+        kept = [r for r in records if r.kind not in SIDE_KINDS]
+        side = [r for r in records if r.kind in SIDE_KINDS] if len(kept) < len(records) else []
+        if window is not None and kept:
+            kept, revert = window.apply(w, kept)
             undo.append(revert)
         if dedup:
             kept = dedup_records(kept, mode)
-        encoded = encode_records(kept, mode)
+        encoded = encode_records(kept + side, mode)
         n = write_records(w, encoded) if encoded else 0
         for k, v in meta.items():
             w.set_meta(k, v)

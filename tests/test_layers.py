@@ -15,19 +15,21 @@ LAYERS = [
     {"schema", "layout", "watch"},
     {"lmdbenv"},
     {"log", "rows"},
-    {"records"},
+    {"records", "zchlog"},
     {"delivery"},
-    {"results", "sharding"},
+    {"results", "sharding", "zch"},
     {"consumer", "apply", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
-    {"writer"},
+    {"writer", "ordered"},
     {"tracker"},
+    {"raw_ids"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
+    {"cli.apply"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
-TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk"}
-READERS = {"consumer", "apply", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
+TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
+READERS = {"consumer", "apply", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
            "cli.vacuum", "cli.main", "cli", "shard_files"}
 
 

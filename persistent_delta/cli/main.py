@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
+from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.replay import replay
 from persistent_delta.cli.upgrade import upgrade
@@ -150,9 +151,11 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
                  tables=[Table("", headers, rows), Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "PATH"], logs)])
     if args.tables:
         trows = [[r.rank, t.fqn, t.sharding_type or "-", t.records, t.rows, t.bytes, t.first_batch, t.last_batch_idx,
-                  t.snapshot_records, t.snapshot_bytes] for r in ranks for t in (r.tables or [])]
+                  t.snapshot_records, t.snapshot_bytes, t.managed_collision or "-", t.zch_records, t.zch_bytes]
+                 for r in ranks for t in (r.tables or [])]
         out.tables.append(Table("", ["RANK", "TABLE", "SHARDING", "RECORDS", "ROWS", "BYTES", "FIRST-BATCH",
-                                     "LAST-BATCH", "SNAPSHOTS", "SNAPSHOT-BYTES"], trows))
+                                     "LAST-BATCH", "SNAPSHOTS", "SNAPSHOT-BYTES", "ZCH", "ZCH-RECORDS", "ZCH-BYTES"],
+                                trows))
     return out
 
 
@@ -225,19 +228,29 @@ def _cmd_verify(args: argparse.Namespace) -> Output:
         report = verify(args.root, progress=bar.add)
     finally:
         bar.close()
-    summary = [[rc.rank, rc.records, rc.snapshots, rc.bytes, rc.tables, rc.consumers,
+    summary = [[rc.rank, rc.records, rc.snapshots, rc.side_records, rc.bytes, rc.tables, rc.consumers,
                 sum(p.severity == "error" for p in rc.problems), rc.path] for rc in report.ranks]
     problems = [[p.rank, p.severity, p.where, p.message] for p in report.problems]
     status = "OK" if report.ok else f"DAMAGED: {len(report.errors)} error(s)"
     out = Output(
         data={"root": report.root, "ok": report.ok, "ranks": _jsonable(report.ranks)},
-        tables=[Table("", ["RANK", "RECORDS", "SNAPSHOTS", "BYTES", "TABLES", "CONSUMERS", "ERRORS", "PATH"], summary)],
+        tables=[Table("", ["RANK", "RECORDS", "SNAPSHOTS", "ZCH-RECORDS", "BYTES", "TABLES", "CONSUMERS", "ERRORS",
+                           "PATH"], summary)],
         notes=[f"verify: {status}"],
         exit_code=0 if report.ok else 1,
     )
     if problems:
         out.tables.append(Table("", ["RANK", "SEVERITY", "WHERE", "PROBLEM"], problems))
     return out
+
+
+def _cmd_apply(args: argparse.Namespace) -> Output:
+    report = apply_inputs(args.inputs, out=args.out, replica=args.replica, dry_run=args.dry_run)
+    rows = [[path, kind, r, a, b] for path, kind, ranges in report.inputs for r, (a, b) in sorted(ranges.items())]
+    nxt = ", ".join(f"rank {r}: {b}" for r, b in sorted(report.next_batch.items()))
+    notes = [f"next input starts at: {nxt}"]
+    notes.append("DRY RUN: order checked, nothing applied or written" if report.dry_run else f"replica: {report.out}")
+    return Output(data=_jsonable(report), tables=[Table("", ["INPUT", "KIND", "RANK", "FROM", "TO"], rows)], notes=notes)
 
 
 def _cmd_vacuum(args: argparse.Namespace) -> Output:
@@ -259,7 +272,7 @@ def _cmd_upgrade(args: argparse.Namespace) -> Output:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands offsets, replay, verify, vacuum, upgrade)."""
+    """The argument parser (subcommands offsets, replay, apply, verify, vacuum, upgrade)."""
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p = argparse.ArgumentParser(prog=PROG, description="Inspect and maintain persistent_delta logs.")
@@ -293,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint", metavar="CKPT", help="shard checkpoint dir: also write the changed rows' values")
     r.add_argument("--dry-run", action="store_true", help="print the summary; write and commit nothing")
     r.set_defaults(func=_cmd_replay)
+
+    a = sub.add_parser("apply", parents=[fmt], help="apply a base and replay outputs to a replica, in order",
+                       description="Inputs: a shard checkpoint (a base, first) and replay output directories, in "
+                                   "batch order; a gap, an overlap or an input out of order is refused.")
+    a.add_argument("inputs", nargs="+", metavar="INPUT", help="shard checkpoint dir or replay output dir")
+    a.add_argument("--out", metavar="REPLICA", help="replica file to write (default: --replica)")
+    a.add_argument("--replica", metavar="PREV", help="continue this replica (inputs start where it ended)")
+    a.add_argument("--dry-run", action="store_true", help="check the order only")
+    a.set_defaults(func=_cmd_apply)
 
     v = sub.add_parser("verify", parents=[fmt], help="check every record, key, offset and meta value")
     v.add_argument("root", help="log root")

@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from persistent_delta import delivery
+from persistent_delta import codec, delivery
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
 from persistent_delta.layout import PathLike, rank_paths
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import pending_stats, publish_times
+from persistent_delta.zchlog import ZCH_META
 from persistent_delta.schema import (
     LOOKUPS,
     SNAPSHOTS,
@@ -87,6 +88,9 @@ class TableStats:
     sharding_type: str
     row_offset: int
     col_offset: int
+    managed_collision: str = ""  # "mch" / "hash_zch" for a managed-collision table
+    zch_records: int = 0  # its side records: raw ids and slot reassignments (persistent_delta.zchlog)
+    zch_bytes: int = 0
 
 
 @dataclass
@@ -111,11 +115,14 @@ def _table_stats(r: ReadTxn) -> List[TableStats]:
             first = rec.batch_idx if first is None else first
             recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
         snaps = list(r.iter_record_keys(e.table_id, 0, None, channel=SNAPSHOTS))
+        side = list(r.iter_record_keys(codec.side_table_id(e.table_id), 0, None))
         shard = ShardInfo.from_entry(e) or ShardInfo()
         out.append(TableStats(
             fqn=fqn, table_id=e.table_id, records=recs, rows=rows, bytes=nbytes, first_batch=first,
             last_batch_idx=e.last_batch_idx, snapshot_records=len(snaps), snapshot_bytes=sum(n for _, _, n in snaps),
             sharding_type=shard.sharding_type, row_offset=shard.row_offset, col_offset=shard.col_offset,
+            managed_collision=str(e.meta.get("shard", {}).get(ZCH_META) or "") if isinstance(e.meta.get("shard"), dict)
+            else "", zch_records=len(side), zch_bytes=sum(n for _, _, n in side),
         ))
     return out
 

@@ -18,6 +18,9 @@ delta of each table that has rows is written as one safetensors file:
         states   rows aligned with ids (when the log tracks states and they assemble)
         ids.col<c>, states.col<c>   per column shard, when a column-split table's
                                     slices cannot be assembled into full rows
+        zch.raw_ids, zch.slot_ids, zch.unadmitted_raw_ids, zch.slots, zch.taken, zch.given,
+        zch.evicted_raw_ids         a managed-collision table's raw-id side of the window
+                                    (:class:`persistent_delta.zchlog.ZchDelta`; global slots)
 
 Exactness: on a log written without an out-of-process consumer the trainer stored each row
 once per read window (:mod:`persistent_delta.delivery`), so a window starting inside such a
@@ -27,7 +30,8 @@ the batch to start from) instead of labelling rows of earlier batches with the a
 With a checkpoint directory (:func:`persistent_delta.shard_files.save_local_shards`), the current
 values of every changed row (union over the windows) are written as an incremental snapshot,
 ``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
-lists everything. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
+lists everything, with the range read per rank (``ranges``) and overall (``from_batch``,
+``to_batch``): ``persistent-delta apply`` (:mod:`persistent_delta.ordered`) checks them. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
 mode) the consumer's offsets move to the end of the range only after every file is written.
 
 Reading is read-only and works while the trainer runs; batches at or past a rank's log end may
@@ -58,10 +62,13 @@ from persistent_delta.log import DeltaLog, ReadTxn
 from persistent_delta.results import MergedDelta, RankDelta, TableDelta, merge_table, read_range
 from persistent_delta.schema import LOOKUPS, ShardInfo, check_table_filter
 from persistent_delta.shard_files import full_rows, load_shards
+from persistent_delta.zchlog import ZchDelta, merge_side
 
 logger = logging.getLogger(__name__)
 
 REPLAY_FORMAT = "persistent_delta.replay/1"
+# a managed-collision table's window file also holds these, as ``zch.<name>`` (see zchlog.ZchDelta)
+ZCH_TENSORS = ("raw_ids", "slot_ids", "unadmitted_raw_ids", "slots", "taken", "given", "evicted_raw_ids")
 ProgressFn = Callable[[int, int], None]  # (windows done, windows in all)
 
 
@@ -314,10 +321,15 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
                     parts.setdefault(fqn, []).append(t)
             for fqn, ps in sorted(parts.items()):
                 m = merge_table(fqn, ps)
-                if m.global_ids.numel() == 0:
+                sides = [(p.rank, p.zch) for p in ps if p.zch is not None]
+                z = merge_side(fqn, sides) if sides else None
+                if m.global_ids.numel() == 0 and (z is None or not (z.slots.numel() or z.raw_ids.numel()
+                                                                    or z.unadmitted_raw_ids.numel())):
                     continue
                 touched.setdefault(fqn, []).append(m.global_ids)
-                report.files.append(_export_window(m, ws, we, mode, out, dry_run))
+                if z is not None:  # reassigned slots were re-initialised, looked up or not
+                    touched[fqn].append(z.slots)
+                report.files.append(_export_window(m, ws, we, mode, out, dry_run, z))
             if progress is not None:
                 progress(i + 1, len(report.windows))
     finally:
@@ -349,8 +361,11 @@ def _read_window(r: ReadTxn, rank: int, path: str, a: int, b: int, tables: Optio
     return read_range(r, rank, path, a, b, LOOKUPS, tables)
 
 
-def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool) -> ReplayFile:
+def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool,
+                   z: Optional[ZchDelta] = None) -> ReplayFile:
     tensors = _window_tensors(m)
+    if z is not None:  # a managed-collision table: its raw ids, reassignments and evictions
+        tensors.update({f"zch.{k}": getattr(z, k).contiguous() for k in ZCH_TENSORS})
     states = tensors.get("states")
     f = ReplayFile(kind="delta", start_idx=ws, end_idx=we, fqn=m.fqn, rows=int(m.global_ids.numel()),
                    states_shape=list(states.shape) if states is not None else None,
@@ -381,6 +396,9 @@ def _manifest(report: ReplayReport) -> Dict[str, object]:
     d = asdict(report)
     d["format"] = REPLAY_FORMAT
     d["ranges"] = {str(k): list(v) for k, v in report.ranges.items()}
+    # the [from, to) this output covers (per rank in "ranges"; ordered apply checks them)
+    d["from_batch"] = min((a for a, _ in report.ranges.values()), default=None)
+    d["to_batch"] = max((b for _, b in report.ranges.values()), default=None)
     if out := report.out_dir:
         for f in d["files"]:
             if f["path"]:

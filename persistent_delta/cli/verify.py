@@ -12,6 +12,8 @@ Checks, per rank (each log opened read-only, one read transaction):
 * table entries: unique ids, ``next_table_id`` above every id;
 * every record of ``records`` and ``snapshots``: a well-formed 16-byte key, a known table id,
   the value decodes and its crc32c matches, the kind matches the DB, states have one row per id;
+  a managed-collision table's side records (under its side id in ``records``: raw ids, slot
+  reassignments) have a side kind and int64 ``[n, 2]`` states;
   per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
   ``snapshot_end``;
 * consumers: each entry decodes, its channel is known, its offset is not past the channel end
@@ -28,6 +30,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
+import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import codec, delivery
@@ -73,6 +76,7 @@ class RankCheck:
     path: str
     records: int = 0
     snapshots: int = 0
+    side_records: int = 0  # managed-collision raw ids / slot reassignments (counted in records too)
     bytes: int = 0
     tables: int = 0
     consumers: int = 0
@@ -200,14 +204,27 @@ class _Checker:
             except CorruptRecordError as exc:
                 self.bad(f"{db} key {key.hex()}", str(exc))
                 continue
-            where = f"{db} record (table {by_id.get(t, t)!r}, batch {b}, seq {s})"
-            if t not in by_id:
+            side = channel == LOOKUPS and codec.is_side_table_id(t)
+            base_id = t & ~codec.SIDE_TABLE_BIT if side else t
+            where = f"{db} record (table {by_id.get(base_id, t)!r}{' side' if side else ''}, batch {b}, seq {s})"
+            if base_id not in by_id:
                 self.bad(where, f"unknown table id {t}")
-            top[t] = max(top.get(t, b), b)
+            if side:
+                self.rc.side_records += 1
+            else:
+                top[t] = max(top.get(t, b), b)
             try:
                 rec = codec.decode_record(value, verify=True, key=key)
             except CorruptRecordError as exc:
                 self.bad(where, str(exc))
+                continue
+            if side:  # a managed-collision table's raw ids / slot reassignments (codec, zchlog)
+                if rec.kind not in codec.SIDE_KINDS:
+                    self.bad(where, f"record kind {rec.kind} under a side id (expected {codec.SIDE_KINDS})")
+                elif (rec.states is None or rec.states.dtype != torch.int64 or tuple(rec.states.shape) != (rec.ids.numel(), 2)):
+                    self.bad(where, "a side record without int64 [n, 2] states")
+                if log_start is not None and b < log_start:
+                    self.bad(where, f"below the log start {log_start} (left behind by a deletion)", "warning")
                 continue
             if rec.kind != kind:
                 self.bad(where, f"record kind {rec.kind} in the {db} DB (expected {kind})")

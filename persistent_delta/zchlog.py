@@ -1,0 +1,246 @@
+"""Managed-collision (ZCH) side records: what they hold, reading them, and a replica's raw-id map.
+
+Owns: the meaning of the side records of a managed-collision table (record kinds 2 and 3, stored
+under the table's side id: :func:`persistent_delta.codec.side_table_id`) and the rule that turns
+them into a raw id -> slot map.
+
+A managed-collision table (TorchRec's ``ManagedCollisionEmbeddingCollection`` /
+``...BagCollection``) maps *raw* feature ids into a fixed number of *slots*: the table's rows.
+The lookups channel holds slot ids as for any table; the side records say which raw ids stand
+behind them:
+
+* **raw ids** (``KIND_RAW_IDS``, one per lookup of a batch): ``ids`` are the slot ids looked up
+  (shard-local, as the lookups records), states int64 ``[n, 2]`` = (raw id, admitted). A raw id
+  that the module has not admitted is looked up in one shared default slot; it is recorded with
+  ``admitted = 0`` and never enters a map.
+* **slot reassignments** (``KIND_SLOTS``, when the module admits or evicts): ``ids`` are the
+  slots whose raw id changed, states int64 ``[n, 2]`` = (raw id taken from the slot, raw id
+  given it), :data:`~persistent_delta.codec.NO_RAW_ID` for none. An *eviction* is a taken raw
+  id that holds no slot afterwards. The trainer also writes one in the first batch after every attach
+  and every checkpoint (a *base*: every slot of the shard with its current raw id, taken column
+  ``NO_RAW_ID``) and at a restore (the checkpoint's raw id for every slot reassigned after the
+  checkpoint).
+
+Applying every reassignment in batch order, from the log start, gives exactly the trainer's
+(admitted raw id -> slot) map: :class:`RawIdMap` does that. Ranges are half-open
+``[start_idx, end_idx)``; slot ids in results are global row ids (shard-local + ``row_offset``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from persistent_delta import codec
+from persistent_delta.errors import CorruptRecordError, InvalidInputError
+from persistent_delta.log import ReadTxn
+from persistent_delta.schema import TableEntry
+
+RAW, ADMITTED = 0, 1  # columns of a KIND_RAW_IDS record's states
+TAKEN, GIVEN = 0, 1  # columns of a KIND_SLOTS record's states
+NO_RAW_ID = codec.NO_RAW_ID
+ZCH_META = "managed_collision"  # key of a table's shard metadata naming its managed-collision module
+
+
+def raw_ids_states(raw: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """The states of a ``KIND_RAW_IDS`` record: int64 ``[n, 2]`` (raw id, admitted 0/1)."""
+    return torch.stack([raw.reshape(-1).to(torch.int64), admitted.reshape(-1).to(torch.int64)], dim=1)
+
+
+def slots_states(taken: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """The states of a ``KIND_SLOTS`` record: int64 ``[n, 2]`` (taken, given)."""
+    return torch.stack([taken.reshape(-1).to(torch.int64), given.reshape(-1).to(torch.int64)], dim=1)
+
+
+def is_managed(entry: TableEntry) -> bool:
+    """Whether the tracker recorded the table as a managed-collision table."""
+    shard = entry.meta.get("shard")
+    return isinstance(shard, dict) and bool(shard.get(ZCH_META))
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class ZchDelta:
+    """A managed-collision table's raw-id side over ``[start_idx, end_idx)`` (one rank, or
+    merged over ranks).
+
+    Attributes:
+        raw_ids: ascending unique admitted raw ids looked up in the range.
+        slot_ids: the global slot each of them was looked up in (the last lookup in range).
+        unadmitted_raw_ids: ascending unique raw ids looked up without being admitted (they
+            shared the default slot; no map holds them).
+        slots, taken, given: every slot reassignment in the range, in the order it happened
+            (global slot, raw id taken from it, raw id given it; ``NO_RAW_ID`` for none).
+        evicted_raw_ids: ascending raw ids taken from a slot in the range that hold no slot at
+            its end (as far as the range tells).
+        states: rows of the poll's states aligned with ``raw_ids`` (filled by
+            :meth:`DeltaPoll.zch`; None when the channel keeps ids only or a slot's row is
+            not in the poll).
+    """
+
+    fqn: str
+    start_idx: int
+    end_idx: int
+    raw_ids: torch.Tensor = field(default_factory=_empty)
+    slot_ids: torch.Tensor = field(default_factory=_empty)
+    unadmitted_raw_ids: torch.Tensor = field(default_factory=_empty)
+    slots: torch.Tensor = field(default_factory=_empty)
+    taken: torch.Tensor = field(default_factory=_empty)
+    given: torch.Tensor = field(default_factory=_empty)
+    evicted_raw_ids: torch.Tensor = field(default_factory=_empty)
+    states: Optional[torch.Tensor] = None
+    ranks: List[int] = field(default_factory=list)
+
+
+def _last_per_key(keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Ascending unique ``keys`` and, for each, the value of its last occurrence."""
+    if keys.numel() == 0:
+        return _empty(), _empty()
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    pos = torch.arange(keys.numel(), dtype=torch.int64)
+    last = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(0, inverse, pos, "amax")
+    return uniq, values.index_select(0, last)
+
+
+def _evicted(taken: torch.Tensor, given: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Raw ids taken from a slot that hold no slot after the reassignments (in order)."""
+    out = taken[taken != NO_RAW_ID]
+    if out.numel() == 0:
+        return _empty()
+    _, final = _last_per_key(slots, given)
+    out = torch.unique(out)
+    kept: torch.Tensor = out[~torch.isin(out, final)]
+    return kept
+
+
+def _check(rec_states: Optional[torch.Tensor], n: int, where: str) -> torch.Tensor:
+    if rec_states is None or rec_states.dtype != torch.int64 or tuple(rec_states.shape) != (n, 2):
+        raise CorruptRecordError(f"{where}: a managed-collision side record without int64 [n, 2] states")
+    return rec_states
+
+
+def iter_side(
+    r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: Optional[int]
+) -> Iterable[Tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(batch_idx, kind, slot ids (int64, shard-local), states [n, 2])`` of a table's side
+    records in ``[start_idx, end_idx)``, in append order (copies: safe after the transaction)."""
+    for rec in r.iter_records(codec.side_table_id(entry.table_id), start_idx, end_idx):
+        if rec.kind not in codec.SIDE_KINDS:
+            raise CorruptRecordError(f"{r.path}: record kind {rec.kind} under the side id of {entry.fqn!r}")
+        states = _check(rec.states, int(rec.ids.numel()), f"{r.path} {entry.fqn!r} batch {rec.batch_idx}")
+        yield rec.batch_idx, rec.kind, rec.ids.to(torch.int64).clone(), states.clone()
+
+
+def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_offset: int = 0) -> Optional[ZchDelta]:
+    """One rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)``, or None for a
+    table that is not a managed-collision one."""
+    if not is_managed(entry):
+        return None
+    looked_slots: List[torch.Tensor] = []
+    looked: List[torch.Tensor] = []
+    slots: List[torch.Tensor] = []
+    moves: List[torch.Tensor] = []
+    for _, kind, ids, states in iter_side(r, entry, start_idx, end_idx):
+        if kind == codec.KIND_RAW_IDS:
+            looked_slots.append(ids)
+            looked.append(states)
+        else:
+            slots.append(ids)
+            moves.append(states)
+    out = ZchDelta(entry.fqn, start_idx, end_idx, ranks=[])
+    if looked:
+        st, ls = torch.cat(looked), torch.cat(looked_slots) + row_offset
+        admitted = st[:, ADMITTED] != 0
+        out.raw_ids, out.slot_ids = _last_per_key(st[admitted, RAW], ls[admitted])
+        out.unadmitted_raw_ids = torch.unique(st[~admitted, RAW])
+        out.unadmitted_raw_ids = out.unadmitted_raw_ids[~torch.isin(out.unadmitted_raw_ids, out.raw_ids)]
+    if moves:
+        mv = torch.cat(moves)
+        out.slots, out.taken, out.given = torch.cat(slots) + row_offset, mv[:, TAKEN].clone(), mv[:, GIVEN].clone()
+        out.evicted_raw_ids = _evicted(out.taken, out.given, out.slots)
+    return out
+
+
+def merge_side(fqn: str, parts: List[Tuple[int, ZchDelta]]) -> ZchDelta:
+    """One table's :class:`ZchDelta` over ranks (``(rank, delta)`` pairs). Ranks hold disjoint
+    slots, so reassignments are concatenated in rank order (their order within a rank kept)."""
+    if not parts:
+        raise InvalidInputError(f"{fqn}: nothing to merge")
+    if len(parts) == 1:
+        rank, d = parts[0]
+        d.ranks = [rank]
+        return d
+    cat = lambda name: torch.cat([getattr(d, name) for _, d in parts])  # noqa: E731
+    raw, slot = cat("raw_ids"), cat("slot_ids")
+    order = torch.argsort(raw, stable=True)
+    una = torch.unique(cat("unadmitted_raw_ids"))
+    out = ZchDelta(fqn, min(d.start_idx for _, d in parts), max(d.end_idx for _, d in parts),
+                   raw_ids=raw[order], slot_ids=slot[order], unadmitted_raw_ids=una[~torch.isin(una, raw)],
+                   slots=cat("slots"), taken=cat("taken"), given=cat("given"),
+                   ranks=sorted(rank for rank, _ in parts))
+    out.evicted_raw_ids = _evicted(out.taken, out.given, out.slots)
+    return out
+
+
+class RawIdMap:
+    """A replica's (admitted raw id -> global slot) map of managed-collision tables, built by
+    applying slot reassignments in order (:meth:`apply`). Memory: one int64 per slot of each
+    table (``global_rows``, the table's size)."""
+
+    def __init__(self) -> None:
+        self._slot_raw: Dict[str, torch.Tensor] = {}
+
+    def _table(self, fqn: str, need: int) -> torch.Tensor:
+        cur = self._slot_raw.get(fqn)
+        if cur is None or cur.numel() < need:
+            grown = torch.full((max(need, 2 * (0 if cur is None else cur.numel())),), NO_RAW_ID, dtype=torch.int64)
+            if cur is not None:
+                grown[: cur.numel()] = cur
+            self._slot_raw[fqn] = cur = grown
+        return cur
+
+    def apply(self, delta: ZchDelta) -> int:
+        """Apply a range's reassignments (their order kept; the last one of a slot wins).
+        Returns the number applied. Apply ranges in order, without gaps
+        (:mod:`persistent_delta.ordered` checks that for replay outputs)."""
+        if delta.slots.numel() == 0:
+            return 0
+        slots, given = _last_per_key(delta.slots, delta.given)
+        table = self._table(delta.fqn, int(slots.max()) + 1)
+        table[slots] = given
+        return int(delta.slots.numel())
+
+    def tables(self) -> List[str]:
+        return sorted(self._slot_raw)
+
+    def map(self, fqn: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(raw_ids ascending, global slots)`` of a table's admitted raw ids."""
+        table = self._slot_raw.get(fqn)
+        if table is None:
+            return _empty(), _empty()
+        slots = (table != NO_RAW_ID).nonzero().squeeze(1)
+        raw = table.index_select(0, slots)
+        order = torch.argsort(raw)
+        return raw[order], slots[order]
+
+    def as_dict(self, fqn: str) -> Dict[int, int]:
+        """raw id -> global slot (small tables, tests and examples)."""
+        raw, slots = self.map(fqn)
+        return dict(zip(raw.tolist(), slots.tolist()))
+
+
+def raw_lookups(
+    r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int
+) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(batch_idx, shard-local slot ids, raw ids [n, 1])`` of every raw-id record of a table
+    in ``[start_idx, end_idx)``, in append order (TorchRec's ``RawIdTracker`` shape)."""
+    out = []
+    for b, kind, ids, states in iter_side(r, entry, start_idx, end_idx):
+        if kind == codec.KIND_RAW_IDS:
+            out.append((b, ids, states[:, RAW:RAW + 1].contiguous()))
+    return out
