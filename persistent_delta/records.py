@@ -327,4 +327,5 @@ def last_stamps(r: ReadTxn, fqn: str, start_idx: int, end_idx: int, channel: str
         return torch.empty(0, dtype=torch.int64)
     rows = compute_unique_rows(ids, stamps, UpdateMode.LAST)
     assert rows.states is not None
-    return rows.states.reshape(-1)
+    out: torch.Tensor = rows.states.reshape(-1)
+    return out
