@@ -224,20 +224,24 @@ def encode_record(
 
 def encode_gathered(
     ids: torch.Tensor, source: torch.Tensor, rows: torch.Tensor, kind: int = KIND_SNAPSHOT,
-    publish_time: Optional[float] = None,
+    publish_time: Optional[float] = None, checksum: bool = True,
 ) -> bytearray:
     """Encode a record whose states are ``source[rows]`` (rows of a 2-D tensor), gathered
-    straight into the record's buffer: one copy of the row bytes, none through a temporary."""
+    straight into the record's buffer: one copy of the row bytes, none through a temporary.
+    ``checksum=False`` leaves the checksum to :func:`checksum_record` (another thread may
+    compute it later, before the record is stored)."""
     if source.dim() != 2:
         raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
     rows = rows.long()
     return _encode(ids, (source.dtype, [int(rows.numel()), int(source.shape[1])]),
-                   lambda out: torch.index_select(source.detach(), 0, rows, out=out), kind, None, None, publish_time)
+                   lambda out: torch.index_select(source.detach(), 0, rows, out=out), kind, None, None, publish_time,
+                   checksum)
 
 
 def _encode(
     ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], fill: Optional[Callable[[torch.Tensor], object]],
     kind: int, window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
+    checksum: bool = True,
 ) -> bytearray:
     ids_buf = _raw_bytes(ids)
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
@@ -268,8 +272,14 @@ def _encode(
     if states_meta is not None and fill is not None and states_len:
         dtype, shape = states_meta
         fill(torch.frombuffer(out, dtype=dtype, count=states_len // dtype.itemsize, offset=states_at).view(shape))
-    _PREFIX.pack_into(out, 0, len(head), crc32c.crc32c(memoryview(out)[_PREFIX.size:]))
-    return out
+    _PREFIX.pack_into(out, 0, len(head), 0)
+    return checksum_record(out) if checksum else out
+
+
+def checksum_record(value: bytearray) -> bytearray:
+    """Compute an encoded, unsealed value's checksum in place (see ``checksum=False``)."""
+    _TABLE_PREFIX.pack_into(value, 4, crc32c.crc32c(memoryview(value)[_PREFIX.size:]))  # (the crc half of _PREFIX)
+    return value
 
 
 def seal_record(value: bytearray, key: bytes) -> bytearray:

@@ -14,7 +14,7 @@ A publish runs in two parts:
 
 * :func:`capture`, in the training thread, once everything recorded so far is committed: reads
   the consumer's rows (a read transaction, nothing written) and gathers their values straight
-  into encoded snapshot records (one copy of the row bytes). The values are those of the moment
+  into encoded snapshot records (one copy of the row bytes; the checksum is left to the writer). The values are those of the moment
   of the call; training may change the tables as soon as it returns.
 * :func:`commit`, in the writer's transaction (or at once without a background writer): moves
   the consumer past the rows read, writes the records and the new snapshot end, and applies
@@ -68,7 +68,8 @@ def capture(
         ids = unique.ids
         if ids.numel() == 0 or fqn not in tables or r.table(fqn) is None:
             continue
-        out.records[fqn] = codec.encode_gathered(ids, tables[fqn].weights(), ids, codec.KIND_SNAPSHOT, publish_time)
+        out.records[fqn] = codec.encode_gathered(ids, tables[fqn].weights(), ids, codec.KIND_SNAPSHOT, publish_time,
+                                                 checksum=False)  # (computed by the writer: commit)
         out.rows[fqn] = int(ids.numel())
     return out
 
@@ -93,7 +94,7 @@ def commit(
     for fqn, value in cap.records.items():
         entry = w.table(fqn)
         if entry is not None:
-            w.put_record(entry.table_id, cap.stamp, value, channel=SNAPSHOTS)
+            w.put_record(entry.table_id, cap.stamp, codec.checksum_record(value), channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
         delivery.apply_retention(w, SNAPSHOTS)
