@@ -241,9 +241,16 @@ def read_range(
     entries = r.tables()
     out = RankDelta(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx)
     for fqn, u in sorted(rows.items()):
-        shard = ShardInfo.from_entry(entries[fqn])
-        gids = u.ids.to(torch.int64)
-        if shard is not None and shard.row_offset:
-            gids = gids + shard.row_offset
-        out.tables[fqn] = TableDelta(fqn, rank, start_idx, end_idx, u, gids, shard)
+        out.tables[fqn] = table_delta(fqn, rank, start_idx, end_idx, u, ShardInfo.from_entry(entries[fqn]))
     return out
+
+
+def table_delta(
+    fqn: str, rank: int, start_idx: int, end_idx: int, rows: UniqueRows, shard: Optional[ShardInfo]
+) -> TableDelta:
+    """One rank's :class:`TableDelta` of ``[start_idx, end_idx)``: ``rows`` in shard-local ids,
+    and the same rows in global row ids (local id + the shard's row offset)."""
+    gids = rows.ids.to(torch.int64)
+    if shard is not None and shard.row_offset:
+        gids = gids + shard.row_offset
+    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard)

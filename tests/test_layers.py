@@ -12,23 +12,24 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = [
     {"errors", "alloc", "lifecycle"},
     {"config", "codec"},
-    {"schema", "layout", "watch"},
+    {"schema", "layout", "watch", "natsserver"},
     {"lmdbenv"},
     {"log", "rows"},
     {"records"},
     {"delivery"},
-    {"results", "sharding"},
-    {"consumer", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
-    {"writer"},
+    {"results", "sharding", "transport"},
+    {"consumer", "remote", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"writer", "ship"},
     {"tracker"},
-    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
+    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade", "cli.ship", "cli.remote"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk"}
 READERS = {"consumer", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
-           "cli.vacuum", "cli.main", "cli", "shard_files"}
+           "cli.vacuum", "cli.main", "cli", "shard_files", "transport", "ship", "remote", "natsserver", "cli.ship",
+           "cli.remote"}
 
 
 def _modules() -> Dict[str, str]:
