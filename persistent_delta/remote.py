@@ -274,7 +274,8 @@ class RemoteConsumer:
         for rank, st in self._ranks.items():
             entry = stored.get(str(rank))
             if entry is not None:
-                st.pos, st.seq, st.epoch = int(entry["pos"]), int(entry["seq"]), entry.get("epoch")
+                st.pos = None if entry.get("pos") is None else int(entry["pos"])  # None: reset to earliest
+                st.seq, st.epoch = int(entry["seq"]), entry.get("epoch")
                 st.resume_seq = st.seq
             elif self.reset == "latest":
                 self._to_latest(st)
