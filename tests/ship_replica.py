@@ -57,7 +57,7 @@ def main() -> int:
     log = open(os.path.join(args.out, f"{args.name}.polls"), "a")
     polls = 0
     with RemoteConsumer(args.server, args.job, args.name, channel="snapshots", wait=60) as c:
-        log.write(json.dumps({"start": c.position()}) + "\n")
+        log.write(json.dumps({"start": c.position(), "pid": os.getpid()}) + "\n")
         log.flush()
         while True:
             poll = c.poll(timeout=0.3)
@@ -76,7 +76,7 @@ def main() -> int:
                 c.commit()
             elif os.path.exists(args.stop_file) and c.position() == c.end_offsets():
                 break
-    log.write(json.dumps({"done": c.position() if False else True}) + "\n")
+    log.write(json.dumps({"done": True}) + "\n")
     log.close()
     return 0
 

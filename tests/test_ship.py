@@ -39,26 +39,34 @@ def _env() -> Dict[str, str]:
     return env
 
 
+def _popen(argv: List[str], log: str) -> subprocess.Popen:
+    with open(log, "ab") as f:  # a file, not a pipe: nobody has to drain it
+        p = subprocess.Popen(argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
 def start_shipper(root: str, url: str, job: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", root, "--server", url, "--job", job,
-                             *extra], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = os.path.join(os.path.dirname(root), "shipper.log")
+    return _popen([sys.executable, "-m", "persistent_delta", "ship", root, "--server", url, "--job", job, *extra], log)
 
 
 def start_replica(url: str, job: str, forbid: str, out: str, stop: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "ship_replica.py"), "--server", url, "--job", job,
-                             "--forbid", forbid, "--out", out, "--stop-file", stop, *extra],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _popen([sys.executable, os.path.join(HERE, "ship_replica.py"), "--server", url, "--job", job,
+                   "--forbid", forbid, "--out", out, "--stop-file", stop, *extra], os.path.join(out, "replica.log"))
 
 
 def stop_proc(p: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
+    """Stop ``p`` (if running) and return the tail of its output."""
     if p.poll() is None:
         p.send_signal(sig)
     try:
-        _, err = p.communicate(timeout=30)
+        p.wait(timeout=30)
     except subprocess.TimeoutExpired:
         p.kill()
-        _, err = p.communicate()
-    return err or ""
+        p.wait()
+    with open(p.log) as f:  # type: ignore[attr-defined]
+        return f.read()[-4000:]
 
 
 def stream_caught_up(root: str, url: str, job: str, channel: str) -> bool:
@@ -154,18 +162,24 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
     root, out, job = str(tmp_path / "log"), str(tmp_path / "out"), "job-a"
     os.makedirs(out)
     stop = os.path.join(out, "stop")
-    box = run_trainer_in_thread(2, root, out, 60, 1, "column_wise", 0.04)
+    go = os.path.join(out, "go")
+    box = run_trainer_in_thread(2, root, out, 80, 1, "column_wise", 0.05, None, go)
     wait_for(lambda: all(os.path.exists(os.path.join(root, f"rank-{r}", "data.mdb")) for r in (0, 1)), 120, "the logs")
     shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots", "--max-batches", "4")
     replica = start_replica(nats_server.url, job, root, out, stop, "--die-after-polls", "3")
+    wait_for(lambda: os.path.exists(os.path.join(out, "replica.polls")), 60, "the replica")
+    open(go, "w").close()
     rng = random.Random(15)
     for _ in range(2):
         time.sleep(rng.uniform(0.8, 2.0))
         shipper.kill()
         shipper.wait()
         shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots", "--max-batches", "4")
-    replica.wait(120)
-    assert replica.returncode == -signal.SIGKILL, replica.stderr.read() if replica.stderr else ""
+    try:
+        replica.wait(120)
+    finally:
+        err = stop_proc(replica)
+    assert replica.returncode == -signal.SIGKILL, err
     replica = start_replica(nats_server.url, job, root, out, stop)
     join_trainer(box)
     wait_for(lambda: stream_caught_up(root, nats_server.url, job, SNAPSHOTS), 60, "the shipper to catch up")
@@ -205,10 +219,13 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     root, out, job = str(tmp_path / "log"), str(tmp_path / "out"), "job-b"
     os.makedirs(out)
     stop = os.path.join(out, "stop")
-    box = run_trainer_in_thread(2, root, out, 70, 1, "row_wise", 0.04)
+    go = os.path.join(out, "go")
+    box = run_trainer_in_thread(2, root, out, 100, 1, "row_wise", 0.05, None, go)
     wait_for(lambda: all(os.path.exists(os.path.join(root, f"rank-{r}", "data.mdb")) for r in (0, 1)), 120, "the logs")
     shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots")
     replica = start_replica(nats_server.url, job, root, out, stop)
+    wait_for(lambda: os.path.exists(os.path.join(out, "replica.polls")), 60, "the replica")
+    open(go, "w").close()
     time.sleep(1.0)
     nats_server.stop()
     time.sleep(1.0)
