@@ -284,9 +284,16 @@ class Shipper:
         end = feed.consumer.end_offsets().get(rank, pos)
         st = feed.stats
         st.log_end = end
-        if d is None or d.end_idx <= d.start_idx:
+        # a position moved up by the reset policy (the trainer expired the shipper past its
+        # retention bound): the range is shipped even when empty, so remote consumers see the gap
+        jumped = d is not None and d.start_idx > pos
+        if d is None or (d.end_idx <= d.start_idx and not jumped):
             st.position, st.lag_batches = pos, max(0, end - pos)
             return 0
+        if jumped:
+            logger.warning("shipper %s: rank %d %s: batches [%d, %d) were deleted before they were shipped (the trainer "
+                           "expired the shipper); remote consumers get OffsetOutOfRangeError or their reset policy",
+                           self.job, rank, feed.channel, pos, d.start_idx)
         rows = {fqn: t.rows for fqn, t in d.tables.items()}
         chunk = max(1024, self._conn.max_payload - transport._HEADROOM)
         parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
@@ -311,7 +318,7 @@ class Shipper:
         st.position = d.end_idx
         st.lag_batches = max(0, end - d.end_idx)
         st.last_shipped = time.time()
-        return d.end_idx - pos
+        return max(1, d.end_idx - pos)
 
     def run_once(self) -> int:
         """One round over every local rank and channel: ship what is complete (at most one
