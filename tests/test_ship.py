@@ -413,6 +413,7 @@ def _cluster_case(tmp_path, cluster, batches: int) -> None:
     for b in range(batches):
         store.append(b, "t", torch.tensor([b % 7, 100 + b]), torch.full((2, 4), float(b)))
         if b == batches // 3:
+            wait_for(lambda: shipper.stats() and shipper.stats()[0]["position"] > 0, 60, "the first ranges")
             cluster.servers[victim].kill()  # SIGKILL one node mid-run
         time.sleep(0.01)
     store.close()
