@@ -159,6 +159,7 @@ class RemoteConsumer:
         self._tables_filter = list(tables) if tables is not None else None
         self._max_buffer = int(max_buffer_bytes)
         self._lost = False
+        self.last_error = ""  # the last transport failure a poll retried over ("" when the last poll reached the server)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._ranks: Dict[int, _RankState] = {}
@@ -438,10 +439,12 @@ class RemoteConsumer:
         has shipped (at most about ``max_batches``; a range is never split), merged per table;
         moves the position past them. See :meth:`DeltaConsumer.poll`.
 
+        While the server cannot be reached the poll delivers what it buffered and retries
+        until its timeout (``last_error`` says why); ``commit`` raises instead.
+
         Raises:
             OffsetOutOfRangeError: batches at the position are missing from the stream and no
                 reset policy was chosen.
-            TransportError: the server cannot be reached.
         """
         self._check()
         if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
@@ -451,13 +454,21 @@ class RemoteConsumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wake.clear()
-            if self.missing_ranks() or not self._ranks:
-                self._refresh_meta()
+            try:
+                if self.missing_ranks() or not self._ranks:
+                    self._refresh_meta()
+                    for st in self._ranks.values():
+                        if st.pos is None and st.seq == 1 and self.reset == "latest":
+                            self._to_latest(st)
                 for st in self._ranks.values():
-                    if st.pos is None and st.seq == 1 and self.reset == "latest":
-                        self._to_latest(st)
-            for st in self._ranks.values():
-                self._fill(st)
+                    self._fill(st)
+                self.last_error = ""
+            except TransportError as exc:
+                # the server is unreachable (restarting, a leader election): like Kafka's
+                # consumer, the poll delivers what it has and retries until its timeout
+                if self.last_error != str(exc):
+                    logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
+                self.last_error = str(exc)
             result = self._poll_once(max_batches)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result

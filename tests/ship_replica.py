@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 def forbid(root: str) -> None:
@@ -29,6 +30,21 @@ def forbid(root: str) -> None:
                     raise PermissionError(f"the replica may not read the trainer's log: {p}")
 
     sys.addaudithook(hook)
+
+
+def retry(fn):  # a real replica rides out a server restart
+    from persistent_delta.errors import TransportError
+
+    for _ in range(600):
+        try:
+            return fn()
+        except TransportError:
+            time.sleep(0.1)
+    return fn()
+
+
+def commit(c) -> None:
+    retry(c.commit)
 
 
 def main() -> int:
@@ -73,8 +89,8 @@ def main() -> int:
                 os.replace(tmp, state)
                 if args.die_after_polls and polls >= args.die_after_polls:
                     os.kill(os.getpid(), signal.SIGKILL)
-                c.commit()
-            elif os.path.exists(args.stop_file) and c.position() == c.end_offsets():
+                commit(c)
+            elif os.path.exists(args.stop_file) and c.position() == retry(c.end_offsets):
                 break
     log.write(json.dumps({"done": True}) + "\n")
     log.close()
