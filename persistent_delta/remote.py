@@ -159,7 +159,8 @@ class RemoteConsumer:
         self._tables_filter = list(tables) if tables is not None else None
         self._max_buffer = int(max_buffer_bytes)
         self._lost = False
-        self.last_error = ""  # the last transport failure a poll retried over ("" when the last poll reached the server)
+        self.last_error = ""
+        self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped  # the last transport failure a poll retried over ("" when the last poll reached the server)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._ranks: Dict[int, _RankState] = {}
@@ -521,11 +522,9 @@ class RemoteConsumer:
         if taken:
             st.pos = end
             st.resume_seq = taken[-1].marker.seq + 1
+            self.last_shipped[st.rank] = taken[-1].marker.shipped
         return rd
 
-    def shipped_times(self) -> Dict[int, float]:
-        """rank -> wall-clock time its newest buffered range was shipped (freshness)."""
-        return {r: st.ranges[-1].marker.shipped for r, st in self._ranks.items() if st.ranges}
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

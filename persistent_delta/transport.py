@@ -535,7 +535,7 @@ class Connection:
 
             for m in msgs:
                 try:
-                    fut = await self.js.publish_async(m.subject, bytes(m.payload), headers=dict(m.headers), wait_stall=t)
+                    fut = await self.js.publish_async(m.subject, m.payload, headers=dict(m.headers), wait_stall=t)  # type: ignore[arg-type]
                 except Exception:  # noqa: BLE001
                     failed.append(m)
                     continue
