@@ -39,10 +39,10 @@ from torchrec.distributed.model_tracker.types import TrackingMode
 from benchmarks._common import init_single_rank_pg
 from benchmarks._model import Workload, build_dmp, make_batches, train_step
 from persistent_delta import PersistentTrackerConfig, attach
-root, steps, flag, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+root, steps, flag, out, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 torch.set_num_threads(1)
 init_single_rank_pg()
-w = Workload(num_tables=2, rows=100_000, dim=64, batch=512, pooling=4)
+w = Workload(num_tables=2, rows=100_000, dim=64, batch=batch, pooling=4)
 dmp = build_dmp(w)
 t = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.EMBEDDING, consumers=["serving"],
                                          delete_on_read=True))
@@ -108,18 +108,18 @@ def throughput(mb: int, servers: Any, replicas: int, base: str) -> Dict[str, Any
                 target_mb_per_s=200 if replicas == 1 else None)
 
 
-def _trainer(root: str, steps: int, out: str, flag: str) -> subprocess.Popen:  # type: ignore[type-arg]
-    return subprocess.Popen([sys.executable, "-c", TRAINER, root, str(steps), flag, out], env=_env(),
+def _trainer(root: str, steps: int, out: str, flag: str, batch: int = 512) -> subprocess.Popen:  # type: ignore[type-arg]
+    return subprocess.Popen([sys.executable, "-c", TRAINER, root, str(steps), flag, out, str(batch)], env=_env(),
                             stdout=subprocess.PIPE, text=True)
 
 
-def freshness(steps: int, url: Any, replicas: int, base: str) -> Dict[str, Any]:
+def freshness(steps: int, url: Any, replicas: int, base: str, batch: int) -> Dict[str, Any]:
     from persistent_delta.remote import RemoteConsumer
 
     root, out, flag = os.path.join(base, f"fr-log-r{replicas}"), os.path.join(base, f"fr-r{replicas}.json"), \
         os.path.join(base, f"go-r{replicas}")
     job = f"fresh{replicas}"
-    trainer = _trainer(root, steps, out, flag)
+    trainer = _trainer(root, steps, out, flag, batch)
     assert trainer.stdout is not None and trainer.stdout.readline().strip() == "READY"
     urls = url if isinstance(url, str) else ",".join(url)
     shipper = subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", root, "--server", urls, "--job", job,
@@ -131,7 +131,13 @@ def freshness(steps: int, url: Any, replicas: int, base: str) -> Dict[str, Any]:
     try:
         consumer = RemoteConsumer(url, job, "bench", channel="snapshots", wait=60)
         open(flag, "w").close()
+        deadline = None
         while trainer.poll() is None or not applied or max(applied) < steps - 1:
+            if trainer.poll() is not None:
+                deadline = deadline or time.monotonic() + 60
+                if time.monotonic() > deadline:
+                    log("freshness: the replica did not reach the last publish within 60 s after training")
+                    break
             p = consumer.poll(timeout=0.2)
             for d in p:
                 if d.states is None or not d.ids.numel():
@@ -156,7 +162,10 @@ def freshness(steps: int, url: Any, replicas: int, base: str) -> Dict[str, Any]:
     lat = [applied[s] - tp for s, tp in res["stamps"] if s in applied]
     to_ship = [shipped[s] - tp for s, tp in res["stamps"] if s in shipped]
     rmtree(root)
-    return emit("ship_freshness", replicas=replicas, publishes=len(res["stamps"]), measured=len(lat),
+    steps_ms = sum(res["steps_s"]) / len(res["steps_s"]) * 1e3
+    return emit("ship_freshness", replicas=replicas, batch=batch, mean_step_ms=steps_ms,
+                row_mb_per_s=res["bytes_written"] / 1e6 / (sum(res["steps_s"]) or 1), publishes=len(res["stamps"]),
+                measured=len(lat),
                 p50_ms=_pct(lat, 0.5) * 1e3, p99_ms=_pct(lat, 0.99) * 1e3, max_ms=max(lat) * 1e3 if lat else None,
                 ship_p50_ms=_pct(to_ship, 0.5) * 1e3, ship_p99_ms=_pct(to_ship, 0.99) * 1e3,
                 target_p99_ms=100 if replicas == 1 else None)
@@ -197,8 +206,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--mb", type=int, default=256, help="row MiB shipped in the throughput run")
     ap.add_argument("--steps", type=int, default=300, help="trainer steps in the freshness and cost runs")
     ap.add_argument("--cluster", action="store_true", help="also a 3-node R=3 cluster")
+    ap.add_argument("--batches", default="64,512", help="trainer batch sizes of the freshness runs")
     ap.add_argument("--only", default="throughput,freshness,cost")
     args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
         args.mb, args.steps = 32, 60
     from persistent_delta.natsserver import LocalCluster, LocalServer
@@ -212,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if "throughput" in only:
                 throughput(args.mb, server.url, 1, base)
             if "freshness" in only:
-                freshness(args.steps, server.url, 1, base)
+                for batch in args.batches:
+                    freshness(args.steps, server.url, 1, base, batch)
             if "cost" in only:
                 trainer_cost(args.steps, server.url, base)
         if args.cluster:
@@ -222,7 +234,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if "throughput" in only:
                     throughput(args.mb, cluster.urls, 3, base)
                 if "freshness" in only:
-                    freshness(args.steps, cluster.urls, 3, base)
+                    for batch in args.batches:
+                        freshness(args.steps, cluster.urls, 3, base, batch)
     finally:
         rmtree(base)
     return 0

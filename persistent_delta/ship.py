@@ -12,7 +12,8 @@ For each local rank log and channel the shipper is a registered consumer
 only: it never waits for other hosts' ranks). A round polls at most ``max_batches`` batches
 (cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
 ranges at the same batches), publishes the range's parts, then its marker, and commits the
-local position **only after the stream acknowledged all of them**. A crash at any instant
+local position **only after the stream acknowledged all of them** (at most every 0.1 s while
+busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
 therefore re-sends at most the range in flight, under the same message ids (the server
 drops them within its duplicate window; remote consumers drop a range ending at or below
 their position after it). On start the shipper reads its last marker on the stream: when it
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 _STATS_EVERY_S = 1.0
 _RESCAN_EVERY_S = 0.5
 _IDLE_WAIT_S = 0.05
+_COMMIT_EVERY_S = 0.1
 
 
 def shipper_name(job: str, channel: str) -> str:
@@ -98,6 +100,8 @@ class _Feed:
     synced: bool = False
     log_id: str = ""
     stats_sent: float = 0.0
+    dirty: bool = False  # shipped and acknowledged, not yet committed locally
+    committed_at: float = 0.0
 
 
 class Shipper:
@@ -275,6 +279,11 @@ class Shipper:
     def _ship(self, feed: _Feed) -> int:
         """Ship one range of ``feed``; returns the batches shipped."""
         assert self._conn is not None
+        try:
+            feed.consumer.committed()  # a read: is the registration still there?
+        except UnknownConsumerError:
+            self._registration_lost(feed)
+            return 0
         if not feed.synced:
             self._sync(feed)
         rank = feed.rank
@@ -301,15 +310,7 @@ class Shipper:
         if not (self._publish(feed, parts) and self._publish(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0
-        try:
-            feed.consumer.commit()
-        except UnknownConsumerError:
-            # the log was started afresh (fresh=True deletes every registration): register anew
-            logger.warning("shipper %s: rank %d %s: registration deleted (log started afresh?); registering again",
-                           self.job, rank, feed.channel)
-            feed.consumer.close()
-            self._feeds.pop((rank, feed.channel), None)
-            return 0
+        feed.dirty = True  # acknowledged: the local commit may follow (see _commit)
         st.ranges += 1
         st.batches += d.end_idx - pos
         st.messages += len(parts) + 1
@@ -319,6 +320,29 @@ class Shipper:
         st.lag_batches = max(0, end - d.end_idx)
         st.last_shipped = time.time()
         return max(1, d.end_idx - pos)
+
+    def _registration_lost(self, feed: _Feed) -> None:
+        # the log was started afresh (fresh=True deletes every registration), or the entry was
+        # deleted (offsets --delete): register anew, under a new epoch
+        logger.warning("shipper %s: rank %d %s: registration deleted (log started afresh?); registering again",
+                       self.job, feed.rank, feed.channel)
+        feed.consumer.close()
+        self._feeds.pop((feed.rank, feed.channel), None)
+
+    def _commit(self, feed: _Feed, force: bool) -> None:
+        """Commit the local position of what the stream acknowledged: at once when idle or
+        ``force``, else at most every ``_COMMIT_EVERY_S`` (an fsync per range would delay the
+        next one; a crash before the commit ships nothing twice: :meth:`_sync` catches the
+        position up from the stream's last marker)."""
+        now = time.monotonic()
+        if not feed.dirty or (not force and now - feed.committed_at < _COMMIT_EVERY_S):
+            return
+        try:
+            feed.consumer.commit()
+        except UnknownConsumerError:
+            self._registration_lost(feed)
+            return
+        feed.dirty, feed.committed_at = False, now
 
     def run_once(self) -> int:
         """One round over every local rank and channel: ship what is complete (at most one
@@ -330,7 +354,9 @@ class Shipper:
         shipped = 0
         for feed in list(self._feeds.values()):
             try:
-                shipped += self._ship(feed)
+                n = self._ship(feed)
+                shipped += n
+                self._commit(feed, force=n == 0)
             except TransportError as exc:
                 feed.stats.last_error = str(exc)
                 feed.synced = False
@@ -351,8 +377,10 @@ class Shipper:
     def run(self, until: Optional[threading.Event] = None, idle_exit_s: Optional[float] = None) -> None:
         """Ship until ``stop()`` (or ``until`` is set); with ``idle_exit_s``, also return once
         nothing was shipped for that long (tests, one-off catch-up)."""
+        if until is not None:
+            self._stop = until  # every wait and retry of this shipper watches it
         idle_since = time.monotonic()
-        while not self._stop.is_set() and not (until is not None and until.is_set()):
+        while not self._stop.is_set():
             n = self.run_once()
             if n:
                 idle_since = time.monotonic()
@@ -395,7 +423,11 @@ class Shipper:
             return
         self.stop()
         self._closed = True
-        for f in self._feeds.values():
+        for f in list(self._feeds.values()):
+            try:
+                self._commit(f, force=True)
+            except Exception as exc:  # noqa: BLE001 - closing: the next shipper catches up from the stream
+                logger.warning("shipper %s: final commit of rank %d %s failed: %s", self.job, f.rank, f.channel, exc)
             f.consumer.close()
         if self._watch is not None:
             self._watch.close()

@@ -39,10 +39,25 @@ def _env() -> Dict[str, str]:
     return env
 
 
+_STARTED: List[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left():
+    """Every shipper and replica a test started is gone after it, whatever happened."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _popen(argv: List[str], log: str) -> subprocess.Popen:
     with open(log, "ab") as f:  # a file, not a pipe: nobody has to drain it
         p = subprocess.Popen(argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
     p.log = log  # type: ignore[attr-defined]
+    _STARTED.append(p)
     return p
 
 
@@ -361,6 +376,7 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
         "import sys, time; from persistent_delta.remote import RemoteConsumer; "
         f"c = RemoteConsumer({nats_server.url!r}, 'job-e', 'held', wait=10); print('held', flush=True); time.sleep(60)")],
         env=_env(), stdout=subprocess.PIPE, text=True)
+    _STARTED.append(holder)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(LogLockedError, match="pid"):
