@@ -317,8 +317,8 @@ def test_a_64_mib_record_is_chunked_and_arrives_bit_exact(tmp_path, nats_server)
         ids = torch.arange(1 << 20, dtype=torch.int64)
         store.append(0, "big.table", ids, torch.randn(1 << 20, 16))  # 64 MiB of states
         store.append(1, "small", torch.tensor([3, 1]), torch.randn(2, 16))
-    with Shipper(root, nats_server.url, "job-d", channels=["lookups"]) as s:
-        s.run(idle_exit_s=0.3)
+    with Shipper(root, nats_server.url, "job-d", channels=["lookups"]).start() as s:
+        wait_for(lambda: bool(s.stats()) and s.stats()[0]["position"] == 2, 60, "the shipper")
         stats = s.stats()[0]
     assert stats["messages"] > 64  # chunked: the server's max payload is 1 MiB
     with RemoteConsumer(nats_server.url, "job-d", "r", wait=10) as c, DeltaReader(root) as local:
