@@ -26,6 +26,7 @@ BENCHMARKS = [
     "disk_steady_state",
     "poll_wait",
     "read_path",
+    "freshness",
     "ship",
 ]
 

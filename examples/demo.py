@@ -255,7 +255,7 @@ def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
 def serve(args: argparse.Namespace) -> int:
     """The serving replica: start from the initial tables, apply published rows until the
     trainer is done and everything published is applied; save the replica."""
-    from persistent_delta import DeltaConsumer
+    from persistent_delta import DeltaConsumer, apply_poll
 
     out = args.out
     initial = os.path.join(out, "initial")
@@ -275,19 +275,11 @@ def serve(args: argparse.Namespace) -> int:
     with consumer:
         while True:
             trainer_done = os.path.exists(os.path.join(out, done_file))
-            poll = consumer.poll(timeout=0.2) if args.fleet else consumer.poll()
-            for fqn, rows in poll.tables().items():
-                table = replica[fqn]
-                for part in rows:
-                    if part.ids.numel() == 0 or part.states is None:
-                        continue
-                    table[part.global_ids.long(), part.col_offset:part.col_offset + part.states.shape[1]] = part.states
-                    applied_rows += int(part.ids.numel())
+            poll = consumer.poll(timeout=0.5)  # wakes on the trainer's commit (fleet: on a marker)
+            applied_rows += apply_poll(replica, poll, complete_only=True).rows
             consumer.commit()
             if trainer_done and poll.empty:
                 break
-            if poll.empty:
-                time.sleep(0.05)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in replica.items()}, os.path.join(out, "replica.safetensors"))

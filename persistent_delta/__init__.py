@@ -4,14 +4,17 @@ TorchRec's ``ModelDeltaTracker`` keeps "which rows changed" in process memory; p
 writes it to an append-only LMDB log, so deltas and consumer offsets survive restarts.
 """
 
+from persistent_delta.apply import Applied, apply_poll
 from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
 from persistent_delta.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.errors import (
     ConfigMismatchError,
+    ConsumerConflictError,
     CorruptRecordError,
     DamagedLogError,
     ForkedProcessError,
     FormatMismatchError,
+    IncompletePollError,
     InexactRangeError,
     InvalidInputError,
     LogClosedError,
@@ -36,9 +39,13 @@ from persistent_delta.tracker import PersistentDeltaTracker, PersistentTrackerCo
 __version__ = "0.1.0"
 
 __all__ = [
+    "Applied",
+    "apply_poll",
     "ConfigMismatchError",
+    "ConsumerConflictError",
     "ConsumerEntry",
     "Delivery",
+    "IncompletePollError",
     "InexactRangeError",
     "MergedDelta",
     "RankDelta",

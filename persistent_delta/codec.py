@@ -34,9 +34,10 @@ Format history and plan (every format change of this round is here, once):
   place (every record's checksum verified the old way, then sealed the new way, in one
   transaction per rank). Reserved in version 2 for this round's other issues, so that they
   need no further version: record kinds 2 (raw ids behind a batch's slot ids) and 3
-  (evictions: slots taken from raw ids), and the optional header field ``"t"`` (wall-clock time
-  of a publish, seconds since the epoch). Header fields in version 2: ``"w"`` (window start of
-  a filtered record), ``"e"`` (covered end of a compacted record). A reader of this version raises on a kind it does not
+  (evictions: slots taken from raw ids). Header fields in version 2: ``"w"`` (window start of
+  a filtered record), ``"e"`` (covered end of a compacted record), ``"t"`` (on snapshot
+  records: wall-clock time of the ``publish()`` call that wrote them, seconds since the
+  epoch; records written before it existed have none). A reader of this version raises on a kind it does not
   know and ignores header fields it does not know.
 """
 
@@ -45,7 +46,7 @@ from __future__ import annotations
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import crc32c
 import msgpack
@@ -156,6 +157,7 @@ class DecodedRecord:
     nbytes: int
     window_start: Optional[int] = None
     covers_end: Optional[int] = None
+    publish_time: Optional[float] = None
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -177,7 +179,7 @@ _ZEROS = bytes(8)
 
 def encode_record(
     ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None,
-    covers_end: Optional[int] = None,
+    covers_end: Optional[int] = None, publish_time: Optional[float] = None,
 ) -> bytearray:
     """Encode one record value (unsealed: see :func:`seal_record`). ``ids`` is 1-D;
     ``states`` (optional) has ``len(ids)`` rows.
@@ -185,37 +187,61 @@ def encode_record(
     ``window_start``: the record omits ids already recorded in ``[window_start, batch_idx)``
     (the writer's window filter); a reader starting after ``window_start`` must start there.
     ``covers_end``: a compacted record stamped ``b`` holds the batches ``[b, covers_end)``; a
-    reader starting inside that range must start at ``b``.
+    reader starting inside that range must start at ``b``. ``publish_time``: the wall-clock
+    time (seconds since the epoch) of the publish that wrote a snapshot record.
     """
+    return _encode(ids, None if states is None else (states.dtype, list(states.shape)),
+                   None if states is None else lambda out: out.copy_(states.detach().reshape(out.shape)),
+                   kind, window_start, covers_end, publish_time)
+
+
+def encode_gathered(
+    ids: torch.Tensor, source: torch.Tensor, rows: torch.Tensor, kind: int = KIND_SNAPSHOT,
+    publish_time: Optional[float] = None,
+) -> bytearray:
+    """Encode a record whose states are ``source[rows]`` (rows of a 2-D tensor), gathered
+    straight into the record's buffer: one copy of the row bytes, none through a temporary."""
+    if source.dim() != 2:
+        raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
+    rows = rows.long()
+    return _encode(ids, (source.dtype, [int(rows.numel()), int(source.shape[1])]),
+                   lambda out: torch.index_select(source.detach(), 0, rows, out=out), kind, None, None, publish_time)
+
+
+def _encode(
+    ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], fill: Optional[Callable[[torch.Tensor], object]],
+    kind: int, window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
+) -> bytearray:
     ids_buf = _raw_bytes(ids)
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
     if window_start is not None:
         header["w"] = int(window_start)
     if covers_end is not None:
         header["e"] = int(covers_end)
-    states_buf: Optional[memoryview] = None
-    if states is not None:
-        states_buf = _raw_bytes(states)
-        header["s"] = [dtype_name(states.dtype), [int(d) for d in states.shape]]
+    if publish_time is not None:
+        header["t"] = float(publish_time)
+    states_len = 0
+    if states_meta is not None:
+        dtype, shape = states_meta
+        header["s"] = [dtype_name(dtype), shape]
+        states_len = dtype.itemsize
+        for d in shape:
+            states_len *= d
     head = msgpack.packb(header)
     # Offsets are relative to the value start; payloads start 8-byte aligned.
-    pos = _PREFIX.size + len(head)
-    pad1 = _pad(pos)
-    pos += pad1 + len(ids_buf)
-    pad2 = _pad(pos) if states_buf is not None else 0
-    parts: List[Union[bytes, memoryview]] = [head, _ZEROS[:pad1], ids_buf]
-    if states_buf is not None:
-        parts += [_ZEROS[:pad2], states_buf]
-    crc = 0
-    for p in parts:
-        crc = crc32c.crc32c(p, value=crc)
-    # One copy of the payload: straight into the (mutable: see seal_record) result.
-    out = bytearray(_PREFIX.size + sum(len(p) for p in parts))
-    _PREFIX.pack_into(out, 0, len(head), crc)
-    pos = _PREFIX.size
-    for p in parts:
-        out[pos:pos + len(p)] = p
-        pos += len(p)
+    ids_at = _PREFIX.size + len(head)
+    ids_at += _pad(ids_at)
+    states_at = ids_at + len(ids_buf)
+    if states_meta is not None:
+        states_at += _pad(states_at)
+    # One copy of each payload, straight into the (mutable: see seal_record) result.
+    out = bytearray(states_at + states_len)
+    out[_PREFIX.size:_PREFIX.size + len(head)] = head
+    out[ids_at:ids_at + len(ids_buf)] = ids_buf
+    if states_meta is not None and fill is not None and states_len:
+        dtype, shape = states_meta
+        fill(torch.frombuffer(out, dtype=dtype, count=states_len // dtype.itemsize, offset=states_at).view(shape))
+    _PREFIX.pack_into(out, 0, len(head), crc32c.crc32c(memoryview(out)[_PREFIX.size:]))
     return out
 
 
@@ -270,9 +296,9 @@ def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True,
         if pos + count * s_dtype.itemsize > n:
             raise CorruptRecordError("record value shorter than its header says")
         states = _view(mv, s_dtype, count, pos).reshape(shape)
-    w, e = header.get("w"), header.get("e")
+    w, e, t = header.get("w"), header.get("e"), header.get("t")
     return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w),
-                         covers_end=None if e is None else int(e))
+                         covers_end=None if e is None else int(e), publish_time=None if t is None else float(t))
 
 
 def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:
@@ -290,19 +316,40 @@ def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:
     return seal_record(out, key)
 
 
-def record_bounds(buf: Union[bytes, memoryview]) -> Tuple[Optional[int], Optional[int]]:
-    """``(window_start, covers_end)`` of a record value, reading its header only (no checksum:
-    the record itself is checked when it is read)."""
+def record_header(buf: Union[bytes, memoryview]) -> Dict[str, object]:
+    """The msgpack header of a record value, read alone (no checksum: the record itself is
+    checked when it is read)."""
     mv = memoryview(buf)
     if len(mv) < _PREFIX.size:
         raise CorruptRecordError("record value is truncated")
     head_len, _ = _PREFIX.unpack_from(mv, 0)
     try:
         header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
-        w, e = header.get("w"), header.get("e")
-        return None if w is None else int(w), None if e is None else int(e)
     except Exception as exc:  # noqa: BLE001
         raise CorruptRecordError(f"record header cannot be decoded: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CorruptRecordError("record header is not a map")
+    return header
+
+
+def record_bounds(buf: Union[bytes, memoryview]) -> Tuple[Optional[int], Optional[int]]:
+    """``(window_start, covers_end)`` of a record value, from its header alone."""
+    header = record_header(buf)
+    w, e = header.get("w"), header.get("e")
+    try:
+        return None if w is None else int(w), None if e is None else int(e)  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise CorruptRecordError(f"record header field cannot be decoded: {exc}") from exc
+
+
+def record_publish_time(buf: Union[bytes, memoryview]) -> Optional[float]:
+    """The publish time (header ``"t"``) of a snapshot record value, from its header alone;
+    None when it has none."""
+    t = record_header(buf).get("t")
+    try:
+        return None if t is None else float(t)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise CorruptRecordError(f"record header field cannot be decoded: {exc}") from exc
 
 
 def _view(mv: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ from persistent_delta.layout import DATA_FILE, FileState, PathLike, file_state, 
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.records import batch_bytes
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
 from persistent_delta.watch import FileWatch
 from persistent_delta.schema import (
@@ -248,7 +249,9 @@ class DeltaReader:
         return sorted(self._logs)
 
     # ------------------------------------------------------------------ reading
-    def poll(self, max_batches: Optional[int] = None, timeout: Optional[float] = None) -> DeltaPoll:
+    def poll(
+        self, max_batches: Optional[int] = None, timeout: Optional[float] = None, max_bytes: Optional[int] = None
+    ) -> DeltaPoll:
         """Read, per rank, the batches from the position up to the end every rank of the job
         has completed (at most ``max_batches`` of them), and move the position past them.
 
@@ -256,6 +259,11 @@ class DeltaReader:
             max_batches: read at most this many batches per rank (default: all available).
             timeout: wait up to this many seconds for at least one new batch (default: do not
                 wait). A poll that times out is empty and still reports its ranges.
+            max_bytes: stop at the first batch boundary (the same on every rank, so publishes
+                stay whole) after which the records stored, summed over ranks, would exceed
+                this many bytes; at least one batch with records is read. A replica catching
+                up uses it to bound each poll's memory. Counted from the position: a read
+                that must start earlier (compacted or window-filtered lookups) reads more.
 
         Returns:
             A :class:`DeltaPoll` reporting, per rank, the range it actually read.
@@ -270,10 +278,12 @@ class DeltaReader:
             raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             seen = self._txnids()
-            result = self._poll_once(max_batches)
+            result = self._poll_once(max_batches, max_bytes)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
             watch = self._watch()
@@ -303,7 +313,7 @@ class DeltaReader:
     def _written(self) -> Tuple[int, ...]:
         return tuple(log.last_txnid() for _, log in sorted(self._logs.items()))
 
-    def _poll_once(self, max_batches: Optional[int]) -> DeltaPoll:
+    def _poll_once(self, max_batches: Optional[int], max_bytes: Optional[int] = None) -> DeltaPoll:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
@@ -311,6 +321,9 @@ class DeltaReader:
         positions = {rank: delivery.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank]) for rank, (a, b) in bounds.items()}
         stops = delivery.poll_stops(positions, {rank: b for rank, (_, b) in bounds.items()}, self._expected, max_batches)
+        if max_bytes is not None:
+            cut = self._byte_cut(positions, stops, max_bytes)
+            stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
         ranks: Dict[int, RankDelta] = {}
         for rank, log in self._logs.items():
             pos, stop = positions[rank], stops[rank]
@@ -321,7 +334,23 @@ class DeltaReader:
             delta = log.read(read)
             ranks[rank] = delta
             self._positions[rank] = delta.end_idx
-        return DeltaPoll(channel=self.channel, ranks=ranks)
+        return DeltaPoll(channel=self.channel, ranks=ranks,
+                         world_size=None if self._expected is None else len(self._expected))
+
+    def _byte_cut(self, positions: Dict[int, int], stops: Dict[int, int], max_bytes: int) -> int:
+        """The first batch index (common to all ranks) at which the records stored from the
+        positions on would pass ``max_bytes``; past every stop when they never do."""
+        sizes: Dict[int, int] = {}
+        for rank, log in self._logs.items():
+            pos, stop = positions[rank], stops[rank]
+            for b, n in log.read(lambda r: batch_bytes(r, self.channel, pos, stop)).items():
+                sizes[b] = sizes.get(b, 0) + n
+        total = 0
+        for b in sorted(sizes):
+            if total and total + sizes[b] > max_bytes:
+                return b
+            total += sizes[b]
+        return max(stops.values(), default=0)
 
     def _label(self) -> str:
         return "(unregistered reader)"

@@ -54,7 +54,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import codec
 from persistent_delta.config import RetentionBound
-from persistent_delta.errors import InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
+from persistent_delta.errors import ConsumerConflictError, InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log import ReadTxn, WriteTxn
 from persistent_delta.records import compact_range, delete_below, last_appended, log_start, read_unique
 from persistent_delta.schema import (
@@ -373,28 +373,88 @@ def consume(
     start: its reset policy is "earliest" (TorchRec has no out-of-range error); expiry is
     logged.
 
+    The same rule in two transactions (a read now, the commit later, as ``publish()`` does):
+    :func:`consume_read` then :func:`consume_commit`.
+
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
-    consumers = lookups_consumers(w.consumers())
+    entry = _lookups_consumer(w, name)
+    if compact:
+        _compact_for_read(w, mode, end)
+    rows = read_unique(w, mode, from_idx=read_start(w, entry.offset))
+    _commit_read(w, name, entry, end, delete_on_read, bound)
+    return rows
+
+
+def consume_read(r: ReadTxn, name: str, mode: UpdateMode) -> Tuple[ConsumerEntry, Dict[str, UniqueRows]]:
+    """The read half of :func:`consume`: the consumer's entry and its rows, read in ``r``;
+    nothing is written. Commit it with :func:`consume_commit` and that entry.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry = _lookups_consumer(r, name)
+    return entry, read_unique(r, mode, from_idx=read_start(r, entry.offset))
+
+
+def consume_commit(
+    w: WriteTxn,
+    name: str,
+    read: ConsumerEntry,
+    end: int,
+    mode: UpdateMode,
+    *,
+    compact: bool,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> None:
+    """The write half of :func:`consume`: commit ``end`` as ``name``'s position after a
+    :func:`consume_read` that returned ``read``, compacting and applying retention as
+    :func:`consume` does.
+
+    Raises:
+        UnknownConsumerError: the consumer was unregistered since.
+        ConsumerConflictError: its position moved since the read (what was read is stale).
+    """
+    entry = _lookups_consumer(w, name, warn=False)
+    if entry.offset != read.offset or entry.expired != read.expired:
+        raise ConsumerConflictError(
+            f"consumer {name!r} of {w.path} moved from {read.offset} to {entry.offset} between its read and its "
+            "commit; the rows read are not committed"
+        )
+    if compact:
+        _compact_for_read(w, mode, end)
+    _commit_read(w, name, entry, end, delete_on_read, bound)
+
+
+def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True) -> ConsumerEntry:
+    consumers = lookups_consumers(r.consumers())
     entry = consumers.get(name)
     if entry is None:
         raise UnknownConsumerError(
-            f"consumer {name} not present in {sorted(consumers)}: it is not registered in {w.path}; add it with "
+            f"consumer {name} not present in {sorted(consumers)}: it is not registered in {r.path}; add it with "
             "add_consumer()"
         )
-    if compact:
-        # TorchRec compacts [largest offset, end). It never changes an answer; it only makes
-        # later reads of that range cheaper.
-        safe_compact(w, mode, max(0, max(v.offset for v in consumers.values())), end)
-    if entry.expired:
+    if warn and entry.expired:
         logger.warning("consumer %r of %s was expired by the retention bound; it reads from the log start %d",
-                       name, w.path, log_start(w))
-    rows = read_unique(w, mode, from_idx=read_start(w, entry.offset))
+                       name, r.path, log_start(r))
+    return entry
+
+
+def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
+    # TorchRec compacts [largest offset, end). It never changes an answer; it only makes
+    # later reads of that range cheaper.
+    offsets = [v.offset for v in lookups_consumers(w.consumers()).values()]
+    safe_compact(w, mode, max(0, max(offsets, default=0)), end)
+
+
+def _commit_read(
+    w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound]
+) -> None:
     w.set_consumer(name, entry.committed(end))
     if delete_on_read:
         apply_retention(w, LOOKUPS, bound)
-    return rows
 
 
 def register(w: WriteTxn, name: str, offset: int, channel: str, how: Delivery) -> bool:

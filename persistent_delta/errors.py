@@ -79,6 +79,16 @@ class OffsetOutOfRangeError(PersistentDeltaError):
     """A consumer position lies below the log start (its data was deleted) or past its end."""
 
 
+class ConsumerConflictError(PersistentDeltaError):
+    """A consumer's position moved between a read and the commit of that read (another
+    writer changed it); the read is not committed."""
+
+
+class IncompletePollError(PersistentDeltaError):
+    """A poll does not hold every rank's part of the batches it covers (its ranks were read
+    over different ranges, or a rank is missing), and the caller asked for complete ones."""
+
+
 class WriterError(PersistentDeltaError):
     """The background writer failed; the original error is chained as ``__cause__``."""
 

@@ -151,6 +151,14 @@ class ReadTxn:
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
     ) -> Iterator[Tuple[int, int, int]]:
         """``(batch_idx, seq, value_bytes)`` of records in ``[start_idx, end_idx)``, undecoded."""
+        for b, s, value in self.iter_record_views(table_id, start_idx, end_idx, channel):
+            yield b, s, len(value)
+
+    def iter_record_views(
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
+    ) -> Iterator[Tuple[int, int, Union[bytes, memoryview]]]:
+        """``(batch_idx, seq, value)`` of records in ``[start_idx, end_idx)``, undecoded; the
+        value a view into the map (valid inside this transaction; nothing is copied)."""
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None:
             return
@@ -161,7 +169,7 @@ class ReadTxn:
             _, b, s = codec.decode_record_key(key)
             if end_idx is not None and b >= end_idx:
                 break
-            yield b, s, len(value)
+            yield b, s, value
 
     def first_record_at(
         self, table_id: int, start_idx: int, channel: str = LOOKUPS

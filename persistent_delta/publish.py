@@ -1,62 +1,99 @@
 """Publish: the current values of the rows a consumer has not read yet, as snapshot records.
 
-Owns: what a publish writes. ``tracker.publish(consumer)`` takes the rows changed since
-``consumer`` last read (exactly what ``get_unique(consumer)`` would return, through the same
-consume rule of :mod:`persistent_delta.delivery`), reads their *current* values from this
+Owns: what a publish writes, and when. ``tracker.publish(consumer)`` takes the rows changed
+since ``consumer`` last read (exactly what ``get_unique(consumer)`` would return, through the
+same consume rule of :mod:`persistent_delta.delivery`), reads their *current* values from this
 rank's shards, and writes them to the snapshots channel (``KIND_SNAPSHOT`` records) stamped
-with the current batch index, all in one transaction. A serving process reads them with
-``DeltaConsumer(root, name, channel="snapshots")`` and applies them (the newest stamp wins), so
-it converges to the trainer's tables without sharing its memory. With ``delete_on_read``,
-snapshot records are deleted once every snapshots consumer has committed past them.
+with the current batch index and the wall-clock time of the call (header ``"t"``). A serving
+process reads them with ``DeltaConsumer(root, name, channel="snapshots")`` and applies them
+(:func:`persistent_delta.apply.apply_poll`: the newest stamp wins), so it converges to the
+trainer's tables without sharing its memory. With ``delete_on_read``, snapshot records are
+deleted once every snapshots consumer has committed past them.
+
+A publish runs in two parts:
+
+* :func:`capture`, in the training thread, once everything recorded so far is committed: reads
+  the consumer's rows (a read transaction, nothing written) and gathers their values straight
+  into encoded snapshot records (one copy of the row bytes). The values are those of the moment
+  of the call; training may change the tables as soon as it returns.
+* :func:`commit`, in the writer's transaction (or at once without a background writer): moves
+  the consumer past the rows read, writes the records and the new snapshot end, and applies
+  retention -- all in one transaction, so a crash leaves either the whole publish or none of
+  it (the consumer then reads the same rows again at the next publish).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import codec, delivery
 from persistent_delta.config import RetentionBound
-from persistent_delta.log import WriteTxn
-from persistent_delta.schema import META_SNAPSHOT_END, SNAPSHOTS
+from persistent_delta.log import ReadTxn, WriteTxn
+from persistent_delta.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
 from persistent_delta.sharding import LocalTable
 
 
-def write_snapshots(
-    w: WriteTxn, tables: Dict[str, LocalTable], ids_per_table: Dict[str, torch.Tensor], stamp: int
-) -> Dict[str, int]:
-    """Write the current values of ``ids_per_table`` (shard-local ids) as snapshot records
-    stamped ``stamp``; returns rows written per table."""
-    written: Dict[str, int] = {}
-    for fqn, ids in ids_per_table.items():
-        entry = w.table(fqn)
-        if entry is None or ids.numel() == 0 or fqn not in tables:
+@dataclass
+class Captured:
+    """A publish captured by :func:`capture`, waiting for :func:`commit`."""
+
+    name: str
+    entry: ConsumerEntry  # the consumer as read
+    end: int  # the position the consumer moves to
+    stamp: int  # batch index the records are stored under
+    publish_time: float
+    records: Dict[str, bytearray] = field(default_factory=dict)  # fqn -> encoded snapshot record
+    rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows captured
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.records.values())
+
+
+def capture(
+    r: ReadTxn, name: str, end: int, stamp: int, mode: UpdateMode, tables: Dict[str, LocalTable], publish_time: float
+) -> Captured:
+    """Read ``name``'s unread rows and gather their current values into encoded snapshot
+    records (tables of ``tables`` only; empty tables are left out).
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry, rows = delivery.consume_read(r, name, mode)
+    out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
+    for fqn, unique in rows.items():
+        ids = unique.ids
+        if ids.numel() == 0 or fqn not in tables or r.table(fqn) is None:
             continue
-        values = tables[fqn].weights()[ids.long()]
-        w.put_record(entry.table_id, stamp, codec.encode_record(ids, values, codec.KIND_SNAPSHOT), channel=SNAPSHOTS)
-        written[fqn] = int(ids.numel())
-    w.set_meta(META_SNAPSHOT_END, max(stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
-    return written
+        out.records[fqn] = codec.encode_gathered(ids, tables[fqn].weights(), ids, codec.KIND_SNAPSHOT, publish_time)
+        out.rows[fqn] = int(ids.numel())
+    return out
 
 
-def publish(
+def commit(
     w: WriteTxn,
-    name: str,
-    end: int,
-    stamp: int,
+    cap: Captured,
     mode: UpdateMode,
-    tables: Dict[str, LocalTable],
     *,
     compact: bool,
     delete_on_read: bool,
     bound: Optional[RetentionBound] = None,
-) -> Dict[str, int]:
-    """One publish inside ``w``: consume ``name``'s rows up to ``end``, write their current
-    values stamped ``stamp``, apply retention of both channels. Returns rows written per table."""
-    rows = delivery.consume(w, name, end, mode, compact=compact, delete_on_read=delete_on_read, bound=bound)
-    written = write_snapshots(w, tables, {f: r.ids for f, r in rows.items()}, stamp)
+) -> None:
+    """Commit a captured publish inside ``w``: the consumer's new position (the consume rule's
+    write half), the snapshot records, the snapshot end, and retention of both channels.
+
+    Raises:
+        ConsumerConflictError: the consumer moved since the capture (nothing is written).
+    """
+    delivery.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
+                            bound=bound)
+    for fqn, value in cap.records.items():
+        entry = w.table(fqn)
+        if entry is not None:
+            w.put_record(entry.table_id, cap.stamp, value, channel=SNAPSHOTS)
+    w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
         delivery.apply_retention(w, SNAPSHOTS)
-    return written

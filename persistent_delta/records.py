@@ -26,7 +26,7 @@ from persistent_delta import codec
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
 from persistent_delta.rows import compute_unique_rows
-from persistent_delta.schema import LOOKUPS, META_LOG_START, TableEntry, check_batch_idx, check_fqn
+from persistent_delta.schema import LOOKUPS, META_LOG_START, SNAPSHOTS, TableEntry, check_batch_idx, check_fqn
 
 logger = logging.getLogger(__name__)
 
@@ -264,3 +264,46 @@ def pending_stats(r: ReadTxn, channel: str, start_idx: int, end_idx: int) -> Tup
         for rec in r.iter_records(entry.table_id, start_idx, end_idx, verify=False, channel=channel):
             recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
     return recs, rows, nbytes
+
+
+def batch_bytes(r: ReadTxn, channel: str, start_idx: int, end_idx: Optional[int]) -> Dict[int, int]:
+    """batch_idx -> value bytes stored under it in ``[start_idx, end_idx)``, over every table
+    (keys and value lengths only: nothing is decoded or copied)."""
+    out: Dict[int, int] = {}
+    for entry in r.tables().values():
+        for b, _, n in r.iter_record_keys(entry.table_id, start_idx, end_idx, channel=channel):
+            out[b] = out.get(b, 0) + n
+    return out
+
+
+def publish_times(r: ReadTxn, start_idx: int, end_idx: int) -> Dict[int, float]:
+    """stamp -> wall-clock time of the publish that wrote the snapshot records stamped in
+    ``[start_idx, end_idx)`` (record headers only; publishes that wrote no records, or were
+    written before the time was stored, are absent)."""
+    out: Dict[int, float] = {}
+    if end_idx <= start_idx:
+        return out
+    for entry in r.tables().values():
+        for b, _, value in r.iter_record_views(entry.table_id, start_idx, end_idx, channel=SNAPSHOTS):
+            t = codec.record_publish_time(value)
+            if t is not None:
+                out[b] = min(t, out.get(b, t))
+    return out
+
+
+def last_stamps(r: ReadTxn, fqn: str, start_idx: int, end_idx: int, channel: str = SNAPSHOTS) -> torch.Tensor:
+    """Per unique id of ``fqn``'s records in ``[start_idx, end_idx)`` (ascending, as
+    :func:`read_unique` returns them), the batch index of the last record holding it: the
+    publish a snapshot row's value comes from. Empty when the table has no records there."""
+    entry = r.table(fqn)
+    ids: List[torch.Tensor] = []
+    stamps: List[torch.Tensor] = []
+    if entry is not None:
+        for rec in r.iter_records(entry.table_id, start_idx, end_idx, channel=channel):
+            ids.append(rec.ids)
+            stamps.append(torch.full((int(rec.ids.numel()), 1), rec.batch_idx, dtype=torch.int64))
+    if not ids:
+        return torch.empty(0, dtype=torch.int64)
+    rows = compute_unique_rows(ids, stamps, UpdateMode.LAST)
+    assert rows.states is not None
+    return rows.states.reshape(-1)

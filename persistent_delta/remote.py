@@ -485,15 +485,37 @@ class RemoteConsumer:
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
         hard = delivery.poll_stops(positions, ends, self._expected, None)
         soft = delivery.poll_stops(positions, ends, self._expected, max_batches)
+        common = self._common_stop(known, positions, hard, soft)
         out: Dict[int, RankDelta] = {}
         for rank, st in sorted(self._ranks.items()):
             taken: List[_Range] = []
             if rank in known:
                 while st.ranges and st.ranges[0].marker.end <= hard[rank] and (
-                        not taken or st.ranges[0].marker.end <= soft[rank]):
+                        common is None or st.ranges[0].marker.end <= common) and (
+                        common is not None or not taken or st.ranges[0].marker.end <= soft[rank]):
                     taken.append(st.ranges.popleft())
             out[rank] = self._deliver(st, taken)
-        return DeltaPoll(channel=self.channel, ranks=out)
+        return DeltaPoll(channel=self.channel, ranks=out,
+                         world_size=None if self._expected is None else len(self._expected))
+
+    def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
+                     soft: Dict[int, int]) -> Optional[int]:
+        """Where every rank stops when they all sit at the same position: the largest range end
+        that every rank has buffered (within the poll's stops), so that each rank reads the same
+        range (a complete poll: every publish's column halves and row shards together). Shippers
+        cut ranges at the same multiples, so the ranks' range ends meet there at the latest.
+        None when the positions differ (a rank was seeked alone) or the job is not known."""
+        if self._expected is None or set(known) != self._expected or len(set(positions.values())) != 1:
+            return None
+        ends = None
+        for rank, st in known.items():
+            mine = {r.marker.end for r in st.ranges if r.marker.end <= hard[rank]}
+            ends = mine if ends is None else ends & mine
+        if not ends:
+            return next(iter(positions.values()))  # nothing common yet: deliver nothing
+        limit = min(soft.values())
+        within = [e for e in ends if e <= limit]
+        return max(within) if within else min(ends)
 
     def _deliver(self, st: _RankState, taken: List[_Range]) -> RankDelta:
         pos = st.pos if st.pos is not None else 0
@@ -502,6 +524,9 @@ class RemoteConsumer:
         meta = self._meta.get(st.rank)
         rd = RankDelta(rank=st.rank, path=f"{self.server}/{transport.stream_name(self.job)}/{self.channel}/rank-{st.rank}",
                        start_idx=start, end_idx=end)
+        for r in taken:
+            for stamp, t in r.marker.info.get("publishes", []):
+                rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))
         if meta is None:
             return rd
         mode = UpdateMode(meta.modes.get(self.channel, "none"))
@@ -509,14 +534,21 @@ class RemoteConsumer:
             if self._tables_filter is not None and fqn not in self._tables_filter:
                 continue
             entry = TableEntry.from_bytes(fqn, raw)
-            parts = [r.tables[fqn] for r in taken if fqn in r.tables]
+            with_rows = [r for r in taken if fqn in r.tables]
+            parts = [r.tables[fqn] for r in with_rows]
+            stamps: Optional[torch.Tensor] = None
             if parts:
                 states = [p.states for p in parts]
-                rows = compute_unique_rows([p.ids for p in parts],
-                                           None if any(s is None for s in states) else states, mode)  # type: ignore[arg-type]
+                ids = [p.ids for p in parts]
+                rows = compute_unique_rows(ids, None if any(s is None for s in states) else states, mode)  # type: ignore[arg-type]
+                raw = [r.marker.info.get("stamps", {}).get(fqn) for r in with_rows]
+                if all(b is not None for b in raw):  # a replicated table: per row, its publish (newest wins)
+                    per = [torch.frombuffer(bytearray(b), dtype=torch.int64).view(-1, 1) for b in raw]  # type: ignore[arg-type]
+                    got = compute_unique_rows(ids, per, UpdateMode.LAST).states
+                    stamps = None if got is None else got.view(-1)
             else:
                 rows = empty_rows(entry, mode, self.channel)
-            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, ShardInfo.from_entry(entry))
+            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, ShardInfo.from_entry(entry), stamps)
         for r in taken:
             st.buffered -= r.nbytes
         if taken:

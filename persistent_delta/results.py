@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn
-from persistent_delta.records import read_unique
+from persistent_delta.records import last_stamps, publish_times, read_unique
 from persistent_delta.rows import compute_unique_rows, is_ascending, unique_ids
-from persistent_delta.schema import LOOKUPS, ShardInfo
+from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
 
 
 # ----------------------------------------------------------------------------- poll results
@@ -41,6 +42,7 @@ class TableDelta:
     rows: UniqueRows
     global_ids: torch.Tensor
     shard: Optional[ShardInfo] = None
+    stamps: Optional[torch.Tensor] = None  # snapshots of a replicated table: per row, its publish's stamp
 
     @property
     def ids(self) -> torch.Tensor:
@@ -69,6 +71,7 @@ class RankDelta:
     start_idx: int
     end_idx: int
     tables: Dict[str, TableDelta] = field(default_factory=dict)
+    publishes: Dict[int, float] = field(default_factory=dict)  # snapshots: stamp -> publish time
 
 
 @dataclass
@@ -99,22 +102,41 @@ class MergedDelta:
     ranks: List[int] = field(default_factory=list)
 
 
-def _cat_rows(parts: Sequence[UniqueRows]) -> UniqueRows:
-    """Unite row sets, in ascending ids; an id in several parts (replicated tables) keeps the
-    first part's row (``UpdateMode.FIRST`` over the parts in order).
+def _cat_rows(parts: Sequence[UniqueRows], stamps: Optional[Sequence[Optional[torch.Tensor]]] = None) -> UniqueRows:
+    """Unite row sets, in ascending ids. An id in several parts (replicated tables) keeps the
+    row with the highest stamp when every part has ``stamps`` (snapshots: the newest publish),
+    and among equal stamps -- or without stamps -- the first part's row (``UpdateMode.FIRST``
+    over the parts in order).
 
     No sort when it is not needed: one part with ascending ids is returned as it is (no
     copy); parts with ascending ids over disjoint id ranges (row-wise shards) are concatenated
     in range order, each row copied once (:func:`~persistent_delta.rows.compute_unique_rows`).
     """
-    nonempty = [p for p in parts if p.ids.numel()]
-    if not nonempty:
+    keep = [i for i, p in enumerate(parts) if p.ids.numel()]
+    if not keep:
         return parts[0]
+    nonempty = [parts[i] for i in keep]
     if len(nonempty) == 1 and is_ascending(nonempty[0].ids):
         return nonempty[0]
     if all(p.states is not None for p in nonempty):
+        if stamps is not None and all(stamps[i] is not None for i in keep):
+            return _newest_rows(nonempty, [stamps[i] for i in keep])  # type: ignore[misc]
         return compute_unique_rows([p.ids for p in nonempty], [p.states for p in nonempty], UpdateMode.FIRST)
     return compute_unique_rows([p.ids for p in nonempty], None, UpdateMode.NONE)
+
+
+def _newest_rows(parts: Sequence[UniqueRows], stamps: Sequence[torch.Tensor]) -> UniqueRows:
+    """Per id, the row with the highest stamp; ties: the first part's."""
+    ids = torch.cat([p.ids.to(torch.int64) for p in parts])
+    st = torch.cat([s.to(torch.int64) for s in stamps])
+    pos = torch.arange(ids.numel())
+    order = torch.from_numpy(np.lexsort((pos.numpy(), -st.numpy(), ids.numpy())))
+    sorted_ids = ids[order]
+    first = torch.ones(sorted_ids.numel(), dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    picked = order[first]
+    states = torch.cat([p.states for p in parts])  # type: ignore[misc]
+    return UniqueRows(ids=torch.cat([p.ids for p in parts])[picked], states=states[picked])
 
 
 def _union_ids(column_parts: Dict[int, UniqueRows]) -> torch.Tensor:
@@ -139,7 +161,8 @@ def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
     for p in parts:
         groups.setdefault(p.col_offset, []).append(p)
     column_parts = {
-        off: _cat_rows([UniqueRows(ids=p.global_ids, states=p.states) for p in ps]) for off, ps in sorted(groups.items())
+        off: _cat_rows([UniqueRows(ids=p.global_ids, states=p.states) for p in ps], [p.stamps for p in ps])
+        for off, ps in sorted(groups.items())
     }
     shard = next((p.shard for p in parts if p.shard is not None), None)
     global_cols = shard.global_cols if shard is not None else None
@@ -184,10 +207,49 @@ def _assemble_columns(
 
 @dataclass
 class DeltaPoll:
-    """The result of :meth:`DeltaConsumer.poll`: per rank, the range read and per-table deltas."""
+    """The result of :meth:`DeltaConsumer.poll`: per rank, the range read and per-table deltas.
+
+    ``world_size`` is the job's number of ranks when the reader knows it (a tracker's job).
+    """
 
     channel: str
     ranks: Dict[int, RankDelta]
+    world_size: Optional[int] = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rank of the job was read over the same range, so that each batch (or
+        publish) in it is here from every rank: all of a publish's column halves and row
+        shards. A tracker job's poll stops at the end every rank completed, so it is complete
+        unless a rank's position was moved on its own (``seek(..., rank=r)``) or the job's
+        world size is unknown (then: the ranks present agree)."""
+        if not self.ranks:
+            return False
+        if self.world_size is not None and set(self.ranks) != set(range(self.world_size)):
+            return False
+        return len({(d.start_idx, d.end_idx) for d in self.ranks.values()}) == 1
+
+    @property
+    def publishes(self) -> Dict[int, float]:
+        """Snapshots: stamp -> wall-clock time (seconds since the epoch) of each publish this
+        poll holds records of (the earliest over ranks: the ranks' ``publish()`` calls of one
+        step); empty for lookups."""
+        out: Dict[int, float] = {}
+        for d in self.ranks.values():
+            for stamp, t in d.publishes.items():
+                out[stamp] = min(t, out.get(stamp, t))
+        return dict(sorted(out.items()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ids and states delivered, summed over ranks and tables."""
+        total = 0
+        for d in self.ranks.values():
+            for t in d.tables.values():
+                total += t.ids.numel() * t.ids.element_size()
+                if t.states is not None:
+                    total += t.states.numel() * t.states.element_size()
+        return int(total)
 
     def tables(self) -> Dict[str, List[TableDelta]]:
         """fqn -> that table's per-rank deltas (rank order). Row-wise shards hold disjoint
@@ -240,17 +302,25 @@ def read_range(
     rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel)
     entries = r.tables()
     out = RankDelta(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx)
+    if channel == SNAPSHOTS:
+        out.publishes = publish_times(r, start_idx, end_idx)
     for fqn, u in sorted(rows.items()):
-        out.tables[fqn] = table_delta(fqn, rank, start_idx, end_idx, u, ShardInfo.from_entry(entries[fqn]))
+        shard = ShardInfo.from_entry(entries[fqn])
+        stamps = None
+        if channel == SNAPSHOTS and shard is not None and shard.replicated and u.ids.numel():
+            stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
+        out.tables[fqn] = table_delta(fqn, rank, start_idx, end_idx, u, shard, stamps)
     return out
 
 
 def table_delta(
-    fqn: str, rank: int, start_idx: int, end_idx: int, rows: UniqueRows, shard: Optional[ShardInfo]
+    fqn: str, rank: int, start_idx: int, end_idx: int, rows: UniqueRows, shard: Optional[ShardInfo],
+    stamps: Optional[torch.Tensor] = None,
 ) -> TableDelta:
     """One rank's :class:`TableDelta` of ``[start_idx, end_idx)``: ``rows`` in shard-local ids,
-    and the same rows in global row ids (local id + the shard's row offset)."""
+    and the same rows in global row ids (local id + the shard's row offset); ``stamps``: see
+    :attr:`TableDelta.stamps`."""
     gids = rows.ids.to(torch.int64)
     if shard is not None and shard.row_offset:
         gids = gids + shard.row_offset
-    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard)
+    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard, stamps)

@@ -292,6 +292,10 @@ class ConsumerEntry:
         )
 
 
+#: TorchRec's sharding type of a replicated table (``ShardingType.DATA_PARALLEL.value``).
+DATA_PARALLEL = "data_parallel"
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """Where a rank's shard of a table sits in the full table (written by the tracker).
@@ -308,6 +312,11 @@ class ShardInfo:
     local_cols: Optional[int] = None
     global_rows: Optional[int] = None
     global_cols: Optional[int] = None
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole table (data-parallel)."""
+        return self.sharding_type == DATA_PARALLEL
 
     @staticmethod
     def from_dict(md: Mapping[str, Any]) -> "ShardInfo":

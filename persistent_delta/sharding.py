@@ -28,9 +28,7 @@ import torch
 from torch import nn
 
 from persistent_delta.errors import InvalidInputError
-
-#: TorchRec's sharding type of a replicated table (``ShardingType.DATA_PARALLEL.value``).
-DATA_PARALLEL = "data_parallel"
+from persistent_delta.schema import DATA_PARALLEL
 
 
 @dataclass

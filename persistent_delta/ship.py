@@ -45,6 +45,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
+
 from persistent_delta import codec, delivery, transport
 from persistent_delta.config import LogOptions
 from persistent_delta.consumer import DeltaConsumer
@@ -305,8 +307,13 @@ class Shipper:
                            self.job, rank, feed.channel, pos, d.start_idx)
         rows = {fqn: t.rows for fqn, t in d.tables.items()}
         chunk = max(1024, self._conn.max_payload - transport._HEADROOM)
+        info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
+                                "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
+        stamps = {fqn: t.stamps.to(torch.int64).numpy().tobytes() for fqn, t in d.tables.items() if t.stamps is not None}
+        if stamps:
+            info["stamps"] = stamps  # replicated tables: per row, the publish its value comes from
         parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                          d.end_idx, rows, chunk, {"log_id": feed.log_id, "log_end": end})
+                                                          d.end_idx, rows, chunk, info)
         if not (self._publish(feed, parts) and self._publish(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0

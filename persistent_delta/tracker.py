@@ -8,14 +8,14 @@ what a read returns and what retention and compaction may do: :mod:`.delivery`; 
 ``DMP.forward`` calls ``step()`` before the lookups, so batch ``b``'s records carry ``b``. The
 hot path (``record_lookup``) keeps references; ``step()`` hands the finished batch, with the
 new batch index, to the background writer. Every read (``get_unique``, ``publish``) commits
-what was recorded, then runs TorchRec's consume rule in one write transaction.
-
-Deliberate differences from TorchRec are listed in the README.
+what was recorded, then runs TorchRec's consume rule (a publish's commit is queued to the
+writer once its values are captured). Deliberate differences from TorchRec: see the README.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -25,7 +25,7 @@ from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_M
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta import delivery, restore, topk
+from persistent_delta import delivery, publish, restore, topk
 from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
@@ -34,7 +34,6 @@ from persistent_delta.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog
-from persistent_delta.publish import publish
 from persistent_delta.schema import (
     LOOKUPS,
     META_CLOSED_END,
@@ -59,7 +58,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     wrapped module. The training thread of the process that built it calls every method;
     ``get_unique``/``clear``/``flush`` may also be called from another thread as long as calls
     do not overlap. The log may be read meanwhile by other processes (``DeltaConsumer``, tools).
-
     ``model`` is the module to track (``dmp._dmp_wrapped_module`` for a DMP).
 
     Raises:
@@ -129,10 +127,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.curr_batch_idx += 1
         self._hand_off(self._take_batch())
 
-    def _take_batch(self, op: Any = None) -> WriteTask:
+    def _take_batch(self, op: Any = None, **task: Any) -> WriteTask:
         """The records captured so far, with the batch index to persist alongside them."""
         records, events = self._capture.take()
-        return WriteTask(records=records, meta={META_CURR_BATCH: self.curr_batch_idx}, events=events, op=op)
+        return WriteTask(records=records, meta={META_CURR_BATCH: self.curr_batch_idx}, events=events, op=op, **task)
 
     def _hand_off(self, task: WriteTask) -> None:
         if self._writer is not None:
@@ -228,13 +226,16 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     # ------------------------------------------------------------------ publish, checkpoints
     def publish(self, consumer: str) -> Dict[str, int]:
-        """Write the current values of the rows changed since ``consumer`` (a registered lookups
-        consumer) last read as snapshot records, in one transaction (see
-        :mod:`persistent_delta.publish`). Returns fqn -> rows published."""
-        name = check_consumer_name(consumer)
+        """Write snapshot records of the rows changed since ``consumer`` last read, with their values
+        now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them (and the
+        consumer's position) in one transaction in the background (``flush()`` waits)."""
+        name, t = check_consumer_name(consumer), time.time()
         self._commit_recorded()
-        end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
-        return self._log.write(lambda w: publish(w, name, end, stamp, self._update_mode, self._tables, **self._read_rule))
+        end, stamp, mode = self.curr_batch_idx + 1, self.curr_batch_idx, self._update_mode
+        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, mode, self._tables, t))
+        self._hand_off(self._take_batch(op=lambda w: publish.commit(w, cap, mode, **self._read_rule),
+                                        op_bytes=cap.nbytes, prompt=True))
+        return cap.rows
 
     def state_dict(self) -> Dict[str, Any]:
         """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
@@ -276,7 +277,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     @property
     def per_consumer_batch_idx(self) -> Dict[str, int]:
         """Committed position (next batch_idx to read) of every lookups consumer."""
-        self._check()
+        self._commit_recorded()  # (publishes commit positions in the writer)
         return self._log.read(delivery.committed_offsets)
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:

@@ -51,13 +51,19 @@ class WriteTask:
     Args:
         records: records to append (tensors may still be in flight from a device: ``events``).
         meta: meta values to set in the same transaction.
-        op: an extra log operation run inside the transaction after the appends (compaction).
+        op: an extra log operation run inside the transaction after the appends (compaction,
+            a publish's commit).
+        op_bytes: bytes ``op`` holds until it runs (a publish's captured rows), counted against
+            the writer's memory budget.
+        prompt: commit without waiting to group more steps (someone waits to read it).
         dedup: merge records sharing (fqn, batch_idx) before writing (FIRST/LAST rule).
     """
 
     records: List[AppendRecord] = field(default_factory=list)
     meta: Dict[str, Any] = field(default_factory=dict)
     op: Optional[Callable[[WriteTxn], Any]] = None
+    op_bytes: int = 0
+    prompt: bool = False
     dedup: bool = True
     events: List[Any] = field(default_factory=list)  # torch.cuda.Event to wait on
     nbytes: int = 0
@@ -149,7 +155,7 @@ class BackgroundWriter:
         Raises:
             WriterError: an earlier commit failed (see ``__cause__``); :meth:`resume` retries.
         """
-        task.nbytes = sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in task.records)
+        task.nbytes = task.op_bytes + sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in task.records)
         with self._cv:
             self._raise_if_failed()
             t0 = time.perf_counter()
@@ -173,6 +179,7 @@ class BackgroundWriter:
                 len(self._queue) == 1
                 or len(self._queue) >= self._opts.linger_steps
                 or self._pending_bytes >= self._opts.linger_bytes
+                or task.prompt
             ):
                 self._cv.notify_all()  # the writer starts lingering, or stops
 
@@ -275,7 +282,7 @@ class BackgroundWriter:
 
     def _linger(self) -> None:
         """(Lock held.) Wait for more steps to group into one transaction, within limits."""
-        if not self._queue:
+        if not self._queue or any(t.prompt for t in self._queue):
             return
         if self._after_barrier:
             # A barrier usually precedes a read that deletes (delete_on_read) in its own
@@ -289,6 +296,7 @@ class BackgroundWriter:
             len(self._queue) < self._opts.linger_steps
             and self._pending_bytes < self._opts.linger_bytes
             and not self._urgent
+            and not self._queue[-1].prompt
             and not self._closed
         ):
             left = deadline - time.monotonic()

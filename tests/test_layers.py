@@ -18,7 +18,7 @@ LAYERS = [
     {"records"},
     {"delivery"},
     {"results", "sharding", "transport"},
-    {"consumer", "remote", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"consumer", "apply", "remote", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer", "ship"},
     {"tracker"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade", "cli.ship", "cli.remote"},
@@ -27,9 +27,9 @@ LAYERS = [
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk"}
-READERS = {"consumer", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
-           "cli.vacuum", "cli.main", "cli", "shard_files", "transport", "ship", "remote", "natsserver", "cli.ship",
-           "cli.remote"}
+READERS = {"consumer", "apply", "results", "delivery", "records", "log", "store", "cli.offsets", "cli.replay",
+           "cli.verify", "cli.vacuum", "cli.main", "cli", "shard_files", "transport", "ship", "remote", "natsserver",
+           "cli.ship", "cli.remote"}
 
 
 def _modules() -> Dict[str, str]:

@@ -169,6 +169,8 @@ def _job(root: str, world: int, layout: str, mode: UpdateMode, seed: int, global
             snaps.append((stamp, ids, torch.randn(ids.numel(), c1 - c0)))
         written[(rank, LOOKUPS)] = {"a": [(r.ids, r.states) for r in lookups]}
         written[(rank, SNAPSHOTS)] = {"a": [(i, v) for _, i, v in snaps]}
+        # per id, the stamp of the last publish holding it (replicated snapshots: newest wins)
+        written[(rank, "stamps")] = {"a": {int(x): stamp for stamp, i, _ in snaps for x in i.tolist()}}
 
         def build(w: WriteTxn, rank: int = rank, lookups: list = lookups, snaps: list = snaps, lo: int = lo,
                   hi: int = hi, c0: int = c0, c1: int = c1, stype: str = stype) -> None:
@@ -194,15 +196,20 @@ def _job(root: str, world: int, layout: str, mode: UpdateMode, seed: int, global
     return written
 
 
-def _ref_merged(per_rank: Dict[int, Rows], shards: Dict[int, ShardInfo]) -> Tuple[List[int], Optional[torch.Tensor]]:
+def _ref_merged(per_rank: Dict[int, Rows], shards: Dict[int, ShardInfo],
+                stamps: Optional[Dict[int, Dict[int, int]]] = None) -> Tuple[List[int], Optional[torch.Tensor]]:
     """Merged over ranks: global ids; an id on several ranks of one column slice keeps the
-    lowest rank's row; column slices side by side."""
+    row of the highest stamp when ``stamps`` (rank -> id -> stamp) are given, else (and among
+    equal stamps) the lowest rank's row; column slices side by side."""
     by_col: Dict[int, Dict[int, torch.Tensor]] = {}
+    best: Dict[Tuple[int, int], int] = {}
     for rank in sorted(per_rank):
         sh = shards[rank]
         group = by_col.setdefault(sh.col_offset, {})
         for x, row in per_rank[rank].items():
-            group.setdefault(x + sh.row_offset, row)
+            key, stamp = x + sh.row_offset, (stamps[rank][x] if stamps else 0)
+            if key not in group or stamp > best[(sh.col_offset, key)]:
+                group[key], best[(sh.col_offset, key)] = row, stamp
     keys = sorted(set().union(*[set(g) for g in by_col.values()]))
     if any(sorted(g) != keys for g in by_col.values()) or not keys:
         return keys, None
@@ -235,7 +242,9 @@ def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world,
         if rule != UpdateMode.NONE:  # an empty table keeps (0, *row_shape)
             assert empty.states.shape == (0, delta.shard.local_cols) and empty.states.dtype == torch.float32
     merged = poll.merged()
-    keys, states = _ref_merged(per_rank, shards)
+    replicated = channel == SNAPSHOTS and layout == "replicated"
+    keys, states = _ref_merged(per_rank, shards, {r: written[(r, "stamps")]["a"] for r in range(world)} if replicated
+                               else None)
     assert merged["a"].global_ids.tolist() == keys
     assert merged["e"].global_ids.numel() == 0
     if rule == UpdateMode.NONE:

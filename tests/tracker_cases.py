@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -384,6 +385,7 @@ def publish_restore_case(rank: int, world_size: int, root: str, mode_name: str, 
         train_step(dmp, b)
         if i == 2:
             published += sum(t.publish("serving").values())
+            t.flush()  # publish() returns once the values are captured; the writer commits them
             pos = apply_snapshots(t.path, replica, pos)  # the replica sees lost-timeline values
     # crash: restore the model from the checkpoint, rebuild the tracker, restore its state
     t.close()
@@ -397,6 +399,7 @@ def publish_restore_case(rank: int, world_size: int, root: str, mode_name: str, 
     for b in batches[9:11]:
         train_step(dmp, b)
     published += sum(t.publish("serving").values())
+    t.flush()
     pos = apply_snapshots(t.path, replica, pos)
     mismatched = {fqn: int((replica[fqn] != lt.weights()).any(dim=1).sum()) for fqn, lt in t.local_tables.items()}
     t.close()
@@ -462,6 +465,7 @@ def empty_shapes_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     for b in batches:
         train_step(dmp, b)
     t.publish("pub")
+    t.flush()
     out: Dict[str, Any] = {"dims": dims}
     for channel in ("snapshots", "lookups"):
         with DeltaConsumer(root, "c-" + channel, channel=channel) as c:
@@ -649,3 +653,30 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
            "full": isinstance(cause, LogFullError), "stored": stored, "curr": t.curr_batch_idx}
     t.close()
     return out
+
+
+def publish_apply_case(rank: int, world_size: int, root: str, sharding: str, dp_tables: Tuple[int, ...],
+                       after: int = 2) -> Dict[str, Any]:
+    """Train and publish every other step (ID_ONLY, consumer ``serving``), then train ``after``
+    more steps without publishing: a replica fed by the publishes must hold the tables of the
+    last ``publish()`` call, not the final ones. Returns this rank's shards at the last publish
+    (with their placement), whether training changed them after it, and the wall-clock window
+    of each publish call."""
+    from harness import table_shard_info
+
+    dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", dp_tables=dp_tables)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
+    batches = make_batches("ec", 8 + after, 8, seed=5, world_size=world_size, rank=rank)
+    windows: Dict[int, Tuple[float, float]] = {}
+    shards: Dict[str, Any] = {}
+    for i, b in enumerate(batches):
+        train_step(dmp, b)
+        if i < 8 and i % 2 == 1:
+            t0, stamp = time.time(), t.curr_batch_idx
+            t.publish("serving")
+            windows[stamp] = (t0, time.time())
+            info = table_shard_info(dmp)
+            shards = {fqn: (lt.weights().detach().clone(), info[fqn]) for fqn, lt in t.local_tables.items()}
+    changed = {fqn: bool((t.local_tables[fqn].weights() != w).any()) for fqn, (w, _) in shards.items()}
+    t.close()
+    return {"shards": shards, "windows": windows, "changed_after": changed}

@@ -145,11 +145,11 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
         raise PersistentDeltaError("--execute and --to-* go with --reset, --register or --delete")
     ranks = describe(args.root, tables=args.tables)
     rows = [
-        [r.rank, c.name, c.channel, c.offset, c.log_start, c.log_end, c.lag, c.pending_rows, c.pending_bytes,
-         _when(c.commit_time), c.registered_by or "-", c.status]
+        [r.rank, c.name, c.channel, c.offset, c.log_start, c.log_end, c.lag, "-" if c.lag_s is None else f"{c.lag_s:.3f}",
+         c.pending_rows, c.pending_bytes, _when(c.commit_time), c.registered_by or "-", c.status]
         for r in ranks for c in r.consumers
     ]
-    headers = ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "LOG-START", "LOG-END", "LAG", "PENDING-ROWS",
+    headers = ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "LOG-START", "LOG-END", "LAG", "LAG-S", "PENDING-ROWS",
                "PENDING-BYTES", "LAST-COMMIT", "REGISTERED-BY", "STATUS"]
     logs = [[r.rank, r.log_start, r.log_end, r.snapshot_end, r.path] for r in ranks]
     out = Output(data={"ranks": _jsonable(ranks)},

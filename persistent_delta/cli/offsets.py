@@ -17,6 +17,7 @@ its next ``commit``: stop it first (as Kafka requires an inactive group).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -25,7 +26,7 @@ from persistent_delta.errors import InvalidInputError, UnknownConsumerError
 from persistent_delta.layout import PathLike, rank_paths
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
-from persistent_delta.records import pending_stats
+from persistent_delta.records import pending_stats, publish_times
 from persistent_delta.schema import (
     LOOKUPS,
     SNAPSHOTS,
@@ -47,7 +48,9 @@ class ConsumerOffsets:
     ``lag`` = ``max(0, log_end - offset)`` batches; ``pending_rows`` / ``pending_bytes`` count
     the stored records a poll at ``offset`` would read, ``[read_start, log_end)`` (ids as
     stored, before de-duplication; value bytes). ``log_start``/``log_end`` are those of the
-    consumer's channel. ``status`` is :func:`persistent_delta.delivery.position_status`:
+    consumer's channel. ``lag_s`` (snapshots consumers): seconds from the oldest unread
+    publish's ``publish()`` call to now, 0.0 when nothing is unread, None when the unread
+    records carry no time (written before times were stored) or for lookups. ``status`` is :func:`persistent_delta.delivery.position_status`:
     ``ok``, ``read the open batch`` (a trainer consumer that read the batch being recorded:
     legal, one past the end), ``below log start``, ``past log end`` or ``expired``.
     """
@@ -65,6 +68,7 @@ class ConsumerOffsets:
     registered_by: str
     status: str
     delivery: str = Delivery.IN_TRANSACTION.value
+    lag_s: Optional[float] = None
 
 
 @dataclass
@@ -116,7 +120,17 @@ def _table_stats(r: ReadTxn) -> List[TableStats]:
     return out
 
 
+def _lag_s(r: ReadTxn, channel: str, begin: int, end: int, now: float) -> Optional[float]:
+    if channel != SNAPSHOTS:
+        return None
+    if end <= begin:
+        return 0.0
+    times = publish_times(r, begin, end)
+    return max(0.0, now - min(times.values())) if times else None
+
+
 def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffsets:
+    now = time.time()
     start, end = delivery.bounds(r, LOOKUPS)
     out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=delivery.bounds(r, SNAPSHOTS)[1])
     for name, entry in sorted(r.consumers().items()):
@@ -128,6 +142,7 @@ def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffset
             lag=max(0, end - entry.offset), pending_records=n, pending_rows=rows, pending_bytes=nbytes,
             commit_time=entry.commit_time or None, registered_by=entry.registered_by,
             status=delivery.position_status(entry, start, end), delivery=entry.delivery.value,
+            lag_s=_lag_s(r, entry.channel, max(begin, entry.offset), end, now),
         ))
     if tables:
         out.tables = _table_stats(r)

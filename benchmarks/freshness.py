@@ -1,0 +1,251 @@
+"""Freshness and cost of ``publish()`` (issue 14): from the ``publish()`` call in a training
+process to the rows applied by a replica in another process, and what publishing costs the
+trainer.
+
+    python -m benchmarks.freshness [--quick] [--every1-steps 600] [--every10-steps 5000]
+                                   [--rounds 12] [--block 50]
+
+Workload (one rank, the trainer at torch's default thread count): an EmbeddingCollection of 4
+tables x 100,000 rows x dim 64, batch 1024 x pooling 8, Zipf ids, fused row-wise Adagrad,
+ID_ONLY tracking with one consumer ``serving``. The replica is a separate process: a
+``DeltaConsumer(root, "replica", channel="snapshots")`` polling with a timeout and applying each
+poll to its own full tables with :func:`persistent_delta.apply_poll`, then committing.
+
+Phases, each printing one JSON line:
+
+* ``cost``: three tracked models in this process, trained in interleaved blocks of
+  ``--block`` steps (the order rotates every round): ``publish`` publishes every 10 steps (its
+  replica running), ``a`` and ``b`` never publish. Per round, the throughput ratio
+  publish/a and the A/A ratio b/a (the noise floor); the median over ``--rounds`` rounds.
+  Target: publish/a <= 1.05.
+* ``every1`` and ``every10``: one model publishing every step / every 10 steps while it
+  trains; per publish, lag = the replica's ``applied_at`` - the time of the ``publish()`` call
+  (stored with the publish, header ``"t"``; one clock, ``time.time()``, on one machine).
+  Targets: p99 <= 50 ms (every step), <= 100 ms (every 10), over >= 500 publishes; max shown.
+  Also: the trainer's mean step time and ``publish()`` call time, the replica's CPU use (share
+  of one core), the bytes applied, and the raw memcpy bandwidth of a publish's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from benchmarks._common import emit, init_single_rank_pg, log, machine, median, rmtree, workdir
+
+CONSUMER = "serving"
+
+
+def pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(round(q * (len(ys) - 1))))]
+
+
+# ------------------------------------------------------------------------------- replica
+
+
+def replica_main(root: str, out: str, stop: str) -> int:
+    """Poll, apply, commit until ``stop`` exists and nothing is left; write lags to ``out``."""
+    import torch
+
+    from persistent_delta import DeltaConsumer, apply_poll
+
+    tables: Dict[str, torch.Tensor] = {}
+    lags: List[float] = []
+    polls = rows = nbytes = 0
+    t0, c0 = time.time(), _cpu_s()
+    with DeltaConsumer(root, "replica", channel="snapshots", wait=60.0) as consumer:
+        while True:
+            stopping = os.path.exists(stop)
+            poll = consumer.poll(timeout=0.2)
+            for part in poll:
+                if part.fqn not in tables and part.shard is not None and part.states is not None:
+                    tables[part.fqn] = torch.zeros(part.shard.global_rows, part.shard.global_cols or part.states.shape[1],
+                                                   dtype=part.states.dtype)
+            applied = apply_poll(tables, poll, complete_only=True)
+            consumer.commit()
+            if not poll.empty:
+                polls += 1
+                rows += applied.rows
+                nbytes += applied.nbytes
+                lags.extend(applied.applied_at - t for t in applied.publishes.values())
+            elif stopping:
+                break
+    wall, cpu = time.time() - t0, _cpu_s() - c0
+    with open(out, "w") as f:
+        json.dump({"lags": lags, "polls": polls, "rows": rows, "bytes": nbytes, "cpu_s": cpu, "wall_s": wall}, f)
+    return 0
+
+
+def _cpu_s() -> float:
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    return s.ru_utime + s.ru_stime
+
+
+class Replica:
+    """The replica process for one log root."""
+
+    def __init__(self, root: str) -> None:
+        self.out, self.stop = root + ".replica.json", root + ".stop"
+        env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.freshness", "--role", "replica", "--root", root,
+                                      "--replica-out", self.out, "--replica-stop", self.stop], env=env)
+
+    def finish(self) -> Dict[str, Any]:
+        open(self.stop, "w").close()
+        if self.proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"the replica exited with {self.proc.returncode}")
+        with open(self.out) as f:
+            result: Dict[str, Any] = json.load(f)
+        return result
+
+
+# ------------------------------------------------------------------------------- trainer
+
+
+def _workload() -> Any:
+    from benchmarks._model import Workload
+
+    return Workload(num_tables=4, rows=100_000, dim=64, batch=1024, pooling=8)
+
+
+def _tracked(root: str, seed: int) -> Any:
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    from benchmarks._model import build_dmp
+    from persistent_delta import PersistentTrackerConfig, attach
+
+    dmp = build_dmp(_workload(), seed=seed)
+    tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, consumers=[CONSUMER],
+                                                  delete_on_read=True, fresh=True))
+    return dmp, tracker
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(max(1, nbytes), dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / median(times) / 1e9
+
+
+def run_freshness(name: str, every: int, steps: int, batches: List[Any]) -> Dict[str, Any]:
+    from benchmarks._model import train_step
+
+    root = workdir(f"fresh-{name}")
+    dmp, tracker = _tracked(root, seed=1)
+    replica = Replica(root)
+    step_s: List[float] = []
+    publish_s: List[float] = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        train_step(dmp, batches[i % len(batches)])
+        if (i + 1) % every == 0:
+            t1 = time.perf_counter()
+            tracker.publish(CONSUMER)
+            publish_s.append(time.perf_counter() - t1)
+        step_s.append(time.perf_counter() - t0)
+    tracker.close()
+    rep = replica.finish()
+    rmtree(root)
+    lags = rep["lags"]
+    per_publish_bytes = rep["bytes"] / max(1, len(lags))
+    return emit(
+        "freshness", phase=name, publish_every=every, steps=steps, publishes=len(lags),
+        lag_p50_ms=1e3 * (pct(lags, 0.5) or 0), lag_p99_ms=1e3 * (pct(lags, 0.99) or 0),
+        lag_max_ms=1e3 * max(lags, default=0), target_p99_ms=50 if every == 1 else 100,
+        step_mean_ms=1e3 * sum(step_s) / len(step_s), publish_call_mean_ms=1e3 * sum(publish_s) / max(1, len(publish_s)),
+        publish_call_p99_ms=1e3 * (pct(publish_s, 0.99) or 0), replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]),
+        replica_polls=rep["polls"], bytes_per_publish=per_publish_bytes,
+        memcpy_gbps_same_bytes=memcpy_gbps(int(per_publish_bytes)), machine=machine(),
+    )
+
+
+def run_cost(rounds: int, block: int, batches: List[Any]) -> Dict[str, Any]:
+    from benchmarks._model import train_step
+
+    variants = ("publish", "a", "b")
+    roots = {v: workdir(f"cost-{v}") for v in variants}
+    models = {v: _tracked(roots[v], seed=1) for v in variants}
+    replica = Replica(roots["publish"])
+    done = {v: 0 for v in variants}
+    round_s: List[Dict[str, float]] = []
+    warm = 1
+    for r in range(warm + rounds):
+        order = variants[r % 3:] + variants[:r % 3]
+        spent: Dict[str, float] = {}
+        for v in order:
+            dmp, tracker = models[v]
+            t0 = time.perf_counter()
+            for _ in range(block):
+                train_step(dmp, batches[done[v] % len(batches)])
+                done[v] += 1
+                if v == "publish" and done[v] % 10 == 0:
+                    tracker.publish(CONSUMER)
+            spent[v] = time.perf_counter() - t0
+        if r >= warm:
+            round_s.append(spent)
+            log("cost: round %d/%d %s", r - warm + 1, rounds, {k: round(1e3 * x / block, 1) for k, x in spent.items()})
+    for v in variants:
+        models[v][1].close()
+    rep = replica.finish()
+    for root in roots.values():
+        rmtree(root)
+    ratio = [s["publish"] / s["a"] for s in round_s]
+    aa = [s["b"] / s["a"] for s in round_s]
+    return emit(
+        "freshness", phase="cost", publish_every=10, rounds=rounds, block_steps=block,
+        publish_over_untouched_median=median(ratio), aa_median=median(aa), target=1.05,
+        ratios=sorted(ratio), aa_ratios=sorted(aa),
+        step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
+        replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=len(rep["lags"]),
+        machine=machine(),
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--every1-steps", type=int, default=600)
+    ap.add_argument("--every10-steps", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--block", type=int, default=50)
+    ap.add_argument("--only", default="cost,every1,every10", help="comma-separated phases")
+    ap.add_argument("--role", default="bench", choices=["bench", "replica"], help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--replica-out", help=argparse.SUPPRESS)
+    ap.add_argument("--replica-stop", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "replica":
+        return replica_main(args.root, args.replica_out, args.replica_stop)
+    if args.quick:
+        args.every1_steps, args.every10_steps, args.rounds, args.block = 60, 200, 3, 20
+    from benchmarks._model import make_batches
+
+    init_single_rank_pg()
+    batches = make_batches(_workload(), 50, seed=1)
+    phases = [p.strip() for p in args.only.split(",")]
+    if "cost" in phases:
+        run_cost(args.rounds, args.block, batches)
+    if "every1" in phases:
+        run_freshness("every1", 1, args.every1_steps, batches)
+    if "every10" in phases:
+        run_freshness("every10", 10, args.every10_steps, batches)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Applying polled rows to a replica's full tables: the one definition of "applied".
+
+Owns: how a poll of the snapshots channel lands in a replica's tables. A replica (a serving
+process, an evaluation job) holds each table whole, as one ``(global_rows, global_cols)``
+tensor, and keeps it equal to the trainer's by applying every poll in order:
+
+* each rank's rows go to their global row ids (``TableDelta.global_ids``), and a column-wise
+  shard's values to its columns ``[col_offset, col_offset + width)`` -- the column halves of a
+  publish land side by side, with no intermediate merge or copy;
+* within a poll each rank's rows already hold the newest publish's values (snapshots merge
+  LAST); across polls the later poll is newer, so applying polls in order is newest-wins;
+* a row present on several ranks (a data-parallel, replicated table: each rank publishes the
+  rows it looked up) takes the value of the newest publish that holds it, the lowest rank's
+  among equals, as :meth:`DeltaPoll.merged` does.
+
+A tracker job's poll stops at the end every rank completed, so it never holds part of a
+publish; ``complete_only=True`` also refuses a poll whose ranks were read over different
+ranges (see :attr:`DeltaPoll.complete`). Nothing is applied when a check fails.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torchrec.distributed.model_tracker.types import UniqueRows
+
+from persistent_delta.errors import IncompletePollError, InvalidInputError
+from persistent_delta.results import DeltaPoll, TableDelta, merge_table
+from persistent_delta.schema import SNAPSHOTS
+
+
+@dataclass
+class Applied:
+    """What :func:`apply_poll` applied.
+
+    Attributes:
+        ranges: rank -> ``(start_idx, end_idx)`` the poll read (what the tables now reflect).
+        rows: rows written, summed over ranks and tables (a column-split row counts per shard).
+        nbytes: value bytes written.
+        publishes: stamp -> publish time of the publishes applied.
+        applied_at: wall-clock time (``time.time()``) when the last row was written.
+    """
+
+    ranges: Dict[int, Tuple[int, int]] = field(default_factory=dict)
+    rows: int = 0
+    nbytes: int = 0
+    publishes: Dict[int, float] = field(default_factory=dict)
+    applied_at: float = 0.0
+
+    def lag_s(self) -> Optional[float]:
+        """Seconds from the oldest publish applied to ``applied_at`` (its freshness), or None."""
+        return self.applied_at - min(self.publishes.values()) if self.publishes else None
+
+
+def apply_poll(
+    tables: Mapping[str, torch.Tensor], poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True
+) -> Applied:
+    """Apply the rows of a snapshots poll to ``tables`` (fqn -> full table), in place.
+
+    Args:
+        tables: fqn -> the replica's whole table, ``(global_rows, global_cols)``, of the
+            trainer's dtype.
+        poll: a poll of the ``snapshots`` channel.
+        complete_only: refuse a poll that is not :attr:`~DeltaPoll.complete`.
+        strict: a polled table missing from ``tables`` is an error (``False``: skipped).
+
+    Raises:
+        InvalidInputError: not a snapshots poll; a table is missing (``strict``), not 2-D,
+            smaller than the shard says, or of another dtype.
+        IncompletePollError: ``complete_only`` and the poll is not complete.
+    """
+    if poll.channel != SNAPSHOTS:
+        raise InvalidInputError(
+            f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
+    if complete_only and not poll.complete:
+        raise IncompletePollError(
+            f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges()}: "
+            "some rank's part of these publishes is not in it; nothing was applied")
+    plan: List[Tuple[torch.Tensor, TableDelta]] = []
+    for fqn, parts in poll.tables().items():
+        table = tables.get(fqn)
+        if table is None:
+            if strict:
+                raise InvalidInputError(f"the replica has no table {fqn!r} (it has {sorted(tables)})")
+            continue
+        if len(parts) > 1 and any(p.shard is not None and p.shard.replicated for p in parts):
+            parts = [_replicated(fqn, parts)]
+        for part in parts:
+            if part.ids.numel() and part.states is not None:
+                plan.append((_target(fqn, table, part), part))
+    out = Applied(ranges=poll.ranges(), publishes=poll.publishes)
+    with torch.no_grad():
+        for target, part in plan:
+            states = part.states
+            assert states is not None
+            target.index_copy_(0, part.global_ids, states.reshape(states.shape[0], -1))
+            out.rows += int(part.ids.numel())
+            out.nbytes += states.numel() * states.element_size()
+    out.applied_at = time.time()
+    return out
+
+
+def _replicated(fqn: str, parts: List[TableDelta]) -> TableDelta:
+    """A replicated table's parts as one part, by :func:`merge_table`'s rule (newest publish
+    wins, then the lowest rank)."""
+    merged = merge_table(fqn, parts)
+    rows = UniqueRows(ids=merged.global_ids, states=merged.states)
+    return TableDelta(fqn, min(p.rank for p in parts), min(p.start_idx for p in parts), max(p.end_idx for p in parts),
+                      rows, merged.global_ids, replace(parts[0].shard, row_offset=0) if parts[0].shard else None)
+
+
+def _target(fqn: str, table: torch.Tensor, part: TableDelta) -> torch.Tensor:
+    """The view of ``table`` that ``part``'s rows are copied into (checked)."""
+    states = part.states
+    assert states is not None
+    width = int(states[0].numel()) if states.shape[0] else 0
+    if table.dim() != 2:
+        raise InvalidInputError(f"replica table {fqn!r} must be 2-D (rows, columns), got shape {tuple(table.shape)}")
+    if table.dtype != states.dtype:
+        raise InvalidInputError(f"replica table {fqn!r} is {table.dtype}; the log holds {states.dtype} values")
+    c0 = part.col_offset
+    if c0 + width > table.shape[1]:
+        raise InvalidInputError(
+            f"replica table {fqn!r} has {table.shape[1]} columns; rank {part.rank}'s shard holds columns "
+            f"[{c0}, {c0 + width})")
+    top = int(part.global_ids.max()) if part.global_ids.numel() else -1
+    if top >= table.shape[0] or (part.global_ids.numel() and int(part.global_ids.min()) < 0):
+        raise InvalidInputError(
+            f"replica table {fqn!r} has {table.shape[0]} rows; rank {part.rank}'s rows reach global id {top}")
+    return table if (c0 == 0 and width == table.shape[1]) else table[:, c0:c0 + width]
+
+
+__all__ = ["Applied", "apply_poll"]
