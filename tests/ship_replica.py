@@ -2,7 +2,7 @@
 
 It cannot read the trainer's log directory: an audit hook fails every open/listdir under it
 (and under root it would run as another uid). It starts from the deterministic initial tables,
-applies every poll of the snapshots channel (global ids, column halves at col_offset), saves
+applies every poll of the snapshots channel with ``apply_poll(..., complete_only=True)``, saves
 its tables, then commits; it logs each poll's ranges. ``--die-after-polls K``: SIGKILL itself
 after the K-th non-empty poll, before its commit. It stops once ``--stop-file`` exists and
 its positions reached the stream's end.
@@ -62,6 +62,7 @@ def main() -> int:
     import torch
 
     from harness import global_table_weights
+    from persistent_delta import apply_poll
     from persistent_delta.remote import RemoteConsumer
     from ship_cases import DIM, ROWS, SEED, TABLES
 
@@ -77,9 +78,7 @@ def main() -> int:
         log.flush()
         while True:
             poll = c.poll(timeout=0.3)
-            for d in poll:
-                if d.states is not None and d.ids.numel():
-                    tables[d.fqn][d.global_ids, d.col_offset:d.col_offset + d.states.shape[1]] = d.states
+            apply_poll(tables, poll, complete_only=True)  # every rank over the same range, or nothing applied
             if not poll.empty:
                 polls += 1
                 log.write(json.dumps({"ranges": {str(r): v for r, v in poll.ranges().items()}}) + "\n")
