@@ -341,11 +341,12 @@ class RemoteConsumer:
         self._check()
         if self._lost:
             raise LogLockedError(f"consumer {self.name!r} of job {self.job!r} lost its claim; nothing committed")
-        ranks = {str(r): {"pos": st.pos, "seq": st.resume_seq, "epoch": st.epoch}
-                 for r, st in self._ranks.items() if st.pos is not None}
+        positions = {r: st.pos for r, st in self._ranks.items() if st.pos is not None}
+        ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
+                 for r, pos in positions.items()}
         value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time()})
         self.conn.kv_put(self.job, "offsets", offsets_key(self.name, self.channel), value)
-        return {int(r): int(v["pos"]) for r, v in ranks.items()}  # type: ignore[call-overload]
+        return dict(positions)
 
     def committed(self) -> Dict[int, int]:
         """rank -> the position stored in the ``offsets`` bucket now.
@@ -530,10 +531,10 @@ class RemoteConsumer:
         if meta is None:
             return rd
         mode = UpdateMode(meta.modes.get(self.channel, "none"))
-        for fqn, raw in sorted(meta.entries.items()):
+        for fqn, entry_bytes in sorted(meta.entries.items()):
             if self._tables_filter is not None and fqn not in self._tables_filter:
                 continue
-            entry = TableEntry.from_bytes(fqn, raw)
+            entry = TableEntry.from_bytes(fqn, entry_bytes)
             with_rows = [r for r in taken if fqn in r.tables]
             parts = [r.tables[fqn] for r in with_rows]
             stamps: Optional[torch.Tensor] = None
@@ -541,9 +542,9 @@ class RemoteConsumer:
                 states = [p.states for p in parts]
                 ids = [p.ids for p in parts]
                 rows = compute_unique_rows(ids, None if any(s is None for s in states) else states, mode)  # type: ignore[arg-type]
-                raw = [r.marker.info.get("stamps", {}).get(fqn) for r in with_rows]
+                raw: List[Optional[bytes]] = [r.marker.info.get("stamps", {}).get(fqn) for r in with_rows]
                 if all(b is not None for b in raw):  # a replicated table: per row, its publish (newest wins)
-                    per = [torch.frombuffer(bytearray(b), dtype=torch.int64).view(-1, 1) for b in raw]  # type: ignore[arg-type]
+                    per = [torch.frombuffer(bytearray(b or b""), dtype=torch.int64).view(-1, 1) for b in raw]
                     got = compute_unique_rows(ids, per, UpdateMode.LAST).states
                     stamps = None if got is None else got.view(-1)
             else:

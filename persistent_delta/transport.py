@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import logging
 import os
@@ -389,7 +390,7 @@ class Connection:
         logger.debug("nats: %r", exc)
 
     def _call(self, coro: Awaitable[_T], timeout: Optional[float] = None) -> _T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        fut: "concurrent.futures.Future[_T]" = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
         try:
             return fut.result(timeout)
         except TimeoutError:

@@ -136,6 +136,7 @@ def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action
             if action == "reset":
                 ends = _ends(conn, job, ch, sorted(ranks))
                 for r, v in sorted(ranks.items()):
+                    nv: Dict[str, Any]
                     if target == "latest":
                         last = conn.last_message(job, transport.end_subject(job, ch, r))
                         m = None if last is None else Marker.decode(last[2], last[0], f"job {job}")
@@ -147,7 +148,9 @@ def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action
                     else:
                         raise InvalidInputError("reset needs --to-earliest, --to-latest or --to-batch N")
                     new_ranks[str(r)] = nv
-                    changes.append(RemoteChange(name, ch, r, "reset", v.get("pos"), nv["pos"]))
+                    new_pos = nv["pos"]
+                    changes.append(RemoteChange(name, ch, r, "reset", v.get("pos"),
+                                                None if new_pos is None else int(new_pos)))
                 if execute:
                     conn.kv_put(job, "offsets", offsets_key(name, ch),
                                 codec.pack({"name": name, "channel": ch, "ranks": new_ranks, "time": time.time()}))
