@@ -118,7 +118,7 @@ def freshness(steps: int, url: Any, replicas: int, base: str, batch: int) -> Dic
 
     root, out, flag = os.path.join(base, f"fr-log-r{replicas}"), os.path.join(base, f"fr-r{replicas}.json"), \
         os.path.join(base, f"go-r{replicas}")
-    job = f"fresh{replicas}"
+    job = f"fresh{replicas}-{batch}"
     trainer = _trainer(root, steps, out, flag, batch)
     assert trainer.stdout is not None and trainer.stdout.readline().strip() == "READY"
     urls = url if isinstance(url, str) else ",".join(url)

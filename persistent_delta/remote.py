@@ -414,11 +414,12 @@ class RemoteConsumer:
         assert st.gap is not None
         gap, m = st.gap, st.gap.marker
         if self.reset is None:
+            why = (f"batches [{st.pos}, {m.start}) are not on the stream: dropped by its limits, or never shipped "
+                   "because the shipper fell past the trainer's retention bound" if st.pos is None or m.start > st.pos
+                   else f"the log was started afresh: a new shipper epoch, its batch numbers restarted at {m.start}")
             raise OffsetOutOfRangeError(
                 f"remote consumer {self.name!r} is at batch {st.pos} of {self._where(st.rank)}, but the stream's next "
-                f"range starts at batch {m.start} (batches [{st.pos}, {m.start}) are not on the stream: dropped by its "
-                "limits, never shipped because the shipper fell past the trainer's retention bound, or the log was "
-                "started afresh). Pass reset='earliest' or 'latest', or seek()"
+                f"range is [{m.start}, {m.end}) ({why}). Pass reset='earliest' or 'latest', or seek()"
             )
         logger.warning("remote consumer %r: %s: position %s out of range (next range [%d, %d)); reset to %s", self.name,
                        self._where(st.rank), st.pos, m.start, m.end, self.reset)
