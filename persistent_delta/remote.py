@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
@@ -74,6 +74,7 @@ from persistent_delta.transport import ConnectOptions, Connection, Marker, Range
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _GET_BATCH = 256
 _GET_BYTES = 32 << 20
 _RECHECK_S = 0.05
@@ -126,6 +127,8 @@ class RemoteConsumer:
         connect: authentication/TLS.
         stream: the bucket settings used when this consumer creates the job's buckets.
         max_buffer_bytes: complete ranges buffered per rank at most, before a poll.
+        retry_s: how long ``commit``, ``committed`` and ``end_offsets`` retry while the server
+            is unreachable (a restart, a leader election) before raising ``TransportError``.
 
     Raises:
         TransportError: the server cannot be reached within ``wait``.
@@ -145,6 +148,7 @@ class RemoteConsumer:
         connect: Optional[ConnectOptions] = None,
         stream: Optional[transport.StreamOptions] = None,
         max_buffer_bytes: int = 256 << 20,
+        retry_s: float = 30.0,
     ) -> None:
         self._closed = True
         self.job = transport.check_job(job)
@@ -158,6 +162,7 @@ class RemoteConsumer:
         self.reset = reset
         self._tables_filter = list(tables) if tables is not None else None
         self._max_buffer = int(max_buffer_bytes)
+        self._retry_s = float(retry_s)
         self._lost = False
         self.last_error = ""
         self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped  # the last transport failure a poll retried over ("" when the last poll reached the server)
@@ -326,9 +331,20 @@ class RemoteConsumer:
         self._check()
         out = {}
         for rank in self._ranks:
-            last = self.conn.last_message(self.job, transport.end_subject(self.job, self.channel, rank))
+            last = self._retrying(lambda: self.conn.last_message(
+                self.job, transport.end_subject(self.job, self.channel, rank)))
             out[rank] = 0 if last is None else Marker.decode(last[2], last[0], self._where(rank)).end
         return out
+
+    def _retrying(self, fn: Callable[[], _T]) -> _T:
+        deadline = time.monotonic() + self._retry_s
+        while True:
+            try:
+                return fn()
+            except TransportError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     def commit(self) -> Dict[int, int]:
         """Store the current positions in the job's ``offsets`` bucket (replicated with the
@@ -336,7 +352,7 @@ class RemoteConsumer:
 
         Raises:
             LogLockedError: the claim on the name was lost (another process took it).
-            TransportError: the server is unreachable (nothing is stored; retry).
+            TransportError: the server stayed unreachable for ``retry_s`` (nothing is stored).
         """
         self._check()
         if self._lost:
@@ -345,7 +361,7 @@ class RemoteConsumer:
         ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
                  for r, pos in positions.items()}
         value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time()})
-        self.conn.kv_put(self.job, "offsets", offsets_key(self.name, self.channel), value)
+        self._retrying(lambda: self.conn.kv_put(self.job, "offsets", offsets_key(self.name, self.channel), value))
         return dict(positions)
 
     def committed(self) -> Dict[int, int]:
@@ -355,7 +371,7 @@ class RemoteConsumer:
             UnknownConsumerError: nothing stored for this name and channel.
         """
         self._check()
-        got = self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel))
+        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
         if got is None:
             raise UnknownConsumerError(f"remote consumer {self.name!r} ({self.channel}) of job {self.job!r} has no "
                                        "committed position")
@@ -443,7 +459,7 @@ class RemoteConsumer:
         moves the position past them. See :meth:`DeltaConsumer.poll`.
 
         While the server cannot be reached the poll delivers what it buffered and retries
-        until its timeout (``last_error`` says why); ``commit`` raises instead.
+        until its timeout (``last_error`` says why); ``commit`` retries up to ``retry_s``.
 
         Raises:
             OffsetOutOfRangeError: batches at the position are missing from the stream and no

@@ -228,9 +228,9 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
 
 @pytest.mark.dist
 def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
-    """The single file-backed server is stopped mid-run and SIGKILLed later, each time started
-    again on its store: the trainer is never held, the shipper retries and catches up, and the
-    replica ends bit-exact."""
+    """The single file-backed server is stopped mid-run and SIGKILLed twice later, at random
+    instants, each time started again on its store: the trainer is never held, the shipper
+    retries and catches up, and the replica ends bit-exact."""
     root, out, job = str(tmp_path / "log"), str(tmp_path / "out"), "job-b"
     os.makedirs(out)
     stop = os.path.join(out, "stop")
@@ -241,14 +241,14 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     replica = start_replica(nats_server.url, job, root, out, stop)
     wait_for(lambda: os.path.exists(os.path.join(out, "replica.polls")), 60, "the replica")
     open(go, "w").close()
-    time.sleep(1.0)
-    nats_server.stop()
-    time.sleep(1.0)
-    nats_server.start()
-    time.sleep(1.0)
-    nats_server.kill()
-    time.sleep(0.5)
-    nats_server.start()
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    for i in range(3):  # stopped once, SIGKILLed twice, at random instants
+        time.sleep(rng.uniform(0.3, 1.5))
+        nats_server.stop() if i == 0 else nats_server.kill()
+        time.sleep(rng.uniform(0.2, 1.2))
+        nats_server.start()
     join_trainer(box)
     wait_for(lambda: stream_caught_up(root, nats_server.url, job, SNAPSHOTS), 90, "the shipper to catch up")
     open(stop, "w").close()
@@ -259,7 +259,7 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     assert replica.returncode == 0, err
     got, want = torch.load(os.path.join(out, "replica.pt")), assemble(out, 2)
     for fqn in want:
-        assert torch.equal(got[fqn], want[fqn]), fqn
+        assert torch.equal(got[fqn], want[fqn]), f"{fqn} (seed {seed})"
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=0)
     stop_proc(shipper)
 
