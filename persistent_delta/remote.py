@@ -326,6 +326,44 @@ class RemoteConsumer:
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
 
+    def bootstrap(self) -> Dict[str, torch.Tensor]:
+        """A full base state from the stream, for a replica that joins late or after its
+        position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
+        from every rank's base snapshot (:func:`persistent_delta.ship.publish_base`), and
+        every rank's position moved just past the base's publish (in memory; ``commit`` stores
+        it). Apply the polls that follow to the returned tables.
+
+        Raises:
+            NotALogError: a rank of the job has no base snapshot on the stream.
+            InvalidInputError: the ranks' bases were taken at different publishes.
+        """
+        self._check()
+        stamps: Dict[int, int] = {}
+        full: Dict[str, torch.Tensor] = {}
+        for rank in sorted(self._expected or self._meta):
+            buf = self._retrying(lambda: self.conn.object_get(self.job, transport.base_name(rank)))
+            if buf is None:
+                raise NotALogError(f"job {self.job!r}: rank {rank} has no base snapshot on {self.server}; publish one "
+                                   "with persistent_delta.ship.publish_base on every rank")
+            stamp, tables = transport.decode_base(buf, self._where(rank))
+            stamps[rank] = stamp
+            meta = self._meta[rank]
+            for fqn, values in tables.items():
+                shard = ShardInfo.from_entry(TableEntry.from_bytes(fqn, meta.entries[fqn]))
+                rows = shard.global_rows if shard is not None and shard.global_rows is not None else values.shape[0]
+                cols = shard.global_cols if shard is not None and shard.global_cols is not None else values.shape[1]
+                t = full.setdefault(fqn, torch.zeros(rows, cols, dtype=values.dtype))
+                r0, c0 = (shard.row_offset, shard.col_offset) if shard is not None else (0, 0)
+                t[r0:r0 + values.shape[0], c0:c0 + values.shape[1]] = values
+        if len(set(stamps.values())) > 1:
+            raise InvalidInputError(f"job {self.job!r}: the ranks' base snapshots were taken at different publishes "
+                                    f"{stamps}; publish them at the same step on every rank")
+        for rank, stamp in stamps.items():
+            st = self._ranks[rank]
+            self._clear(st)
+            st.pos, st.seq, st.epoch, st.resume_seq = stamp + 1, 1, None, 1
+        return full
+
     def end_offsets(self) -> Dict[int, int]:
         """rank -> one past the last batch shipped to the stream."""
         self._check()

@@ -65,6 +65,32 @@ _IDLE_WAIT_S = 0.05
 _COMMIT_EVERY_S = 0.1
 
 
+def publish_base(
+    server: Union[str, Sequence[str]], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
+    connect: Optional[ConnectOptions] = None, replicas: int = 1,
+) -> None:
+    """Publish a rank's **base snapshot** to the job's object store, so that a replica joining
+    late (or after its position expired) can start from a full state without the trainer's
+    disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.remote.RemoteConsumer.bootstrap>`).
+
+    Call it on every rank at the same step, right after ``tracker.publish(...)``, with
+    ``stamp = tracker.curr_batch_idx`` (the stamp that publish used) and ``tables = {fqn:
+    table.weights() for fqn, table in tracker.local_tables.items()}``: the base then holds every
+    value up to that publish, and a replica continues with the publishes after it. It replaces
+    the rank's previous base. Blocks until the server stored it (the trainer's step waits:
+    call it on demand or every few thousand steps, not every step).
+
+    Raises:
+        TransportError: the server is unreachable.
+    """
+    conn = Connection(server, connect)
+    try:
+        conn.object_put(transport.check_job(job), transport.base_name(rank), transport.encode_base(stamp, tables),
+                        replicas=replicas)
+    finally:
+        conn.close()
+
+
 def shipper_name(job: str, channel: str) -> str:
     """The consumer name a shipper registers in each rank log."""
     return f"ship-{transport.check_job(job)}-{channel}"

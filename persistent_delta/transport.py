@@ -105,7 +105,7 @@ def stream_name(job: str) -> str:
 
 
 def bucket(job: str, what: str) -> str:
-    """``PD_<job>_<what>``: ``meta``, ``offsets`` or ``locks``."""
+    """``PD_<job>_<what>``: ``meta``, ``offsets``, ``locks`` (key-value) or ``base`` (objects)."""
     return f"PD_{check_job(job)}_{what}"
 
 
@@ -516,6 +516,36 @@ class Connection:
 
         self.call(f"delete {what}/{key}", delete)
 
+    def object_put(self, job: str, name: str, data: bytes, replicas: int = 1) -> None:
+        """Store ``data`` as object ``name`` in the job's ``PD_<job>_base`` object store
+        (created where missing; JetStream chunks it)."""
+        from nats.js import api
+
+        async def put() -> None:
+            try:
+                obs = await self.js.object_store(bucket(job, "base"))
+            except Exception:  # noqa: BLE001 - not there yet
+                obs = await self.js.create_object_store(bucket(job, "base"), api.ObjectStoreConfig(
+                    replicas=replicas, storage=api.StorageType.FILE))
+            await obs.put(name, data)
+
+        self.call(f"store object {name}", put, timeout=self.options.request_timeout + 60)
+
+    def object_get(self, job: str, name: str) -> Optional[bytes]:
+        """Object ``name`` of the job's ``PD_<job>_base`` store, or None."""
+
+        async def get() -> Optional[bytes]:
+            try:
+                obs = await self.js.object_store(bucket(job, "base"))
+                res = await obs.get(name)
+            except Exception as exc:  # noqa: BLE001 - missing store or object
+                if "not found" in repr(exc).lower() or "NotFound" in type(exc).__name__:
+                    return None
+                raise
+            return bytes(res.data or b"")
+
+        return self.call(f"read object {name}", get, timeout=self.options.request_timeout + 60)
+
     # ------------------------------------------------------------------ publishing
     def publish_all(self, msgs: Sequence[Message], window: int = 64, timeout: Optional[float] = None) -> List[Message]:
         """Publish ``msgs`` pipelined (``window`` unacknowledged at most) and wait for their
@@ -670,6 +700,34 @@ class RankTables:
                               {str(k): bytes(v) for k, v in d["entries"].items()})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptRecordError(f"table metadata in {where} is malformed: {exc}") from exc
+
+
+def base_name(rank: int) -> str:
+    return f"rank-{int(rank)}"
+
+
+def encode_base(stamp: int, tables: Dict[str, torch.Tensor]) -> bytes:
+    """A rank's base snapshot: its shards' full values as of publish ``stamp`` (each table a
+    record of the log's encoding, ids = every local row)."""
+    body: Dict[str, Any] = {"v": FORMAT_VERSION, "stamp": int(stamp), "tables": {}}
+    for fqn, w in sorted(tables.items()):
+        ids = torch.arange(w.shape[0], dtype=torch.int64)
+        body["tables"][fqn] = bytes(codec.encode_record(ids, w.detach().contiguous(), codec.KIND_SNAPSHOT))
+    return codec.pack(body)
+
+
+def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
+    """(stamp, fqn -> local shard values) of a base snapshot."""
+    d = codec.unpack(buf, f"base snapshot in {where}")
+    if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
+        raise FormatMismatchError(f"{where}: base snapshot of another format, this reader reads {FORMAT_VERSION}")
+    out = {}
+    for fqn, raw in d["tables"].items():
+        rec = codec.decode_record(bytes(raw))
+        if rec.states is None:
+            raise CorruptRecordError(f"{where}: base snapshot of {fqn!r} holds no values")
+        out[str(fqn)] = rec.states.clone()
+    return int(d["stamp"]), out
 
 
 def tables_key(rank: int) -> str:

@@ -20,9 +20,11 @@ ROWS, DIM, TABLES, SEED = 100, 8, 2, 3
 
 def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish_every: int, sharding: str,
             step_sleep: float = 0.0, retention_batches: Optional[int] = None, start_flag: str = "",
-            big_rows: int = 0) -> Dict[str, Any]:
+            big_rows: int = 0, base: str = "") -> Dict[str, Any]:
     """Train ``steps`` steps, publish every ``publish_every`` (and at the end), save the final
-    local shards to ``out/rank-<r>.pt``. ``start_flag``: wait for that file before training."""
+    local shards to ``out/rank-<r>.pt``. ``start_flag``: wait for that file before training.
+    ``base``: ``"URL JOB STEP"``: publish a base snapshot to the stream right after the publish
+    of that step."""
     dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", num_tables=TABLES,
                               rows=max(ROWS, big_rows), dim=DIM, seed=SEED)
     bound = RetentionBound(max_batches=retention_batches) if retention_batches else None
@@ -37,6 +39,11 @@ def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish
         train_step(dmp, b)
         if (i + 1) % publish_every == 0 or i + 1 == steps:
             t.publish("serving")
+            if base and i + 1 == int(base.split()[2]):
+                from persistent_delta.ship import publish_base
+
+                url, job, _ = base.split()
+                publish_base(url, job, rank, t.curr_batch_idx, {f: lt.weights() for f, lt in t.local_tables.items()})
         if step_sleep:
             time.sleep(step_sleep)
     elapsed = time.monotonic() - t0

@@ -19,7 +19,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from harness import run_spawn
 from nats_servers import nats_cluster, nats_server  # noqa: F401 - fixtures
-from persistent_delta import LmdbDeltaStore
+from persistent_delta import LmdbDeltaStore, apply_poll
 from persistent_delta.cli import main as cli_main
 from persistent_delta.consumer import DeltaReader
 from persistent_delta.errors import FormatMismatchError, LogLockedError, OffsetOutOfRangeError
@@ -178,7 +178,7 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
     os.makedirs(out)
     stop = os.path.join(out, "stop")
     go = os.path.join(out, "go")
-    box = run_trainer_in_thread(2, root, out, 80, 1, "column_wise", 0.05, None, go)
+    box = run_trainer_in_thread(2, root, out, 80, 1, "column_wise", 0.05, None, go, 0, f"{nats_server.url} {job} 30")
     wait_for(lambda: all(os.path.exists(os.path.join(root, f"rank-{r}", "data.mdb")) for r in (0, 1)), 120, "the logs")
     shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots", "--max-batches", "4")
     replica = start_replica(nats_server.url, job, root, out, stop, "--die-after-polls", "3")
@@ -210,6 +210,15 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
     for fqn in want:
         assert torch.equal(got[fqn], want[fqn]), f"{fqn}: {int((got[fqn] != want[fqn]).any(1).sum())} rows differ"
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=3)
+
+    # a replica joining late starts from the base snapshot published at step 30, then follows
+    with RemoteConsumer(nats_server.url, job, "late", channel=SNAPSHOTS, wait=30) as late:
+        tables = late.bootstrap()
+        assert set(late.position().values()) == {31}  # just past the base's publish
+        while late.position() != late.end_offsets():
+            apply_poll(tables, late.poll(timeout=1.0), complete_only=True)
+    for fqn in want:
+        assert torch.equal(tables[fqn], want[fqn]), f"late replica: {fqn}"
 
     # the offsets tool shows the remote consumer and the shippers
     import io
