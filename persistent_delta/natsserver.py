@@ -8,7 +8,8 @@ directory, and stopping them (always): one server (:class:`LocalServer`) or a cl
 
 Each server gets a config file in its directory (listen address, JetStream store directory,
 cluster routes), so a stopped or SIGKILLed server restarts on the same port with the same
-store (``start()`` again).
+store (``start()`` again). A server dies with the process that started it (Linux
+``PR_SET_PDEATHSIG``), so a test or demo killed mid-run leaves none behind.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux),
+    so a test or demo killed mid-run leaves no server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort: not Linux
+        pass
+
+
+def _spawn(config: str, log: str) -> subprocess.Popen:  # type: ignore[type-arg]
+    with open(log, "ab") as f:
+        return subprocess.Popen([server_binary(), "-c", config], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: str) -> None:  # type: ignore[type-arg]
@@ -118,9 +136,7 @@ class LocalServer:
         """Start (or restart) the server on its port and store; returns when it listens."""
         if self.running:
             return self
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([server_binary(), "-c", self.config], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = _spawn(self.config, self.log)
         _wait_port(self.port, self.proc, timeout, self.log)
         return self
 
@@ -175,9 +191,7 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> "LocalCluster":
         procs = []
         for s in self.servers:
-            with open(s.log, "ab") as log:
-                s.proc = subprocess.Popen([server_binary(), "-c", s.config], stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            s.proc = _spawn(s.config, s.log)
             procs.append(s)
         for s in procs:
             assert s.proc is not None
