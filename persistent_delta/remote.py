@@ -194,7 +194,13 @@ class RemoteConsumer:
         value = codec.pack({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
         key = lock_key(self.name)
         while True:
-            rev = self.conn.kv_create(self.job, "locks", key, value)
+            try:
+                rev = self.conn.kv_create(self.job, "locks", key, value)
+            except TransportError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+                continue
             if rev is not None:
                 break
             if time.monotonic() >= deadline:
@@ -232,7 +238,13 @@ class RemoteConsumer:
     # ------------------------------------------------------------------ metadata
     def _load_meta(self, deadline: float) -> None:
         while True:
-            self._refresh_meta()
+            try:
+                self._refresh_meta()
+            except TransportError:  # a leader election (a node died), a restart: retried within wait
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+                continue
             if self._meta and not self.missing_ranks():
                 return
             if time.monotonic() >= deadline:
@@ -273,7 +285,7 @@ class RemoteConsumer:
         return _RankState(rank, None, 1, None, RangeAssembler(self.job, self.channel, rank))
 
     def _load_positions(self) -> None:
-        got = self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel))
+        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
         stored: Dict[str, Any] = {}
         if got is not None:
             d = codec.unpack(got[0], "remote offsets")
@@ -290,7 +302,8 @@ class RemoteConsumer:
                 self._to_earliest(st)
 
     def _to_latest(self, st: _RankState) -> None:
-        last = self.conn.last_message(self.job, transport.end_subject(self.job, self.channel, st.rank))
+        last = self._retrying(lambda: self.conn.last_message(
+            self.job, transport.end_subject(self.job, self.channel, st.rank)))
         self._clear(st)
         if last is None:
             st.pos, st.seq, st.epoch = None, 1, None

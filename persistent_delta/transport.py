@@ -663,6 +663,16 @@ class Connection:
         self._stop_loop()
 
     def _stop_loop(self) -> None:
+        async def cancel_all() -> None:  # e.g. a connect still retrying: end it before the loop
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(5)
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
