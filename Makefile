@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-all demo bench clean
+.PHONY: venv test test-all demo demo-fleet bench clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,12 @@ test-all: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The same job across hosts: a local NATS JetStream server, a shipper, a replica reading only the stream.
+demo-fleet: $(STAMP)
+	$(PY) examples/demo.py --fleet --out demo-fleet-out
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out demo-fleet-out bench-out

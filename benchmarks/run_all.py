@@ -27,6 +27,7 @@ BENCHMARKS = [
     "poll_wait",
     "read_path",
     "freshness",
+    "ship",
 ]
 
 

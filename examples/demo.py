@@ -21,6 +21,13 @@ What it does, end to end, on CPU:
 5. at the end it checks that the replica equals the trainer's tables bit for bit, prints the
    check, the ``offsets`` table and a one-line summary; the exit code is nonzero if it fails.
 
+``--fleet`` (``make demo-fleet``) runs the same job across "hosts": the driver starts a local
+NATS JetStream server (``persistent_delta.natsserver``, 127.0.0.1, a fresh store under the
+output directory), a shipper process (``persistent-delta ship``) beside the trainer, and the
+serving replica reads **only from the stream** (``RemoteConsumer``; an audit hook fails any
+open under the log directory). The shipper is SIGKILLed and restarted once too. The plain
+``make demo`` needs no server.
+
 ``python examples/demo.py --help`` (from the repository root) lists the flags. Third-party
 FutureWarnings/UserWarnings from torch and TorchRec internals are silenced in the demo's own
 processes (see ``_quiet_third_party_warnings``); warnings from ``persistent_delta`` still show.
@@ -256,10 +263,19 @@ def serve(args: argparse.Namespace) -> int:
         time.sleep(0.1)
     replica = assemble(initial)
     applied_rows = 0
-    with DeltaConsumer(os.path.join(out, "log"), "replica", channel="snapshots") as consumer:
+    done_file = "TRAINER_DONE"
+    if args.fleet:
+        from persistent_delta.remote import RemoteConsumer
+
+        _forbid(os.path.join(out, "log"))  # the replica reads the stream only, never the trainer's disk
+        consumer: Any = RemoteConsumer(args.server, "demo", "replica", channel="snapshots", wait=120)
+        done_file = "SHIPPED"  # the driver saw every published batch on the stream
+    else:
+        consumer = DeltaConsumer(os.path.join(out, "log"), "replica", channel="snapshots")
+    with consumer:
         while True:
-            trainer_done = os.path.exists(os.path.join(out, "TRAINER_DONE"))
-            poll = consumer.poll(timeout=0.5)  # wakes on the trainer's commit
+            trainer_done = os.path.exists(os.path.join(out, done_file))
+            poll = consumer.poll(timeout=0.5)  # wakes on the trainer's commit (fleet: on a marker)
             applied_rows += apply_poll(replica, poll, complete_only=True).rows
             consumer.commit()
             if trainer_done and poll.empty:
@@ -274,18 +290,53 @@ def serve(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------ driver
 
 
+def _forbid(root: str) -> None:
+    """Fail every open/listdir under ``root`` in this process (an audit hook)."""
+    root = os.path.realpath(root)
+
+    def hook(event: str, hargs: Any) -> None:
+        if event in ("open", "os.listdir", "os.scandir") and hargs and isinstance(hargs[0], (str, bytes, os.PathLike)):
+            p = os.path.realpath(os.fsdecode(hargs[0]))
+            if p == root or p.startswith(root + os.sep):
+                raise PermissionError(f"the fleet replica may not read the trainer's log: {p}")
+
+    sys.addaudithook(hook)
+
+
+def _shipper(args: argparse.Namespace) -> subprocess.Popen:  # type: ignore[type-arg]
+    return subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", os.path.join(args.out, "log"),
+                             "--server", args.server, "--job", "demo", "--channels", "snapshots"],
+                            start_new_session=True)
+
+
+def _stream_caught_up(args: argparse.Namespace) -> bool:
+    """Whether the stream holds every published batch of the local logs."""
+    from persistent_delta import transport
+    from persistent_delta.consumer import DeltaReader
+
+    with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:
+        local = reader.end_offsets()
+    conn = transport.Connection(args.server)
+    try:
+        for rank, end in local.items():
+            last = conn.last_message("demo", transport.end_subject("demo", "snapshots", rank))
+            if last is None or transport.Marker.decode(last[2], last[0], "demo").end != end:
+                return False
+        return True
+    finally:
+        conn.close()
+
+
 def _child(args: argparse.Namespace, role: str) -> subprocess.Popen:  # type: ignore[type-arg]
     """This script again, as the ``serve`` or ``train`` process (it calls
     ``_quiet_third_party_warnings`` in its ``main``)."""
     argv = [sys.executable, os.path.abspath(__file__), f"--role={role}"] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("role",) and v is not None
-    ]
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k not in ("role", "fleet") and v is not None] + (["--fleet"] if args.fleet else [])
     return subprocess.Popen(argv, start_new_session=True)
 
 
 def drive(args: argparse.Namespace) -> int:
-    from persistent_delta.cli import main as cli_main
-
     t_start = time.perf_counter()
     out = args.out
     if os.path.exists(out):
@@ -294,11 +345,37 @@ def drive(args: argparse.Namespace) -> int:
     print(f"[demo] {args.steps} steps, {args.tables} tables x {args.rows} rows x dim {args.dim}, mode {args.mode}, "
           f"2 ranks; publish every {args.publish_every}, checkpoint every {args.checkpoint_every}, "
           f"SIGKILL at step {args.kill_at}; output in {out}", flush=True)
+    nats = None
+    if args.fleet:
+        from persistent_delta.natsserver import LocalServer
+
+        nats = LocalServer(os.path.join(out, "nats")).start()
+        args.server = nats.url
+        print(f"[demo] fleet: JetStream server at {nats.url}; shipper -> stream -> replica (no access to the log)",
+              flush=True)
+    try:
+        return _drive(args, t_start, nats)
+    finally:
+        if nats is not None:
+            nats.stop()
+
+
+def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
+    from persistent_delta.cli import main as cli_main
+
+    out = args.out
+    shipper = _shipper(args) if args.fleet else None
     server = _child(args, "serve")
     trainer = _child(args, "train")
     kill_file = os.path.join(out, "KILL_ME")
-    killed = False
+    killed = shipper_killed = False
     while trainer.poll() is None:
+        if shipper is not None and not shipper_killed and os.path.exists(kill_file):
+            os.killpg(shipper.pid, signal.SIGKILL)
+            shipper.wait()
+            shipper_killed = True
+            print("[demo] SIGKILLed the shipper; restarting it", flush=True)
+            shipper = _shipper(args)
         if not killed and os.path.exists(kill_file):
             os.killpg(trainer.pid, signal.SIGKILL)
             trainer.wait()
@@ -312,6 +389,11 @@ def drive(args: argparse.Namespace) -> int:
         print(f"[demo] trainer failed with exit code {trainer.returncode}", file=sys.stderr)
         return 2
     _atomic_write(os.path.join(out, "TRAINER_DONE"), "1")
+    if shipper is not None:
+        deadline = time.monotonic() + 120
+        while not _stream_caught_up(args) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _atomic_write(os.path.join(out, "SHIPPED"), "1")
     if server.wait(timeout=300) != 0:
         print("[demo] serving process failed", file=sys.stderr)
         return 2
@@ -329,11 +411,17 @@ def drive(args: argparse.Namespace) -> int:
         print(f"  {fqn:<45} rows {want.shape[0]:>7}  mismatched {bad:>6}  {'OK' if bad == 0 else 'FAIL'}")
     print("\n[demo] persistent-delta offsets " + os.path.join(out, "log"))
     cli_main(["offsets", os.path.join(out, "log")])
+    if shipper is not None:
+        print(f"\n[demo] persistent-delta offsets --server {args.server} --job demo")
+        cli_main(["offsets", "--server", args.server, "--job", "demo"])
+        shipper.send_signal(signal.SIGTERM)
+        shipper.wait(30)
     stats = [json.load(open(os.path.join(out, f"trainer-rank-{r}.json"))) for r in range(args.world_size)]
     logged = sum(os.path.getsize(os.path.join(out, "log", f"rank-{r}", "data.mdb")) for r in range(args.world_size))
     applied = json.load(open(os.path.join(out, "serving.json")))["applied_rows"]
     print(
-        f"\n[demo] {'PASS' if ok else 'FAIL'}: {args.steps} steps (trainer killed and restarted: {killed}), "
+        f"\n[demo] {'PASS' if ok else 'FAIL'}: {args.steps} steps (trainer killed and restarted: {killed}"
+        f"{', shipper killed and restarted: ' + str(shipper_killed) if args.fleet else ''}), "
         f"{sum(s['published'] for s in stats)} rows published after the restart, {applied} rows applied by the replica, "
         f"{sum(s['bytes_written'] for s in stats)} bytes logged after the restart ({logged} bytes on disk), "
         f"{max(s['tracking_s'] for s in stats):.2f}s spent tracking (publish/checkpoint/flush), "
@@ -363,6 +451,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--out", default="demo-out", help="output directory (replaced)")
     p.add_argument("--role", default="drive", choices=["drive", "train", "serve"], help=argparse.SUPPRESS)
+    p.add_argument("--fleet", action="store_true",
+                   help="across hosts: a local JetStream server, a shipper, and a replica reading only from the stream")
+    p.add_argument("--server", default=None, help=argparse.SUPPRESS)  # set by the driver in --fleet mode
     args = p.parse_args(argv)
     if args.dim % 8:
         p.error("--dim must be a multiple of 8")

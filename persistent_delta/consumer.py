@@ -106,6 +106,8 @@ class DeltaReader:
         check: walk each log file's whole structure before opening it (linear in the file;
             every open makes constant-time checks anyway: file size against LMDB's meta pages,
             their transaction ids -- see :func:`persistent_delta.lmdbenv.check_file`).
+        ranks: read only these ranks of the job (a shipper reads its own host's ranks); the
+            complete-batch rule then holds over these ranks only. Default: every rank.
 
     Raises:
         NotALogError: no log under ``root`` (after ``wait``), or ranks still missing after a
@@ -126,9 +128,11 @@ class DeltaReader:
         wait: float = 0.0,
         options: Optional[LogOptions] = None,
         check: bool = False,
+        ranks: Optional[Sequence[int]] = None,
     ) -> None:
         self._closed = True
         self._full_check = check
+        self._only: Optional[Set[int]] = None if ranks is None else {int(r) for r in ranks}
         self.channel = check_channel(channel)
         if reset is not None and reset not in RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
@@ -192,10 +196,10 @@ class DeltaReader:
             found = rank_paths(self.root)
             size = _world_size_of(found, self._options)
             if size is None:  # a plain store, or logs written before world sizes were recorded
-                candidates = found
+                candidates = {r: p for r, p in found.items() if self._only is None or r in self._only}
             else:
-                self._expected = set(range(size))
-                for rank in sorted(set(found) - self._expected):
+                self._expected = set(range(size)) if self._only is None else set(range(size)) & self._only
+                for rank in sorted(set(found) - set(range(size))):
                     logger.warning("%s: ignoring rank-%d, left from a run with more ranks (world size %d)",
                                    self.root, rank, size)
                 candidates = {r: rank_dir(self.root, r) for r in self._expected}
@@ -316,14 +320,7 @@ class DeltaReader:
         bounds = {rank: log.read(lambda r: delivery.bounds(r, self.channel)) for rank, log in self._logs.items()}
         positions = {rank: delivery.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank]) for rank, (a, b) in bounds.items()}
-        common: Optional[int] = None
-        if self._expected is not None:  # a tracker's job: every rank's batches, or none
-            common = 0 if self.missing_ranks() else min(b for _, b in bounds.values())
-        stops: Dict[int, int] = {}
-        for rank in self._logs:
-            pos = positions[rank]
-            end = bounds[rank][1] if common is None else min(common, bounds[rank][1])
-            stops[rank] = max(pos, end if max_batches is None else min(end, pos + max_batches))
+        stops = delivery.poll_stops(positions, {rank: b for rank, (_, b) in bounds.items()}, self._expected, max_batches)
         if max_bytes is not None:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
@@ -427,7 +424,7 @@ class DeltaConsumer(DeltaReader):
             channel start; ``"latest"``: its end).
         register: register the name in every rank's log where it is missing (durably: it holds
             back retention from now on). With False a missing name raises.
-        tables, wait, options, check: see :class:`DeltaReader`.
+        tables, wait, options, check, ranks: see :class:`DeltaReader`.
 
     Raises:
         NotALogError: ``root`` holds no log (after ``wait``).
@@ -451,6 +448,7 @@ class DeltaConsumer(DeltaReader):
         wait: float = 0.0,
         options: Optional[LogOptions] = None,
         check: bool = False,
+        ranks: Optional[Sequence[int]] = None,
     ) -> None:
         self._closed = True
         self.name = check_consumer_name(name)
@@ -459,7 +457,7 @@ class DeltaConsumer(DeltaReader):
         self._committed: Dict[int, int] = {}
         start: Start = "latest" if reset == "latest" else "earliest"
         super().__init__(root, channel=channel, start=start, reset=reset, tables=tables, wait=wait, options=options,
-                         check=check)
+                         check=check, ranks=ranks)
         logger.info("consumer %r (%s) on %s: positions %s", self.name, self.channel, self.root, self._positions)
 
     def _label(self) -> str:

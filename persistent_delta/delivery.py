@@ -48,7 +48,7 @@ The merged record says which batches it covers, so a position that later lands i
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
@@ -206,6 +206,29 @@ def serve_position(
     logger.warning("consumer %r in %s: position %d out of [%d, %d]; reset to %s (%d)", name, where, position, start, end,
                    reset, new)
     return new
+
+
+def poll_stops(
+    positions: Dict[int, int], ends: Dict[int, int], job_ranks: Optional[Collection[int]], max_batches: Optional[int]
+) -> Dict[int, int]:
+    """Where a poll of several ranks stops, per rank (complete batches only).
+
+    ``positions``: rank -> where its read starts; ``ends``: rank -> how far that rank's data
+    reaches (exclusive), for the ranks that have any; ``job_ranks``: the job's ranks (a
+    tracker's job), or None (a plain store: each rank reads up to its own end). For a job, a
+    poll reads only batches that *every* rank of the job has completed: the smallest end over
+    the job's ranks, and nothing while a rank of the job has no data source at all. At most
+    ``max_batches`` per rank; never below the position. Local readers and remote consumers
+    (:mod:`persistent_delta.remote`) both stop here.
+    """
+    common: Optional[int] = None
+    if job_ranks is not None:
+        common = 0 if set(job_ranks) - set(ends) else min(ends[r] for r in job_ranks)
+    stops: Dict[int, int] = {}
+    for rank, pos in positions.items():
+        end = ends[rank] if common is None else min(common, ends[rank])
+        stops[rank] = max(pos, end if max_batches is None else min(end, pos + max_batches))
+    return stops
 
 
 def registration_offset(r: ReadTxn, channel: str, latest: bool) -> int:

@@ -107,3 +107,9 @@ class UnsupportedTrackingError(InvalidInputError, AssertionError):
 class UnsupportedModeError(InvalidInputError, NotImplementedError):
     """A tracking mode this library does not implement (TorchRec raises
     ``NotImplementedError``)."""
+
+
+class TransportError(PersistentDeltaError):
+    """The stream (NATS JetStream) could not be reached in time, or refused a request; the
+    message names the server and what was asked. Shippers retry; remote consumers raise it
+    from the call that needed the server."""

@@ -328,13 +328,23 @@ def read_range(
         out.publishes = publish_times(r, start_idx, end_idx)
     for fqn, u in sorted(rows.items()):
         shard = ShardInfo.from_entry(entries[fqn])
-        gids = u.ids.to(torch.int64)
-        if shard is not None and shard.row_offset:
-            gids = gids + shard.row_offset
         stamps = None
         if channel == SNAPSHOTS and shard is not None and shard.replicated and u.ids.numel():
             stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
         side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
             else None
-        out.tables[fqn] = TableDelta(fqn, rank, start_idx, end_idx, u, gids, shard, stamps, side)
+        out.tables[fqn] = table_delta(fqn, rank, start_idx, end_idx, u, shard, stamps, side)
     return out
+
+
+def table_delta(
+    fqn: str, rank: int, start_idx: int, end_idx: int, rows: UniqueRows, shard: Optional[ShardInfo],
+    stamps: Optional[torch.Tensor] = None, zch: Optional[ZchDelta] = None,
+) -> TableDelta:
+    """One rank's :class:`TableDelta` of ``[start_idx, end_idx)``: ``rows`` in shard-local ids,
+    and the same rows in global row ids (local id + the shard's row offset); ``stamps`` and
+    ``zch``: see :class:`TableDelta`."""
+    gids = rows.ids.to(torch.int64)
+    if shard is not None and shard.row_offset:
+        gids = gids + shard.row_offset
+    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard, stamps, zch)

@@ -34,3 +34,12 @@ def test_demo_check_fails_when_the_last_publish_is_skipped(tmp_path):
     proc = run_demo(tmp_path, "--skip-publish-at=30")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[demo] FAIL" in proc.stdout
+
+
+def test_fleet_demo_replica_reads_only_the_stream_and_equals_the_trainer(tmp_path):
+    """`make demo-fleet`: a local JetStream server, a shipper (SIGKILLed and restarted with the
+    trainer), a replica that cannot open the log; the bit-exact check passes."""
+    proc = run_demo(tmp_path, "--fleet")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "shipper killed and restarted: True" in proc.stdout and "[demo] PASS" in proc.stdout
+    assert "REMOTE CONSUMERS" in proc.stdout and "FAIL" not in proc.stdout

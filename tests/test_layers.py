@@ -12,25 +12,26 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = [
     {"errors", "alloc", "lifecycle"},
     {"config", "codec"},
-    {"schema", "layout", "watch"},
+    {"schema", "layout", "watch", "natsserver"},
     {"lmdbenv"},
     {"log", "rows"},
     {"records", "zchlog"},
     {"delivery"},
-    {"results", "sharding", "zch"},
-    {"consumer", "apply", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
-    {"writer", "ordered"},
+    {"results", "sharding", "zch", "transport"},
+    {"consumer", "apply", "remote", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"writer", "ordered", "ship"},
     {"tracker"},
     {"raw_ids"},
-    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade"},
+    {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade", "cli.ship", "cli.remote"},
     {"cli.apply"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
-READERS = {"consumer", "apply", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store", "cli.offsets", "cli.replay", "cli.verify",
-           "cli.vacuum", "cli.main", "cli", "shard_files"}
+READERS = {"consumer", "apply", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store",
+           "cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.main", "cli", "shard_files", "transport",
+           "ship", "remote", "natsserver", "cli.ship", "cli.remote"}
 
 
 def _modules() -> Dict[str, str]:

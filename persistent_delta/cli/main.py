@@ -1,4 +1,4 @@
-"""The ``persistent-delta`` command line: offsets, replay, verify, vacuum.
+"""The ``persistent-delta`` command line: offsets, replay, verify, vacuum, upgrade, ship.
 
 Owns: argument parsing and rendering; no tool logic.
 
@@ -24,7 +24,9 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
 from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
+from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import replay
+from persistent_delta.cli.ship import add_connect_arguments, connect_options, run_ship
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
@@ -134,6 +136,10 @@ class _Progress:
 
 
 def _cmd_offsets(args: argparse.Namespace) -> Output:
+    if args.server:
+        return _remote_offsets(args)
+    if not args.root:
+        raise PersistentDeltaError("offsets needs ROOT (a log root) or --server URL --job NAME")
     if args.reset or args.register or args.delete:
         return _offsets_change(args)
     if args.execute or _reset_target(args) is not None:
@@ -192,6 +198,50 @@ def _offsets_change(args: argparse.Namespace) -> Output:
         data={"execute": bool(args.execute), "changes": _jsonable(changes)},
         tables=[Table(title, ["RANK", "CONSUMER", "ACTION", "OLD", "NEW", "LOG-START", "LOG-END", "NOTE"], rows)],
     )
+
+
+def _remote_offsets(args: argparse.Namespace) -> Output:
+    if not args.job:
+        raise PersistentDeltaError("offsets --server needs --job NAME")
+    opts = connect_options(args)
+    if args.reset or args.delete:
+        if args.register:
+            raise PersistentDeltaError("--register is for local logs (remote consumers register themselves)")
+        target = _reset_target(args)
+        if args.reset:
+            if target is None or target.kind == "shift":
+                raise PersistentDeltaError("remote --reset needs --to-earliest, --to-latest or --to-batch N")
+            changes = change_remote(args.server, args.job, args.reset, "reset", target.kind, target.value,
+                                    execute=args.execute, options=opts)
+        else:
+            changes = change_remote(args.server, args.job, args.delete, "delete", execute=args.execute, options=opts)
+        title = "APPLIED" if args.execute else "DRY RUN: nothing changed; add --execute to apply"
+        rows = [[c.rank, c.consumer, c.channel, c.action, c.old, c.new] for c in changes]
+        return Output(data={"execute": bool(args.execute), "changes": _jsonable(changes)},
+                      tables=[Table(title, ["RANK", "CONSUMER", "CHANNEL", "ACTION", "OLD", "NEW"], rows)])
+    if args.register:
+        raise PersistentDeltaError("--register is for local logs (remote consumers register themselves)")
+    found = describe_remote(args.server, args.job, opts)
+    crow = [[c.rank, c.consumer, c.channel, c.offset if c.offset is not None else "earliest", c.stream_end, c.lag,
+             _when(c.commit_time), "yes" if c.active else "no"] for c in found["consumers"]]
+    srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
+             f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
+    return Output(data=_jsonable(found), tables=[
+        Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE"],
+              crow),
+        Table("SHIPPERS", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-SHIPPED",
+                           "HOST:PID", "LAST-ERROR"], srow)])
+
+
+# ------------------------------------------------------------------------------ ship
+
+
+def _cmd_ship(args: argparse.Namespace) -> Output:
+    stats = run_ship(args)
+    rows = [[s["rank"], s["channel"], s["position"], s["log_end"], s["lag_batches"], s["ranges"], s["row_bytes"],
+             s["retries"]] for s in stats]
+    return Output(data={"shippers": _jsonable(stats)}, tables=[
+        Table("SHIPPED", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "RANGES", "ROW-BYTES", "RETRIES"], rows)])
 
 
 # ------------------------------------------------------------------------------ replay
@@ -281,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("offsets", parents=[fmt], help="describe consumers; reset, register or delete offsets",
                        description="Without --reset/--register/--delete: per rank and consumer, the committed offset, "
                                    "log start and end, lag, pending rows and bytes, last commit time.")
-    o.add_argument("root", help="log root (holding rank-<r>/)")
+    o.add_argument("root", nargs="?", help="log root (holding rank-<r>/); omit with --server")
     o.add_argument("--tables", action="store_true", help="also per-table record counts and sizes")
     o.add_argument("--reset", metavar="CONSUMER", help="move a consumer's offset (dry run unless --execute)")
     o.add_argument("--register", metavar="CONSUMER", help="register an external consumer (default at the log start)")
@@ -292,7 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--to-batch", type=int, metavar="N", help="to batch N (clamped to [start, end])")
     o.add_argument("--shift-by", type=int, metavar="N", help="by N batches (negative: back)")
     o.add_argument("--execute", action="store_true", help="apply the change (default: dry run)")
+    add_connect_arguments(o)
     o.set_defaults(func=_cmd_offsets)
+
+    s = sub.add_parser("ship", parents=[fmt], help="ship this host's rank logs to a NATS JetStream stream",
+                       description="One per host, beside the trainer: a registered consumer of each local rank log; "
+                                   "publishes complete batches and commits locally only after the stream acknowledged "
+                                   "them. Runs until SIGTERM/SIGINT.")
+    s.add_argument("root", help="log root on this host (holding its rank-<r>/)")
+    add_connect_arguments(s)
+    s.add_argument("--channels", default="lookups,snapshots", help="channels to ship (default lookups,snapshots)")
+    s.add_argument("--ranks", help="only these local ranks (comma-separated; default all found)")
+    s.add_argument("--max-batches", type=int, default=16, help="batches per shipped range at most (default 16)")
+    s.add_argument("--replicas", type=int, default=1, help="stream replicas when creating it (default 1)")
+    s.add_argument("--max-bytes", type=int, default=-1, help="stream byte limit when creating it (default none)")
+    s.add_argument("--max-age", type=float, default=0.0, help="stream age limit in seconds when creating it")
+    s.set_defaults(func=_cmd_ship)
 
     r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
     r.add_argument("root", help="log root")

@@ -1,0 +1,665 @@
+"""Remote consumers: a job's deltas read from its JetStream stream, on any host.
+
+Owns: a remote consumer's positions (per rank, in batch indices, stored and replicated in
+the job's ``offsets`` bucket), its one-active-process claim, and its poll/commit cycle. The
+result types are :mod:`persistent_delta.results`' (the same :class:`DeltaPoll` as a local
+:class:`~persistent_delta.DeltaConsumer`: ``merged()`` and ``apply`` work unchanged); which
+batches a poll may deliver is :func:`persistent_delta.delivery.poll_stops` (complete batches
+only: every rank of the job); the message format is :mod:`persistent_delta.transport`'s.
+
+Design note
+-----------
+Each rank's messages are read with batch direct gets from a stream sequence on (stateless on
+the server: nothing to recreate after a server restart or a leader change). Parts are
+collected until their range's marker arrives; a range is buffered only when complete (at
+most ``max_buffer_bytes`` per rank before the poll delivers). A poll delivers, per rank, the
+buffered ranges up to the smallest end over the job's ranks, merged per table by the
+channel's update mode (what a local consumer reading the same batches gets), and moves the
+position past them; ``commit`` stores each rank's position and the stream sequence after its
+last marker, so a restart resumes exactly there (at-least-once: a crash between ``poll`` and
+``commit`` re-delivers).
+
+A range ending at or below the position is a re-send and is dropped (de-duplication beyond the
+server's duplicate window). A range starting above the position means batches are missing
+from the stream -- dropped by the stream's limits, or never shipped because the shipper was
+expired by the trainer's retention bound -- and the poll raises
+:class:`OffsetOutOfRangeError` unless a reset policy moves the position (``"earliest"``: the
+first range still on the stream; ``"latest"``: the end). A log started afresh (a new shipper
+epoch whose log end is below the position) is treated the same way. Never a silent gap.
+
+One active process per consumer name: a key in the job's ``locks`` bucket created
+exclusively and refreshed by a heartbeat; a killed holder's key expires after the bucket's
+TTL (:attr:`StreamOptions.lock_ttl_s`), and a second user is refused with
+:class:`LogLockedError` naming the holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+
+import torch
+from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
+
+from persistent_delta import codec, delivery, transport
+from persistent_delta.errors import (
+    InvalidInputError,
+    LogClosedError,
+    LogLockedError,
+    NotALogError,
+    OffsetOutOfRangeError,
+    TransportError,
+    UnknownConsumerError,
+)
+from persistent_delta.lifecycle import warn_unclosed
+from persistent_delta.records import empty_rows
+from persistent_delta.results import DeltaPoll, RankDelta, table_delta
+from persistent_delta.rows import compute_unique_rows
+from persistent_delta.schema import (
+    LOOKUPS,
+    ShardInfo,
+    TableEntry,
+    check_batch_idx,
+    check_channel,
+    check_consumer_name,
+    check_table_filter,
+)
+from persistent_delta.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_GET_BATCH = 256
+_GET_BYTES = 32 << 20
+_RECHECK_S = 0.05
+
+
+@dataclass
+class _Range:
+    marker: Marker
+    tables: Dict[str, UniqueRows]
+    nbytes: int
+
+
+@dataclass
+class _RankState:
+    rank: int
+    pos: Optional[int]  # None: not known yet (a new consumer at "earliest" before any range)
+    seq: int  # next stream sequence to read
+    epoch: Optional[str]
+    assembler: RangeAssembler
+    resume_seq: int = 1  # stream sequence to resume from at the position (stored by commit)
+    ranges: Deque[_Range] = field(default_factory=deque)
+    buffered: int = 0
+    gap: Optional[_Range] = None  # the first range found above the buffered end (tables {} when incomplete)
+    gap_complete: bool = False
+
+
+def offsets_key(name: str, channel: str) -> str:
+    return f"{transport.token(name)}.{channel}"
+
+
+def lock_key(name: str) -> str:
+    return transport.token(name)
+
+
+class RemoteConsumer:
+    """A consumer of a job's stream, with the API and results of
+    :class:`~persistent_delta.DeltaConsumer`. Not thread-safe; one active process per name.
+
+    Args:
+        server: ``nats://HOST:PORT`` (or several / a list: a cluster).
+        job: the job's name on the stream.
+        name: the consumer name (as for local consumers).
+        channel: ``"lookups"`` (default) or ``"snapshots"``.
+        reset: None (out-of-range raises :class:`OffsetOutOfRangeError`), ``"earliest"`` or
+            ``"latest"``; also where a new consumer starts (default: the first range still on
+            the stream; ``"latest"``: the end).
+        tables: only these table fqns.
+        wait: seconds to wait for the server, for the job's table metadata (a shipper that has
+            not started yet), and for the name's claim (a killed holder's claim expires).
+        connect: authentication/TLS.
+        stream: the bucket settings used when this consumer creates the job's buckets.
+        max_buffer_bytes: complete ranges buffered per rank at most, before a poll.
+        retry_s: how long ``commit``, ``committed`` and ``end_offsets`` retry while the server
+            is unreachable (a restart, a leader election) before raising ``TransportError``.
+
+    Raises:
+        TransportError: the server cannot be reached within ``wait``.
+        NotALogError: no shipper has published the job's table metadata within ``wait``.
+        LogLockedError: another process uses the name.
+    """
+
+    def __init__(
+        self,
+        server: Union[str, Sequence[str]],
+        job: str,
+        name: str,
+        channel: str = LOOKUPS,
+        reset: Optional[str] = None,
+        tables: Optional[Sequence[str]] = None,
+        wait: float = 0.0,
+        connect: Optional[ConnectOptions] = None,
+        stream: Optional[transport.StreamOptions] = None,
+        max_buffer_bytes: int = 256 << 20,
+        retry_s: float = 30.0,
+    ) -> None:
+        self._closed = True
+        self.job = transport.check_job(job)
+        self.name = check_consumer_name(name)
+        self.channel = check_channel(channel)
+        if reset is not None and reset not in delivery.RESET_POLICIES:
+            raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+            raise InvalidInputError(f"wait must be a non-negative number of seconds, got {wait!r}")
+        check_table_filter(tables, None)
+        self.reset = reset
+        self._tables_filter = list(tables) if tables is not None else None
+        self._max_buffer = int(max_buffer_bytes)
+        self._retry_s = float(retry_s)
+        self._lost = False
+        self.last_error = ""
+        self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped  # the last transport failure a poll retried over ("" when the last poll reached the server)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._ranks: Dict[int, _RankState] = {}
+        self._meta: Dict[int, RankTables] = {}
+        self._expected: Optional[Set[int]] = None
+        self.conn = Connection(server, connect, wait=wait)
+        self.server = ",".join(self.conn.servers)
+        try:
+            self.conn.ensure_job(self.job, stream or transport.StreamOptions())
+            deadline = time.monotonic() + wait
+            self._claim(deadline)
+            self._closed = False
+            self._load_meta(deadline)
+            if self._tables_filter is not None:
+                check_table_filter(self._tables_filter, self._job_tables())
+            self._load_positions()
+            self.conn.watch(transport.ends_filter(self.job, self.channel), self._wake)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("remote consumer %r (%s) of job %s on %s: positions %s", self.name, self.channel, self.job,
+                    self.server, self.position())
+
+    # ------------------------------------------------------------------ the claim
+    def _claim(self, deadline: float) -> None:
+        value = codec.pack({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+        key = lock_key(self.name)
+        while True:
+            try:
+                rev = self.conn.kv_create(self.job, "locks", key, value)
+            except TransportError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            if rev is not None:
+                break
+            if time.monotonic() >= deadline:
+                held = self.conn.kv_get(self.job, "locks", key)
+                who = codec.unpack(held[0], "lock") if held else {}
+                raise LogLockedError(
+                    f"consumer {self.name!r} of job {self.job!r} is in use by pid {who.get('pid') if isinstance(who, dict) else '?'} "
+                    f"on {who.get('host') if isinstance(who, dict) else '?'}; close it, or wait for its claim to expire "
+                    "(a killed holder's claim expires after the locks bucket's TTL)"
+                )
+            time.sleep(0.2)
+        self._lock_rev, self._lock_value = rev, value
+        self._heartbeat = threading.Thread(target=self._beat, name="pd-remote-claim", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        key = lock_key(self.name)
+        period = 1.0
+        while not self._stop.wait(period):
+            conn = self.conn
+            if conn is None:
+                return
+            try:
+                rev = conn.kv_update(self.job, "locks", key, self._lock_value, self._lock_rev)
+                if rev is None:  # expired meanwhile (server down longer than the TTL): take it again
+                    rev = conn.kv_create(self.job, "locks", key, self._lock_value)
+                if rev is None:
+                    self._lost = True
+                    logger.error("remote consumer %r of job %s lost its claim to another process", self.name, self.job)
+                    return
+                self._lock_rev = rev
+            except (TransportError, AttributeError):
+                continue
+
+    # ------------------------------------------------------------------ metadata
+    def _load_meta(self, deadline: float) -> None:
+        while True:
+            try:
+                self._refresh_meta()
+            except TransportError:  # a leader election (a node died), a restart: retried within wait
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            if self._meta and not self.missing_ranks():
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if not self._meta:
+            raise NotALogError(f"job {self.job!r} on {self.server}: no shipper has published table metadata yet; start "
+                               "`persistent-delta ship ROOT --server ... --job ...` on the trainer hosts, or pass wait=")
+
+    def _refresh_meta(self) -> None:
+        for key in self.conn.kv_keys(self.job, "meta"):
+            if not key.startswith("tables."):
+                continue
+            got = self.conn.kv_get(self.job, "meta", key)
+            if got is None:
+                continue
+            rt = RankTables.decode(got[0], f"job {self.job} {key}")
+            self._meta[rt.rank] = rt
+            if rt.world_size is not None and self._expected is None:
+                self._expected = set(range(rt.world_size))
+        for rank in sorted(self._meta) if self._expected is None else sorted(self._expected & set(self._meta)):
+            if rank not in self._ranks:
+                self._ranks[rank] = self._new_state(rank)
+
+    def _job_tables(self) -> List[str]:
+        return sorted({fqn for rt in self._meta.values() for fqn in rt.entries})
+
+    def missing_ranks(self) -> List[int]:
+        """Ranks of the job whose shipper has not published yet."""
+        return sorted((self._expected or set()) - set(self._meta))
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted(self._ranks)
+
+    # ------------------------------------------------------------------ positions
+    def _new_state(self, rank: int) -> _RankState:
+        return _RankState(rank, None, 1, None, RangeAssembler(self.job, self.channel, rank))
+
+    def _load_positions(self) -> None:
+        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
+        stored: Dict[str, Any] = {}
+        if got is not None:
+            d = codec.unpack(got[0], "remote offsets")
+            stored = d.get("ranks", {}) if isinstance(d, dict) else {}
+        for rank, st in self._ranks.items():
+            entry = stored.get(str(rank))
+            if entry is not None:
+                st.pos = None if entry.get("pos") is None else int(entry["pos"])  # None: reset to earliest
+                st.seq, st.epoch = int(entry["seq"]), entry.get("epoch")
+                st.resume_seq = st.seq
+            elif self.reset == "latest":
+                self._to_latest(st)
+            else:
+                self._to_earliest(st)
+
+    def _to_latest(self, st: _RankState) -> None:
+        last = self._retrying(lambda: self.conn.last_message(
+            self.job, transport.end_subject(self.job, self.channel, st.rank)))
+        self._clear(st)
+        if last is None:
+            st.pos, st.seq, st.epoch = None, 1, None
+            return
+        m = Marker.decode(last[2], last[0], self._where(st.rank))
+        st.pos, st.seq, st.epoch = m.end, m.seq + 1, m.epoch
+        st.resume_seq = st.seq
+
+    def _to_earliest(self, st: _RankState) -> None:
+        self._clear(st)
+        st.pos, st.seq, st.epoch, st.resume_seq = None, 1, None, 1
+
+    def _clear(self, st: _RankState) -> None:
+        st.ranges.clear()
+        st.buffered = 0
+        st.gap = None
+        st.assembler = RangeAssembler(self.job, self.channel, st.rank)
+
+    def position(self) -> Dict[int, int]:
+        """rank -> the next batch_idx ``poll`` reads (0 for a rank with nothing shipped yet)."""
+        self._check()
+        return {r: (st.pos if st.pos is not None else 0) for r, st in sorted(self._ranks.items())}
+
+    def seek(self, batch_idx: int, rank: Optional[int] = None) -> None:
+        """Move the position (every rank's, or one rank's) to ``batch_idx``, in memory; the
+        next poll reads the stream from its start to find it (a range holding ``batch_idx``
+        is delivered whole, and reports its start)."""
+        self._check()
+        check_batch_idx(batch_idx)
+        if rank is not None and rank not in self._ranks:
+            raise InvalidInputError(f"rank {rank} is not a rank of job {self.job!r} (ranks: {self.ranks})")
+        for st in [self._ranks[rank]] if rank is not None else list(self._ranks.values()):
+            self._clear(st)
+            st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
+
+    def bootstrap(self) -> Dict[str, torch.Tensor]:
+        """A full base state from the stream, for a replica that joins late or after its
+        position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
+        from every rank's base snapshot (:func:`persistent_delta.ship.publish_base`), and
+        every rank's position moved just past the base's publish (in memory; ``commit`` stores
+        it). Apply the polls that follow to the returned tables.
+
+        Raises:
+            NotALogError: a rank of the job has no base snapshot on the stream.
+            InvalidInputError: the ranks' bases were taken at different publishes.
+        """
+        self._check()
+        stamps: Dict[int, int] = {}
+        full: Dict[str, torch.Tensor] = {}
+        for rank in sorted(self._expected or self._meta):
+            buf = self._retrying(lambda: self.conn.object_get(self.job, transport.base_name(rank)))
+            if buf is None:
+                raise NotALogError(f"job {self.job!r}: rank {rank} has no base snapshot on {self.server}; publish one "
+                                   "with persistent_delta.ship.publish_base on every rank")
+            stamp, tables = transport.decode_base(buf, self._where(rank))
+            stamps[rank] = stamp
+            meta = self._meta[rank]
+            for fqn, values in tables.items():
+                shard = ShardInfo.from_entry(TableEntry.from_bytes(fqn, meta.entries[fqn]))
+                rows = shard.global_rows if shard is not None and shard.global_rows is not None else values.shape[0]
+                cols = shard.global_cols if shard is not None and shard.global_cols is not None else values.shape[1]
+                t = full.setdefault(fqn, torch.zeros(rows, cols, dtype=values.dtype))
+                r0, c0 = (shard.row_offset, shard.col_offset) if shard is not None else (0, 0)
+                t[r0:r0 + values.shape[0], c0:c0 + values.shape[1]] = values
+        if len(set(stamps.values())) > 1:
+            raise InvalidInputError(f"job {self.job!r}: the ranks' base snapshots were taken at different publishes "
+                                    f"{stamps}; publish them at the same step on every rank")
+        for rank, stamp in stamps.items():
+            st = self._ranks[rank]
+            self._clear(st)
+            st.pos, st.seq, st.epoch, st.resume_seq = stamp + 1, 1, None, 1
+        return full
+
+    def end_offsets(self) -> Dict[int, int]:
+        """rank -> one past the last batch shipped to the stream."""
+        self._check()
+        out = {}
+        for rank in self._ranks:
+            last = self._retrying(lambda: self.conn.last_message(
+                self.job, transport.end_subject(self.job, self.channel, rank)))
+            out[rank] = 0 if last is None else Marker.decode(last[2], last[0], self._where(rank)).end
+        return out
+
+    def _retrying(self, fn: Callable[[], _T]) -> _T:
+        deadline = time.monotonic() + self._retry_s
+        while True:
+            try:
+                return fn()
+            except TransportError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def commit(self) -> Dict[int, int]:
+        """Store the current positions in the job's ``offsets`` bucket (replicated with the
+        stream). Returns them.
+
+        Raises:
+            LogLockedError: the claim on the name was lost (another process took it).
+            TransportError: the server stayed unreachable for ``retry_s`` (nothing is stored).
+        """
+        self._check()
+        if self._lost:
+            raise LogLockedError(f"consumer {self.name!r} of job {self.job!r} lost its claim; nothing committed")
+        positions = {r: st.pos for r, st in self._ranks.items() if st.pos is not None}
+        ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
+                 for r, pos in positions.items()}
+        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time()})
+        self._retrying(lambda: self.conn.kv_put(self.job, "offsets", offsets_key(self.name, self.channel), value))
+        return dict(positions)
+
+    def committed(self) -> Dict[int, int]:
+        """rank -> the position stored in the ``offsets`` bucket now.
+
+        Raises:
+            UnknownConsumerError: nothing stored for this name and channel.
+        """
+        self._check()
+        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
+        if got is None:
+            raise UnknownConsumerError(f"remote consumer {self.name!r} ({self.channel}) of job {self.job!r} has no "
+                                       "committed position")
+        d = codec.unpack(got[0], "remote offsets")
+        return {int(r): int(v["pos"]) for r, v in d["ranks"].items()} if isinstance(d, dict) else {}
+
+    # ------------------------------------------------------------------ reading
+    def _where(self, rank: int) -> str:
+        return f"rank {rank} of job {self.job} ({self.channel}) on {self.server}"
+
+    def _fill(self, st: _RankState) -> None:
+        """Read rank ``st``'s stream messages into complete buffered ranges (bounded)."""
+        subject = transport.rank_filter(self.job, self.channel, st.rank)
+        end_subject = transport.end_subject(self.job, self.channel, st.rank)
+        while st.gap is None and st.buffered < self._max_buffer:
+            msgs, _last = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
+                                              min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)))
+            if not msgs:
+                return
+            for seq, subj, headers, data in msgs:
+                st.seq = seq + 1
+                transport.check_format(headers, self._where(st.rank))
+                if subj != end_subject:
+                    st.assembler.add_part(headers, data)
+                    continue
+                m = Marker.decode(data, seq, self._where(st.rank))
+                self._on_marker(st, m)
+                if st.gap is not None or st.buffered >= self._max_buffer:
+                    return
+
+    def _on_marker(self, st: _RankState, m: Marker) -> None:
+        tables = st.assembler.complete(m)
+        expected = st.ranges[-1].marker.end if st.ranges else st.pos
+        restarted = (st.epoch is not None and m.epoch != st.epoch and expected is not None
+                     and int(m.info.get("log_end", m.end)) < expected)
+        if expected is None:  # a new consumer at "earliest": the first range on the stream
+            if tables is None:
+                return
+            st.pos = expected = m.start
+        nbytes = 0 if tables is None else sum(
+            int(u.ids.nbytes) + (0 if u.states is None else int(u.states.nbytes)) for u in tables.values())
+        if restarted or (m.end > expected and (m.start > expected or tables is None)):
+            # batches missing at the position: the log was started afresh (its batch numbers
+            # restarted below us), or the stream lacks [expected, m.start) or this range's parts
+            st.gap, st.gap_complete = _Range(m, tables or {}, nbytes), tables is not None
+            return
+        if m.end <= expected:
+            return  # a re-send (or a range already delivered): never applied twice
+        assert tables is not None
+        st.ranges.append(_Range(m, tables, nbytes))
+        st.buffered += nbytes
+        st.epoch = m.epoch
+
+    def _resolve_gap(self, st: _RankState) -> None:
+        """A gap at the position: raise, or apply the reset policy."""
+        assert st.gap is not None
+        gap, m = st.gap, st.gap.marker
+        if self.reset is None:
+            why = (f"batches [{st.pos}, {m.start}) are not on the stream: dropped by its limits, or never shipped "
+                   "because the shipper fell past the trainer's retention bound" if st.pos is None or m.start > st.pos
+                   else f"the log was started afresh: a new shipper epoch, its batch numbers restarted at {m.start}")
+            raise OffsetOutOfRangeError(
+                f"remote consumer {self.name!r} is at batch {st.pos} of {self._where(st.rank)}, but the stream's next "
+                f"range is [{m.start}, {m.end}) ({why}). Pass reset='earliest' or 'latest', or seek()"
+            )
+        logger.warning("remote consumer %r: %s: position %s out of range (next range [%d, %d)); reset to %s", self.name,
+                       self._where(st.rank), st.pos, m.start, m.end, self.reset)
+        if self.reset == "latest":
+            self._to_latest(st)
+            return
+        # "earliest": the first complete range on the stream from here on
+        seq = st.seq
+        self._clear(st)
+        st.seq, st.epoch = seq, m.epoch
+        if st.gap_complete:
+            st.pos = m.start
+            st.ranges.append(gap)
+            st.buffered = gap.nbytes
+        else:
+            st.pos = None
+
+    def poll(self, max_batches: Optional[int] = None, timeout: Optional[float] = None) -> DeltaPoll:
+        """Per rank, the complete ranges from the position up to the end every rank of the job
+        has shipped (at most about ``max_batches``; a range is never split), merged per table;
+        moves the position past them. See :meth:`DeltaConsumer.poll`.
+
+        While the server cannot be reached the poll delivers what it buffered and retries
+        until its timeout (``last_error`` says why); ``commit`` retries up to ``retry_s``.
+
+        Raises:
+            OffsetOutOfRangeError: batches at the position are missing from the stream and no
+                reset policy was chosen.
+        """
+        self._check()
+        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
+            raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._wake.clear()
+            try:
+                if self.missing_ranks() or not self._ranks:
+                    self._refresh_meta()
+                    for st in self._ranks.values():
+                        if st.pos is None and st.seq == 1 and self.reset == "latest":
+                            self._to_latest(st)
+                for st in self._ranks.values():
+                    self._fill(st)
+                self.last_error = ""
+            except TransportError as exc:
+                # the server is unreachable (restarting, a leader election): like Kafka's
+                # consumer, the poll delivers what it has and retries until its timeout
+                if self.last_error != str(exc):
+                    logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
+                self.last_error = str(exc)
+            result = self._poll_once(max_batches)
+            if not result.empty or deadline is None or time.monotonic() >= deadline:
+                return result
+            self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
+
+    def _poll_once(self, max_batches: Optional[int]) -> DeltaPoll:
+        for st in self._ranks.values():
+            if st.gap is not None and not st.ranges:
+                self._resolve_gap(st)
+                self._fill(st)
+        known = {r: st for r, st in self._ranks.items() if st.pos is not None}
+        positions = {r: int(st.pos) for r, st in known.items()}  # type: ignore[arg-type]
+        ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
+        hard = delivery.poll_stops(positions, ends, self._expected, None)
+        soft = delivery.poll_stops(positions, ends, self._expected, max_batches)
+        common = self._common_stop(known, positions, hard, soft)
+        out: Dict[int, RankDelta] = {}
+        for rank, st in sorted(self._ranks.items()):
+            taken: List[_Range] = []
+            if rank in known:
+                while st.ranges and st.ranges[0].marker.end <= hard[rank] and (
+                        common is None or st.ranges[0].marker.end <= common) and (
+                        common is not None or not taken or st.ranges[0].marker.end <= soft[rank]):
+                    taken.append(st.ranges.popleft())
+            out[rank] = self._deliver(st, taken)
+        return DeltaPoll(channel=self.channel, ranks=out,
+                         world_size=None if self._expected is None else len(self._expected))
+
+    def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
+                     soft: Dict[int, int]) -> Optional[int]:
+        """Where every rank stops when they all sit at the same position: the largest range end
+        that every rank has buffered (within the poll's stops), so that each rank reads the same
+        range (a complete poll: every publish's column halves and row shards together). Shippers
+        cut ranges at the same multiples, so the ranks' range ends meet there at the latest.
+        None when the positions differ (a rank was seeked alone) or the job is not known."""
+        if self._expected is None or set(known) != self._expected or len(set(positions.values())) != 1:
+            return None
+        ends = None
+        for rank, st in known.items():
+            mine = {r.marker.end for r in st.ranges if r.marker.end <= hard[rank]}
+            ends = mine if ends is None else ends & mine
+        if not ends:
+            return next(iter(positions.values()))  # nothing common yet: deliver nothing
+        limit = min(soft.values())
+        within = [e for e in ends if e <= limit]
+        return max(within) if within else min(ends)
+
+    def _deliver(self, st: _RankState, taken: List[_Range]) -> RankDelta:
+        pos = st.pos if st.pos is not None else 0
+        start = min([pos] + [r.marker.start for r in taken])
+        end = taken[-1].marker.end if taken else pos
+        meta = self._meta.get(st.rank)
+        rd = RankDelta(rank=st.rank, path=f"{self.server}/{transport.stream_name(self.job)}/{self.channel}/rank-{st.rank}",
+                       start_idx=start, end_idx=end)
+        for r in taken:
+            for stamp, t in r.marker.info.get("publishes", []):
+                rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))
+        if meta is None:
+            return rd
+        mode = UpdateMode(meta.modes.get(self.channel, "none"))
+        for fqn, entry_bytes in sorted(meta.entries.items()):
+            if self._tables_filter is not None and fqn not in self._tables_filter:
+                continue
+            entry = TableEntry.from_bytes(fqn, entry_bytes)
+            with_rows = [r for r in taken if fqn in r.tables]
+            parts = [r.tables[fqn] for r in with_rows]
+            stamps: Optional[torch.Tensor] = None
+            if parts:
+                states = [p.states for p in parts]
+                ids = [p.ids for p in parts]
+                rows = compute_unique_rows(ids, None if any(s is None for s in states) else states, mode)  # type: ignore[arg-type]
+                raw: List[Optional[bytes]] = [r.marker.info.get("stamps", {}).get(fqn) for r in with_rows]
+                if all(b is not None for b in raw):  # a replicated table: per row, its publish (newest wins)
+                    per = [torch.frombuffer(bytearray(b or b""), dtype=torch.int64).view(-1, 1) for b in raw]
+                    got = compute_unique_rows(ids, per, UpdateMode.LAST).states
+                    stamps = None if got is None else got.view(-1)
+            else:
+                rows = empty_rows(entry, mode, self.channel)
+            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, ShardInfo.from_entry(entry), stamps)
+        for r in taken:
+            st.buffered -= r.nbytes
+        if taken:
+            st.pos = end
+            st.resume_seq = taken[-1].marker.seq + 1
+            self.last_shipped[st.rank] = taken[-1].marker.shipped
+        return rd
+
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Release the name and close the connection (positions not committed are dropped).
+        Idempotent."""
+        self._closed = True
+        self._stop.set()
+        conn = getattr(self, "conn", None)
+        if conn is None:
+            return
+        self.conn = None  # type: ignore[assignment]
+        if getattr(self, "_lock_rev", None) is not None and not self._lost:
+            try:
+                conn.kv_delete(self.job, "locks", lock_key(self.name))
+            except TransportError:
+                pass  # it expires by itself
+        conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"{self!r} is closed")
+
+    def __del__(self) -> None:
+        warn_unclosed(self, repr(self))
+
+    def __enter__(self) -> "RemoteConsumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteConsumer(job={getattr(self, 'job', '?')!r}, {getattr(self, 'name', '?')!r}, channel={getattr(self, 'channel', '?')!r})"

@@ -1,0 +1,483 @@
+"""The shipper: each local rank log of a job, shipped to the job's JetStream stream.
+
+Owns: moving complete batches from the local logs to the stream, and when the local position
+may advance. One shipper per host, beside the trainer (its own process: ``persistent-delta
+ship ROOT --server nats://HOST:PORT --job NAME``, or a thread of the trainer:
+:meth:`Shipper.start`). What goes on the stream, and how, is :mod:`persistent_delta.transport`'s.
+
+Design note
+-----------
+For each local rank log and channel the shipper is a registered consumer
+(:class:`~persistent_delta.DeltaConsumer` named ``ship-<job>-<channel>``, reading that rank
+only: it never waits for other hosts' ranks). A round polls at most ``max_batches`` batches
+(cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
+ranges at the same batches), publishes the range's parts, then its marker, and commits the
+local position **only after the stream acknowledged all of them** (at most every 0.1 s while
+busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
+therefore re-sends at most the range in flight, under the same message ids (the server
+drops them within its duplicate window; remote consumers drop a range ending at or below
+their position after it). On start the shipper reads its last marker on the stream: when it
+is ahead of the local position (acknowledged, not yet committed locally) the local position
+catches up first, so nothing is shipped twice as a different range.
+
+**The trainer is never held by the network.** The shipper only reads the logs; while the
+stream is unreachable it retries and its local position holds retention back like any
+registered consumer, within the trainer's :class:`~persistent_delta.config.RetentionBound`.
+Past the bound the trainer expires the shipper; its next poll starts at the log start
+(``reset="earliest"``) and remote consumers find the gap (a range starting above their
+position) and get :class:`~persistent_delta.errors.OffsetOutOfRangeError` or their reset
+policy. While a shipper is registered on the lookups channel the trainer writes every batch
+whole (as for any out-of-process lookups consumer); ship ``--channels snapshots`` only to
+keep the trainer's window filter.
+
+Statistics (per rank and channel: position, log end, lag, bytes, retries) are in
+:meth:`Shipper.stats` and published every second in the job's ``meta`` bucket
+(``persistent-delta offsets --server``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from persistent_delta import codec, delivery, transport
+from persistent_delta.config import LogOptions
+from persistent_delta.consumer import DeltaConsumer
+from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
+from persistent_delta.layout import DATA_FILE, PathLike, rank_paths
+from persistent_delta.log import DeltaLog
+from persistent_delta.schema import CHANNELS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
+from persistent_delta.watch import FileWatch
+
+logger = logging.getLogger(__name__)
+
+_STATS_EVERY_S = 1.0
+_RESCAN_EVERY_S = 0.5
+_IDLE_WAIT_S = 0.05
+_COMMIT_EVERY_S = 0.1
+
+
+def publish_base(
+    server: Union[str, Sequence[str]], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
+    connect: Optional[ConnectOptions] = None, replicas: int = 1,
+) -> None:
+    """Publish a rank's **base snapshot** to the job's object store, so that a replica joining
+    late (or after its position expired) can start from a full state without the trainer's
+    disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.remote.RemoteConsumer.bootstrap>`).
+
+    Call it on every rank at the same step, right after ``tracker.publish(...)``, with
+    ``stamp = tracker.curr_batch_idx`` (the stamp that publish used) and ``tables = {fqn:
+    table.weights() for fqn, table in tracker.local_tables.items()}``: the base then holds every
+    value up to that publish, and a replica continues with the publishes after it. It replaces
+    the rank's previous base. Blocks until the server stored it (the trainer's step waits:
+    call it on demand or every few thousand steps, not every step).
+
+    Raises:
+        TransportError: the server is unreachable.
+    """
+    conn = Connection(server, connect)
+    try:
+        conn.object_put(transport.check_job(job), transport.base_name(rank), transport.encode_base(stamp, tables),
+                        replicas=replicas)
+    finally:
+        conn.close()
+
+
+def shipper_name(job: str, channel: str) -> str:
+    """The consumer name a shipper registers in each rank log."""
+    return f"ship-{transport.check_job(job)}-{channel}"
+
+
+@dataclass
+class FeedStats:
+    """One rank and channel of a shipper."""
+
+    rank: int
+    channel: str
+    epoch: str = ""
+    position: int = 0
+    log_end: int = 0
+    lag_batches: int = 0
+    ranges: int = 0
+    batches: int = 0
+    messages: int = 0
+    row_bytes: int = 0
+    payload_bytes: int = 0
+    retries: int = 0
+    last_shipped: float = 0.0
+    last_error: str = ""
+
+
+@dataclass
+class _Feed:
+    rank: int
+    channel: str
+    path: str
+    consumer: DeltaConsumer
+    new_registration: bool
+    stats: FeedStats
+    epoch: str = ""
+    synced: bool = False
+    log_id: str = ""
+    stats_sent: float = 0.0
+    dirty: bool = False  # shipped and acknowledged, not yet committed locally
+    committed_at: float = 0.0
+
+
+class Shipper:
+    """Ships every local rank log under ``root`` to the job's stream (see the module docs).
+
+    Args:
+        root: the log root on this host (``<root>/rank-<r>``: only the ranks this host has).
+        server: ``nats://HOST:PORT`` (or several, comma-separated, or a list: a cluster).
+        job: the job's name on the stream (``[A-Za-z0-9_-]{1,64}``).
+        channels: which channels to ship (default both).
+        ranks: only these local ranks (default: every rank directory of the job here).
+        connect: authentication/TLS (:class:`~persistent_delta.transport.ConnectOptions`).
+        stream: the stream's replicas and limits when this shipper creates it.
+        max_batches: batches per shipped range at most (ranges are cut at its multiples).
+        options: :class:`LogOptions` for opening the logs.
+
+    Not thread-safe: use it from one thread (``run``), or let :meth:`start` run it in one.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        server: Union[str, Sequence[str]],
+        job: str,
+        channels: Sequence[str] = CHANNELS,
+        ranks: Optional[Sequence[int]] = None,
+        connect: Optional[ConnectOptions] = None,
+        stream: Optional[StreamOptions] = None,
+        max_batches: int = 16,
+        options: Optional[LogOptions] = None,
+    ) -> None:
+        self.root = os.fspath(root)
+        self.job = transport.check_job(job)
+        self.server = server
+        self.channels = [check_channel(c) for c in channels]
+        if not self.channels:
+            raise InvalidInputError("channels must name at least one channel")
+        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
+            raise InvalidInputError(f"max_batches must be a positive int, got {max_batches!r}")
+        self.max_batches = max_batches
+        self._only = None if ranks is None else {int(r) for r in ranks}
+        self._connect = connect or ConnectOptions()
+        self._stream = stream or StreamOptions()
+        self._options = options
+        self._feeds: Dict[Tuple[int, str], _Feed] = {}
+        self._conn: Optional[Connection] = None
+        self._ready = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._watch: Optional[FileWatch] = None
+        self._watched: List[str] = []
+        self._scanned = 0.0
+        self._closed = False
+        self.connect_failures = 0
+
+    # ------------------------------------------------------------------ feeds
+    def _scan(self) -> None:
+        now = time.monotonic()
+        if now - self._scanned < _RESCAN_EVERY_S and self._feeds:
+            return
+        self._scanned = now
+        try:
+            found = rank_paths(self.root)
+        except NotALogError:
+            return
+        for rank, path in found.items():
+            if self._only is not None and rank not in self._only:
+                continue
+            for channel in self.channels:
+                if (rank, channel) in self._feeds:
+                    continue
+                try:
+                    self._feeds[(rank, channel)] = self._open_feed(rank, channel, path)
+                except NotALogError:
+                    continue  # not a log yet: the next scan looks again
+
+    def _open_feed(self, rank: int, channel: str, path: str) -> _Feed:
+        name = shipper_name(self.job, channel)
+        new = False
+        try:
+            consumer = DeltaConsumer(self.root, name, channel=channel, reset="earliest", register=False, ranks=[rank],
+                                     options=self._options)
+        except UnknownConsumerError:
+            consumer = DeltaConsumer(self.root, name, channel=channel, reset="earliest", register=True, ranks=[rank],
+                                     options=self._options)
+            new = True
+        if rank not in consumer.ranks:
+            consumer.close()
+            raise NotALogError(f"{path}: rank {rank} is not (yet) a log of the job")
+        with DeltaLog(path, readonly=True, writer_lock=False, options=self._options) as log:
+            log_id = str(log.read(lambda r: r.meta(META_LOG_ID)))
+        logger.info("shipper %s: rank %d %s from batch %d%s", self.job, rank, channel, consumer.position()[rank],
+                    " (new registration)" if new else "")
+        return _Feed(rank, channel, path, consumer, new, FeedStats(rank, channel), log_id=log_id)
+
+    # ------------------------------------------------------------------ the stream
+    def _connected(self) -> bool:
+        if self._conn is not None and self._ready:
+            return True
+        try:
+            if self._conn is None:
+                self._conn = Connection(self.server, self._connect)
+            self._conn.ensure_job(self.job, self._stream)
+            self._ready = True
+            return True
+        except TransportError as exc:
+            self.connect_failures += 1
+            if self.connect_failures == 1 or self.connect_failures % 50 == 0:
+                logger.warning("shipper %s: stream not reachable (%s); the trainer is not held, retrying", self.job, exc)
+            return False
+
+    def _sync(self, feed: _Feed) -> None:
+        """After (re)connecting: the feed's epoch, its table metadata, and the local position
+        caught up with what the stream already acknowledged."""
+        assert self._conn is not None
+        conn, rank = self._conn, feed.rank
+        prev = conn.kv_get(self.job, "meta", transport.shipper_key(rank, feed.channel))
+        epoch = ""
+        if prev is not None and not feed.new_registration:
+            state = codec.unpack(prev[0], "shipper state")
+            if isinstance(state, dict) and state.get("log_id") == feed.log_id:
+                epoch = str(state.get("epoch", ""))
+        if not epoch:
+            epoch = transport.new_epoch(feed.log_id)
+        feed.epoch = feed.stats.epoch = epoch
+        conn.kv_put(self.job, "meta", transport.shipper_key(rank, feed.channel), self._state(feed))
+        self._publish_tables(feed)
+        last = conn.last_message(self.job, transport.end_subject(self.job, feed.channel, rank))
+        pos = feed.consumer.position()[rank]
+        if last is not None:
+            m = Marker.decode(last[2], last[0], f"stream {transport.stream_name(self.job)}")
+            if m.epoch == epoch and m.end > pos:
+                logger.info("shipper %s: rank %d %s: the stream has up to batch %d already; local position %d -> %d",
+                            self.job, rank, feed.channel, m.end, pos, m.end)
+                feed.consumer.seek(m.end, rank)
+                feed.consumer.commit()
+        feed.new_registration = False
+        feed.synced = True
+
+    def _publish_tables(self, feed: _Feed) -> None:
+        assert self._conn is not None
+        with DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options) as log:
+            def read(r: Any) -> RankTables:
+                meta = TrackerMeta.from_value(r.meta(META_TRACKER))
+                return RankTables(
+                    rank=feed.rank, log_id=str(r.meta(META_LOG_ID)), world_size=None if meta is None else meta.world_size,
+                    tracker=None if meta is None else meta.to_value(),
+                    modes={c: delivery.update_mode(r, c).value for c in CHANNELS},
+                    entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
+            tables = log.read(read)
+        self._conn.kv_put(self.job, "meta", transport.tables_key(feed.rank), tables.encode())
+
+    def _state(self, feed: _Feed) -> bytes:
+        return codec.pack({"epoch": feed.epoch, "log_id": feed.log_id, "host": socket.gethostname(), "pid": os.getpid(),
+                           "time": time.time(), "stats": asdict(feed.stats)})
+
+    # ------------------------------------------------------------------ shipping
+    def _publish(self, feed: _Feed, msgs: List[transport.Message]) -> bool:
+        """Publish until every message is acknowledged (True), or the shipper is stopped."""
+        assert self._conn is not None
+        pending = msgs
+        pause = 0.05
+        while pending:
+            failed = self._conn.publish_all(pending)
+            if not failed:
+                return True
+            feed.stats.retries += len(failed)
+            feed.stats.last_error = f"{len(failed)} of {len(pending)} messages not acknowledged"
+            if self._stop.wait(pause):
+                return False
+            pause = min(pause * 2, 1.0)
+            pending = failed
+        return True
+
+    def _ship(self, feed: _Feed) -> int:
+        """Ship one range of ``feed``; returns the batches shipped."""
+        assert self._conn is not None
+        try:
+            feed.consumer.committed()  # a read: is the registration still there?
+        except UnknownConsumerError:
+            self._registration_lost(feed)
+            return 0
+        if not feed.synced:
+            self._sync(feed)
+        rank = feed.rank
+        pos = feed.consumer.position()[rank]
+        poll = feed.consumer.poll(max_batches=self.max_batches - pos % self.max_batches)
+        d = poll.ranks.get(rank)
+        end = feed.consumer.end_offsets().get(rank, pos)
+        st = feed.stats
+        st.log_end = end
+        # a position moved up by the reset policy (the trainer expired the shipper past its
+        # retention bound): the range is shipped even when empty, so remote consumers see the gap
+        jumped = d is not None and d.start_idx > pos
+        if d is None or (d.end_idx <= d.start_idx and not jumped):
+            st.position, st.lag_batches = pos, max(0, end - pos)
+            return 0
+        if jumped:
+            logger.warning("shipper %s: rank %d %s: batches [%d, %d) were deleted before they were shipped (the trainer "
+                           "expired the shipper); remote consumers get OffsetOutOfRangeError or their reset policy",
+                           self.job, rank, feed.channel, pos, d.start_idx)
+        rows = {fqn: t.rows for fqn, t in d.tables.items()}
+        chunk = max(1024, self._conn.max_payload - transport._HEADROOM)
+        info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
+                                "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
+        stamps = {fqn: t.stamps.to(torch.int64).numpy().tobytes() for fqn, t in d.tables.items() if t.stamps is not None}
+        if stamps:
+            info["stamps"] = stamps  # replicated tables: per row, the publish its value comes from
+        parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
+                                                          d.end_idx, rows, chunk, info)
+        if not (self._publish(feed, parts) and self._publish(feed, [marker])):
+            feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
+            return 0
+        feed.dirty = True  # acknowledged: the local commit may follow (see _commit)
+        st.ranges += 1
+        st.batches += d.end_idx - pos
+        st.messages += len(parts) + 1
+        st.row_bytes += row_bytes
+        st.payload_bytes += sum(len(m.payload) for m in parts)
+        st.position = d.end_idx
+        st.lag_batches = max(0, end - d.end_idx)
+        st.last_shipped = time.time()
+        return max(1, d.end_idx - pos)
+
+    def _registration_lost(self, feed: _Feed) -> None:
+        # the log was started afresh (fresh=True deletes every registration), or the entry was
+        # deleted (offsets --delete): register anew, under a new epoch
+        logger.warning("shipper %s: rank %d %s: registration deleted (log started afresh?); registering again",
+                       self.job, feed.rank, feed.channel)
+        feed.consumer.close()
+        self._feeds.pop((feed.rank, feed.channel), None)
+
+    def _commit(self, feed: _Feed, force: bool) -> None:
+        """Commit the local position of what the stream acknowledged: at once when idle or
+        ``force``, else at most every ``_COMMIT_EVERY_S`` (an fsync per range would delay the
+        next one; a crash before the commit ships nothing twice: :meth:`_sync` catches the
+        position up from the stream's last marker)."""
+        now = time.monotonic()
+        if not feed.dirty or (not force and now - feed.committed_at < _COMMIT_EVERY_S):
+            return
+        try:
+            feed.consumer.commit()
+        except UnknownConsumerError:
+            self._registration_lost(feed)
+            return
+        feed.dirty, feed.committed_at = False, now
+
+    def run_once(self) -> int:
+        """One round over every local rank and channel: ship what is complete (at most one
+        range each). Returns the batches shipped (0 also while the stream is unreachable)."""
+        self._check()
+        self._scan()
+        if not self._feeds or not self._connected():
+            return 0
+        shipped = 0
+        for feed in list(self._feeds.values()):
+            try:
+                n = self._ship(feed)
+                shipped += n
+                self._commit(feed, force=n == 0)
+            except TransportError as exc:
+                feed.stats.last_error = str(exc)
+                feed.synced = False
+                logger.info("shipper %s: rank %d %s: %s (retrying)", self.job, feed.rank, feed.channel, exc)
+            self._send_stats(feed)
+        return shipped
+
+    def _send_stats(self, feed: _Feed) -> None:
+        now = time.monotonic()
+        if self._conn is None or not feed.synced or now - feed.stats_sent < _STATS_EVERY_S:
+            return
+        feed.stats_sent = now
+        try:
+            self._conn.kv_put(self.job, "meta", transport.shipper_key(feed.rank, feed.channel), self._state(feed))
+        except TransportError:
+            pass
+
+    def run(self, until: Optional[threading.Event] = None, idle_exit_s: Optional[float] = None) -> None:
+        """Ship until ``stop()`` (or ``until`` is set); with ``idle_exit_s``, also return once
+        nothing was shipped for that long (tests, one-off catch-up)."""
+        if until is not None:
+            self._stop = until  # every wait and retry of this shipper watches it
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            n = self.run_once()
+            if n:
+                idle_since = time.monotonic()
+                continue
+            if idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                return
+            self._wait()
+
+    def _wait(self) -> None:
+        paths = sorted({os.path.join(f.path, DATA_FILE) for f in self._feeds.values()})
+        if self._watch is None or paths != self._watched:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch, self._watched = FileWatch(paths), paths
+        self._watch.wait(_IDLE_WAIT_S if self._ready else 0.2)
+
+    def start(self) -> "Shipper":
+        """Run the shipper in a daemon thread of this process (a trainer's, say)."""
+        self._check()
+        self._thread = threading.Thread(target=self.run, name=f"pd-ship-{self.job}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop (the range in flight is shipped again by the next shipper)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30)
+            self._thread = None
+
+    # ------------------------------------------------------------------ stats, lifecycle
+    def stats(self) -> List[Dict[str, Any]]:
+        """Per rank and channel: position, log end, lag in batches, ranges, batches, messages,
+        row and payload bytes, publish retries, last ship time, last error."""
+        return [asdict(f.stats) for _, f in sorted(self._feeds.items())]
+
+    def close(self) -> None:
+        """Stop, close every log handle and the connection. Idempotent."""
+        if self._closed:
+            return
+        self.stop()
+        self._closed = True
+        for f in list(self._feeds.values()):
+            try:
+                self._commit(f, force=True)
+            except Exception as exc:  # noqa: BLE001 - closing: the next shipper catches up from the stream
+                logger.warning("shipper %s: final commit of rank %d %s failed: %s", self.job, f.rank, f.channel, exc)
+            f.consumer.close()
+        if self._watch is not None:
+            self._watch.close()
+        if self._conn is not None:
+            self._conn.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            from persistent_delta.errors import LogClosedError
+
+            raise LogClosedError(f"{self!r} is closed")
+
+    def __enter__(self) -> "Shipper":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Shipper({self.root!r}, job={self.job!r})"

@@ -1,0 +1,65 @@
+"""Trainer and replica sides of the shipping tests (tests/test_ship.py): spawnable trainer
+ranks, and a replica process that reads only from the stream."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from torchrec.distributed.model_tracker.types import TrackingMode
+
+from persistent_delta import PersistentTrackerConfig, attach
+from persistent_delta.config import RetentionBound
+from harness import build_sharded_model, make_batches, table_shard_info, train_step
+
+ROWS, DIM, TABLES, SEED = 100, 8, 2, 3
+
+
+def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish_every: int, sharding: str,
+            step_sleep: float = 0.0, retention_batches: Optional[int] = None, start_flag: str = "",
+            big_rows: int = 0, base: str = "") -> Dict[str, Any]:
+    """Train ``steps`` steps, publish every ``publish_every`` (and at the end), save the final
+    local shards to ``out/rank-<r>.pt``. ``start_flag``: wait for that file before training.
+    ``base``: ``"URL JOB STEP"``: publish a base snapshot to the stream right after the publish
+    of that step."""
+    dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", num_tables=TABLES,
+                              rows=max(ROWS, big_rows), dim=DIM, seed=SEED)
+    bound = RetentionBound(max_batches=retention_batches) if retention_batches else None
+    cfg = PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.EMBEDDING, consumers=["serving"],
+                                  delete_on_read=True, retention=bound)
+    t = attach(dmp, cfg)
+    while start_flag and not os.path.exists(start_flag):
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    for i, b in enumerate(make_batches("ec", steps, 8, seed=5, world_size=world_size, rank=rank, num_tables=TABLES,
+                                       rows=max(ROWS, big_rows))):
+        train_step(dmp, b)
+        if (i + 1) % publish_every == 0 or i + 1 == steps:
+            t.publish("serving")
+            if base and i + 1 == int(base.split()[2]):
+                from persistent_delta.ship import publish_base
+
+                url, job, _ = base.split()
+                publish_base(url, job, rank, t.curr_batch_idx, {f: lt.weights() for f, lt in t.local_tables.items()})
+        if step_sleep:
+            time.sleep(step_sleep)
+    elapsed = time.monotonic() - t0
+    shards = {fqn: (lt.weights().detach().clone(), info) for (fqn, lt), info in
+              zip(sorted(t.local_tables.items()), [table_shard_info(dmp)[f] for f in sorted(t.local_tables)])}
+    torch.save(shards, os.path.join(out, f"rank-{rank}.pt"))
+    t.close()
+    return {"elapsed": elapsed}
+
+
+def assemble(out: str, world_size: int) -> Dict[str, torch.Tensor]:
+    """The trainer's final full tables, from the saved shards."""
+    full: Dict[str, torch.Tensor] = {}
+    for r in range(world_size):
+        for fqn, (w, info) in torch.load(os.path.join(out, f"rank-{r}.pt")).items():
+            t = full.setdefault(fqn, torch.zeros(info["global_rows"], info["global_cols"], dtype=w.dtype))
+            ro, co = info["row_offset"], info["col_offset"]
+            t[ro:ro + w.shape[0], co:co + w.shape[1]] = w
+    return full
