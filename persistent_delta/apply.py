@@ -14,8 +14,9 @@ tensor, and keeps it equal to the trainer's by applying every poll in order:
   among equals, as :meth:`DeltaPoll.merged` does.
 
 A tracker job's poll stops at the end every rank completed, so it never holds part of a
-publish; ``complete_only=True`` also refuses a poll whose ranks were read over different
-ranges (see :attr:`DeltaPoll.complete`). Nothing is applied when a check fails.
+publish; ``complete_only=True`` also refuses a poll whose ranks were read up to different
+ends, or that misses a rank of the job (see :attr:`DeltaPoll.complete`). Nothing is applied
+when a check fails.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class ConsumerConflictError(PersistentDeltaError):
 
 class IncompletePollError(PersistentDeltaError):
     """A poll does not hold every rank's part of the batches it covers (its ranks were read
-    over different ranges, or a rank is missing), and the caller asked for complete ones."""
+    up to different ends, or a rank is missing), and the caller asked for complete ones."""
 
 
 class WriterError(PersistentDeltaError):

@@ -220,16 +220,17 @@ class DeltaPoll:
 
     @property
     def complete(self) -> bool:
-        """Whether every rank of the job was read over the same range, so that each batch (or
-        publish) in it is here from every rank: all of a publish's column halves and row
-        shards. A tracker job's poll stops at the end every rank completed, so it is complete
-        unless a rank's position was moved on its own (``seek(..., rank=r)``) or the job's
-        world size is unknown (then: the ranks present agree)."""
+        """Whether every rank of the job was read up to the same end, so that no batch (or
+        publish) in this poll is missing some rank's part: all of a publish's column halves and
+        row shards are here, or none. A tracker job's poll stops at the end every rank
+        completed, so it is complete unless the reader's ranks were moved apart (per-rank
+        ``seek`` with ``max_batches``) or a rank of the job is missing. Starts may differ: a
+        rank with no records over a stretch starts later, and nothing of it is missing."""
         if not self.ranks:
             return False
         if self.world_size is not None and set(self.ranks) != set(range(self.world_size)):
             return False
-        return len({(d.start_idx, d.end_idx) for d in self.ranks.values()}) == 1
+        return len({d.end_idx for d in self.ranks.values()}) == 1
 
     @property
     def publishes(self) -> Dict[int, float]:

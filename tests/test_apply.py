@@ -107,11 +107,12 @@ def test_refusals_apply_nothing(job):
     replica = _replica(results)
     before = {k: v.clone() for k, v in replica.items()}
     with DeltaConsumer(root, "refused", channel="snapshots") as consumer:
-        # a rank moved on its own: its part of the first publishes is not in the poll
-        first = min(results[0]["windows"])
-        consumer.seek(first + 1, rank=1)
-        poll = consumer.poll()
-        assert not poll.complete
+        # the ranks' positions moved apart, and a bounded poll ends at different batches: rank 0's
+        # part of the last publish it read is in the poll, rank 1's is not
+        stamps = sorted(results[0]["windows"])
+        consumer.seek(stamps[1], rank=1)
+        poll = consumer.poll(max_batches=stamps[1] - stamps[0])
+        assert poll.ranges()[0][1] != poll.ranges()[1][1] and not poll.complete
         with pytest.raises(IncompletePollError):
             apply_poll(replica, poll, complete_only=True)
         wrong_dtype = {k: v.double() for k, v in replica.items()}

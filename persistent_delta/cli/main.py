@@ -406,8 +406,11 @@ def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) 
         stdout: where results go (default ``sys.stdout``); errors always go to stderr.
     """
     stream = stdout if stdout is not None else sys.stdout
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(list(argv) if argv is not None else None)
+        args = parser.parse_args(list(argv) if argv is not None else None)
+        if getattr(args, "func", None) is _cmd_offsets and not args.root and not args.server:
+            parser.error("offsets needs ROOT (a log root) or --server URL --job NAME")
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code) if isinstance(exc.code, int) else 2
     if not logging.getLogger().handlers:
