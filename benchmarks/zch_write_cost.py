@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import types
 from typing import Any, Dict, List
 
 import torch
@@ -53,19 +52,6 @@ class _Model(torch.nn.Module):
         return sum(((jt.values() - 0.5) ** 2).sum() for jt in out.values())  # type: ignore[return-value]
 
 
-def _reset_weight_momentum(self: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
-                           logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
-    """``fbgemm::reset_weight_momentum`` has no CPU kernel (fbgemm-gpu-cpu 1.8.0): zero the rows
-    and their optimizer state in Python, as the CUDA kernel does."""
-    weights, states = self.split_embedding_weights(), self.split_optimizer_states()
-    with torch.no_grad():
-        for k, t in enumerate(logical_table_ids.tolist()):
-            idx = pruned_indices[int(pruned_indices_offsets[k]):int(pruned_indices_offsets[k + 1])].long()
-            weights[t][idx] = 0
-            for s in states[t]:
-                s[idx] = 0
-
-
 def _build(args: argparse.Namespace) -> DistributedModelParallel:
     torch.manual_seed(0)
     model = _Model(args.tables, args.slots, args.dim, args.eviction_interval, args.raw_ids)
@@ -76,9 +62,9 @@ def _build(args: argparse.Namespace) -> DistributedModelParallel:
     pg = dist.GroupMember.WORLD
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=planner.collective_plan(model, None, pg))
-    for m in dmp.modules():
-        for tbe, _ in getattr(m, "_table_to_tbe_and_index", {}).values():
-            tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum, tbe)
+    from persistent_delta.zch import cpu_eviction_fallback
+
+    cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     return dmp
 
 

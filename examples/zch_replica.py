@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-import types
 import warnings
 from typing import Any, Dict
 
@@ -35,17 +34,6 @@ warnings.filterwarnings("ignore")
 from persistent_delta import DeltaConsumer, PersistentTrackerConfig, RawIdMap, attach  # noqa: E402
 
 RAW_IDS = 5000  # raw id space; bucketed to the ranks by range
-
-
-def _reset_weight_momentum(self: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
-                           logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
-    weights, states = self.split_embedding_weights(), self.split_optimizer_states()
-    with torch.no_grad():
-        for k, t in enumerate(logical_table_ids.tolist()):
-            idx = pruned_indices[int(pruned_indices_offsets[k]):int(pruned_indices_offsets[k + 1])].long()
-            weights[t][idx] = 0
-            for s in states[t]:
-                s[idx] = 0
 
 
 def _trainer(rank: int, world: int, root: str, port: int, steps: int, slots: int, maps_path: str) -> None:
@@ -85,9 +73,9 @@ def _trainer(rank: int, world: int, root: str, port: int, steps: int, slots: int
     pg = dist.GroupMember.WORLD
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=planner.collective_plan(model, None, pg))
-    for m in dmp.modules():
-        for tbe, _ in getattr(m, "_table_to_tbe_and_index", {}).values():
-            tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum, tbe)
+    from persistent_delta.zch import cpu_eviction_fallback
+
+    cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, linger_steps=1))
     probs = 1.0 / torch.arange(1, RAW_IDS + 1, dtype=torch.float64) ** 1.05
     g = torch.Generator().manual_seed(rank)

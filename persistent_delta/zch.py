@@ -340,3 +340,30 @@ class ZchCapture:
             out.append(AppendRecord(stamp, fqn, uniq, slots_states(all_given[last], t.slot_raw()[uniq]),
                                     kind=codec.KIND_SLOTS))
         return out
+
+
+def _reset_weight_momentum_cpu(self: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
+                               logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+    """``fbgemm::reset_weight_momentum`` in Python: zero the evicted rows and their optimizer
+    state, as the CUDA kernel does."""
+    weights, states = self.split_embedding_weights(), self.split_optimizer_states()
+    with torch.no_grad():
+        for k, t in enumerate(logical_table_ids.tolist()):
+            idx = pruned_indices[int(pruned_indices_offsets[k]):int(pruned_indices_offsets[k + 1])].long()
+            weights[t][idx] = 0
+            for s in states[t]:
+                s[idx] = 0
+
+
+def cpu_eviction_fallback(dmp: nn.Module) -> int:
+    """Let MCH evict on CPU: ``fbgemm::reset_weight_momentum`` (called at an MCH module's
+    first eviction) has no CPU kernel in fbgemm-gpu-cpu 1.8.0, so the TBEs of managed-collision
+    tables get a Python version. Not needed on GPU. Returns the TBEs patched."""
+    import types
+
+    n = 0
+    for module in dmp.modules():
+        for tbe, _ in getattr(module, "_table_to_tbe_and_index", {}).values():
+            tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum_cpu, tbe)
+            n += 1
+    return n

@@ -19,7 +19,6 @@ Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
 from __future__ import annotations
 
 import os
-import types
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -63,19 +62,6 @@ class MCModel(nn.Module):
         return loss
 
 
-def _reset_weight_momentum(self: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
-                           logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
-    """``fbgemm::reset_weight_momentum`` in Python (it has no CPU kernel): zero the rows and
-    their optimizer state."""
-    weights, states = self.split_embedding_weights(), self.split_optimizer_states()
-    with torch.no_grad():
-        for k, t in enumerate(logical_table_ids.tolist()):
-            idx = pruned_indices[int(pruned_indices_offsets[k]):int(pruned_indices_offsets[k + 1])].long()
-            weights[t][idx] = 0
-            for s in states[t]:
-                s[idx] = 0
-
-
 def build_mc_model(rank: int, world_size: int, slots: int = 32, eviction_interval: int = 2, dim: int = 8,
                    seed: int = 0) -> DistributedModelParallel:
     """Shard an :class:`MCModel` (``slots`` rows per table in all, row-wise over the ranks)."""
@@ -88,9 +74,9 @@ def build_mc_model(rank: int, world_size: int, slots: int = 32, eviction_interva
         constraints={t: ParameterConstraints(compute_kernels=["fused"], sharding_types=["row_wise"]) for t in FEATURES})
     plan = planner.collective_plan(model, None, pg)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan)
-    for module in dmp.modules():
-        for tbe, _ in getattr(module, "_table_to_tbe_and_index", {}).values():
-            tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum, tbe)
+    from persistent_delta.zch import cpu_eviction_fallback
+
+    cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     return dmp
 
 
