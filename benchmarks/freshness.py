@@ -251,6 +251,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--replica-stop", help=argparse.SUPPRESS)
     ap.add_argument("--replica-from-stamp", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=50, help="steps (with publishes) before the measured ones")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the trainer process (seconds; default: Python's 0.005)")
     args = ap.parse_args(argv)
     if args.role == "replica":
         return replica_main(args.root, args.replica_out, args.replica_stop, args.replica_from_stamp)
@@ -258,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.every1_steps, args.every10_steps, args.rounds, args.block, args.warmup = 60, 200, 3, 20, 10
     from benchmarks._model import make_batches
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     init_single_rank_pg()
     batches = make_batches(_workload(), 50, seed=1)
     phases = [p.strip() for p in args.only.split(",")]
