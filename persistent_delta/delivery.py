@@ -48,7 +48,7 @@ The merged record says which batches it covers, so a position that later lands i
 from __future__ import annotations
 
 import logging
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Tuple, TypeVar
 
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
@@ -71,6 +71,7 @@ from persistent_delta.schema import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RESET_POLICIES = ("earliest", "latest")
 
@@ -426,6 +427,36 @@ def consume_commit(
     if compact:
         _compact_for_read(w, mode, end)
     _commit_read(w, name, entry, end, delete_on_read, bound)
+
+
+def consume_exact(
+    w: WriteTxn,
+    name: str,
+    end: int,
+    read: Callable[[int], T],
+    empty: T,
+    *,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> T:
+    """The consume rule for readers of records the window filter never touches (a table's
+    side records: raw ids, slot reassignments): ``read(start)`` over ``[start, end)`` from the
+    consumer's position exactly (or the log start, when its batches were deleted), then commit
+    ``end`` and apply retention as :func:`consume` does. Nothing to read gives ``empty`` and
+    leaves the position.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry = _lookups_consumer(w, name)
+    start = max(entry.offset, log_start(w))
+    out = empty
+    if start < end:
+        out = read(start)
+        w.set_consumer(name, entry.committed(end))
+    if delete_on_read:
+        apply_retention(w, LOOKUPS, bound)
+    return out
 
 
 def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True) -> ConsumerEntry:

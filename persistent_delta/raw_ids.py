@@ -22,7 +22,7 @@ names change every run and would hold retention forever.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -30,15 +30,29 @@ from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTra
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
-from persistent_delta.log import WriteTxn
-from persistent_delta.records import log_start
-from persistent_delta.schema import LOOKUPS, check_consumer_name
-from persistent_delta.tracker import PersistentDeltaTracker
+from persistent_delta.log import ReadTxn
+from persistent_delta.schema import check_consumer_name
 from persistent_delta.zchlog import raw_lookups
 
 Lookups = Dict[str, Tuple[List[torch.Tensor], List[torch.Tensor]]]
+_T = TypeVar("_T")
+
+
+class _DeltaTracker(Protocol):
+    """What this module uses of a :class:`~persistent_delta.tracker.PersistentDeltaTracker`
+    (its public API: this module sits below the tracker and does not import it)."""
+
+    zch: Any
+    curr_batch_idx: int
+
+    @property
+    def per_consumer_batch_idx(self) -> Dict[str, int]: ...
+
+    def add_consumer(self, name: str, from_latest: bool = False) -> None: ...
+
+    def consume_exact(self, consumer: str, read: Callable[[ReadTxn, int, int], _T], empty: _T,
+                      delete_on_read: Optional[bool] = None) -> _T: ...
 
 
 class PersistentRawIdTracker(ModelDeltaTracker):
@@ -53,7 +67,7 @@ class PersistentRawIdTracker(ModelDeltaTracker):
         delete_on_read: apply the log's retention after each read (TorchRec's default True).
     """
 
-    def __init__(self, tracker: PersistentDeltaTracker, consumers: Optional[List[str]] = None,
+    def __init__(self, tracker: _DeltaTracker, consumers: Optional[List[str]] = None,
                  delete_on_read: bool = True) -> None:
         if not tracker.zch.tables:
             raise InvalidInputError("the tracked model has no managed-collision tables: no raw ids to serve")
@@ -92,30 +106,19 @@ class PersistentRawIdTracker(ModelDeltaTracker):
         name = consumer or self.DEFAULT_CONSUMER
         if name not in self._names:
             raise UnknownConsumerError(f"consumer {name} not present in {self._names}")
-        t = self._tracker
-        t._commit_recorded()  # the current batch's raw ids are read too, as TorchRec's are
-        end = t.curr_batch_idx + 1
-        retention = t._retention if self._delete_on_read else None
 
-        def read(w: WriteTxn) -> Lookups:
-            entry = w.consumer(name)
-            if entry is None:
-                raise UnknownConsumerError(f"consumer {name} is not registered in {w.path}")
-            start = max(entry.offset, log_start(w))
+        def read(r: ReadTxn, start: int, end: int) -> Lookups:
             out: Lookups = {}
-            if start < end:
-                for table in tables:
-                    fqn = self._fqn_of.get(table)
-                    te = w.table(fqn) if fqn is not None else None
-                    found = raw_lookups(w, te, start, end) if te is not None else []
-                    if found:
-                        out[table] = ([raw for _, _, raw in found], [])
-                w.set_consumer(name, entry.committed(end))
-            if retention is not None:
-                delivery.apply_retention(w, LOOKUPS, retention)
+            for table in tables:
+                fqn = self._fqn_of.get(table)
+                te = r.table(fqn) if fqn is not None else None
+                found = raw_lookups(r, te, start, end) if te is not None else []
+                if found:
+                    out[table] = ([raw for _, _, raw in found], [])
             return out
 
-        return t.log.write(read)
+        # the current batch's raw ids are read too, as TorchRec's are
+        return self._tracker.consume_exact(name, read, {}, delete_on_read=self._delete_on_read)
 
     def get_unique_ids(self, consumer: Optional[str] = None) -> Dict[str, torch.Tensor]:
         return {}
@@ -132,7 +135,7 @@ class PersistentRawIdTracker(ModelDeltaTracker):
         """Nothing: the log's retention deletes (``delete_on_read``)."""
 
 
-def install_raw_id_tracker(dmp: nn.Module, tracker: PersistentDeltaTracker, consumers: Optional[List[str]] = None,
+def install_raw_id_tracker(dmp: nn.Module, tracker: _DeltaTracker, consumers: Optional[List[str]] = None,
                            delete_on_read: bool = True) -> PersistentRawIdTracker:
     """Register a :class:`PersistentRawIdTracker` as ``dmp``'s raw-id tracker
     (``dmp.model_trackers[Trackers.RAW_ID_TRACKER.name]``) and return it.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
-from persistent_delta.log import DeltaLog
+from persistent_delta.log import DeltaLog, ReadTxn
 from persistent_delta.schema import (
     LOOKUPS,
     META_CLOSED_END,
@@ -48,6 +48,7 @@ from persistent_delta.window import WindowFilter
 from persistent_delta.zch import ZchCapture
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["PersistentDeltaTracker", "PersistentTrackerConfig", "attach"]
 
@@ -203,6 +204,18 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def get_unique_ids(self, consumer: Optional[str] = None) -> Dict[str, torch.Tensor]:
         """Ids changed since ``consumer`` last read, per table fqn (commits its position)."""
         return {fqn: rows.ids for fqn, rows in self.get_unique(consumer).items()}
+
+    def consume_exact(self, consumer: str, read: Callable[[ReadTxn, int, int], T], empty: T,
+                      delete_on_read: Optional[bool] = None) -> T:
+        """Run ``read(txn, start, end)`` over ``consumer``'s unread batches (the current one
+        included) and commit its position (:func:`.delivery.consume_exact`): for readers of side
+        records such as :mod:`.raw_ids`. ``delete_on_read`` defaults to the tracker's."""
+        name = check_consumer_name(consumer)
+        self._commit_recorded()
+        end, rule = self.curr_batch_idx + 1, self._read_rule
+        dor = rule["delete_on_read"] if delete_on_read is None else delete_on_read
+        return self._log.write(lambda w: delivery.consume_exact(
+            w, name, end, lambda start: read(w, start, end), empty, delete_on_read=dor, bound=rule["bound"]))
 
     def clear(self, consumer: Optional[str] = None) -> None:
         """As TorchRec: ``None`` deletes every tracked row; a consumer's name deletes all only

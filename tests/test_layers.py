@@ -18,18 +18,17 @@ LAYERS = [
     {"records", "zchlog"},
     {"delivery"},
     {"results", "sharding", "zch", "transport"},
-    {"consumer", "apply", "remote", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
+    {"consumer", "apply", "remote", "raw_ids", "store", "window", "topk", "publish", "restore", "shard_files", "capture"},
     {"writer", "ordered", "ship"},
     {"tracker"},
-    {"raw_ids"},
     {"cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.upgrade", "cli.ship", "cli.remote"},
     {"cli.apply"},
     {"cli.main"},
     {"cli"},
     {"__init__", "__main__"},
 ]
-TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch", "raw_ids"}
-READERS = {"consumer", "apply", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store",
+TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch"}
+READERS = {"consumer", "apply", "raw_ids", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store",
            "cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.main", "cli", "shard_files", "transport",
            "ship", "remote", "natsserver", "cli.ship", "cli.remote"}
 
