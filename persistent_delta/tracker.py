@@ -166,6 +166,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Commit everything recorded so far, the current batch included (no fsync)."""
         self._check()
         self._hand_off(self._take_batch())
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait until the writer committed what it was handed (a queued publish moves its
+        consumer only when the writer commits it); records of the open batch stay captured."""
+        self._check()
         if self._writer is not None:
             self._writer.barrier()
 
@@ -291,14 +297,14 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     @property
     def per_consumer_batch_idx(self) -> Dict[str, int]:
         """Committed position (next batch_idx to read) of every lookups consumer."""
-        self._commit_recorded()  # (publishes commit positions in the writer)
+        self._settle()
         return self._log.read(delivery.committed_offsets)
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:
         """Register a consumer (durably). It starts at position 0 (everything still in the
         log), or after the current batch with ``from_latest``. An existing name is a no-op."""
         check_consumer_name(name)
-        self._commit_recorded()  # (after a queued publish's commit)
+        self._settle()
         offset = self.curr_batch_idx + 1 if from_latest else 0
         self._claims.claim(name, "add it to the tracker")
         self._log.write(lambda w: delivery.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
@@ -308,7 +314,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def remove_consumer(self, name: str) -> None:
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
-        self._commit_recorded()  # (after a queued publish's commit)
+        self._settle()
         self._log.write(lambda w: delivery.unregister(w, name))
         self._claims.release(name)
         if name in self._consumers:
