@@ -92,6 +92,13 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` by nearest rank (``q=0.99`` of 500 values: the 496th
+    smallest); NaN for no values. Every benchmark's p50/p99 use it."""
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))] if ys else float("nan")
+
+
 def mean(xs: Sequence[float]) -> float:
     return float(statistics.fmean(xs))
 

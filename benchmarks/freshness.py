@@ -41,16 +41,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from benchmarks._common import emit, init_single_rank_pg, log, machine, median, rmtree, workdir
+from benchmarks._common import emit, init_single_rank_pg, log, machine, median, pct, rmtree, workdir
 
 CONSUMER = "serving"
-
-
-def pct(xs: List[float], q: float) -> Optional[float]:
-    if not xs:
-        return None
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(round(q * (len(ys) - 1))))]
 
 
 # ------------------------------------------------------------------------------- replica
@@ -183,10 +176,10 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     per_publish_bytes = rep["bytes"] / max(1, len(lags))
     return emit(
         "freshness", phase=name, publish_every=every, steps=steps, warmup_steps=warmup, publishes=len(lags),
-        lag_p50_ms=1e3 * (pct(lags, 0.5) or 0), lag_p99_ms=1e3 * (pct(lags, 0.99) or 0),
+        lag_p50_ms=1e3 * pct(lags, 0.5), lag_p99_ms=1e3 * pct(lags, 0.99),
         lag_max_ms=1e3 * max(lags, default=0), target_p99_ms=50 if every == 1 else 100,
         step_mean_ms=1e3 * sum(step_s) / len(step_s), publish_call_mean_ms=1e3 * sum(publish_s) / max(1, len(publish_s)),
-        publish_call_p99_ms=1e3 * (pct(publish_s, 0.99) or 0), replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]),
+        publish_call_p99_ms=1e3 * pct(publish_s, 0.99), replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]),
         replica_polls=rep["polls"], bytes_per_publish=per_publish_bytes,
         memcpy_gbps_same_bytes=memcpy_gbps(int(per_publish_bytes)), machine=machine(),
     )

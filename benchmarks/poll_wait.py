@@ -23,7 +23,7 @@ import sys
 import time
 from typing import List, Optional
 
-from benchmarks._common import emit, log, machine, rmtree, workdir
+from benchmarks._common import emit, log, machine, pct, rmtree, workdir
 
 WRITER = r"""
 import json, random, sys, time
@@ -54,11 +54,6 @@ log.close()
 def _cpu_s() -> float:
     s = resource.getrusage(resource.RUSAGE_SELF)
     return s.ru_utime + s.ru_stime
-
-
-def pct(xs: List[float], q: float) -> float:
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -24,13 +24,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchmarks._common import emit, log, machine, rmtree, workdir
+from benchmarks._common import emit, log, machine, pct, rmtree, workdir
 
 TRAINER = r"""
 import json, os, sys, time
@@ -71,11 +70,6 @@ def _env() -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-def _pct(xs: List[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def throughput(mb: int, servers: Any, replicas: int, base: str) -> Dict[str, Any]:
@@ -166,8 +160,8 @@ def freshness(steps: int, url: Any, replicas: int, base: str, batch: int) -> Dic
     return emit("ship_freshness", replicas=replicas, batch=batch, mean_step_ms=steps_ms,
                 row_mb_per_s=res["bytes_written"] / 1e6 / (sum(res["steps_s"]) or 1), publishes=len(res["stamps"]),
                 measured=len(lat),
-                p50_ms=_pct(lat, 0.5) * 1e3, p99_ms=_pct(lat, 0.99) * 1e3, max_ms=max(lat) * 1e3 if lat else None,
-                ship_p50_ms=_pct(to_ship, 0.5) * 1e3, ship_p99_ms=_pct(to_ship, 0.99) * 1e3,
+                p50_ms=pct(lat, 0.5) * 1e3, p99_ms=pct(lat, 0.99) * 1e3, max_ms=max(lat) * 1e3 if lat else None,
+                ship_p50_ms=pct(to_ship, 0.5) * 1e3, ship_p99_ms=pct(to_ship, 0.99) * 1e3,
                 target_p99_ms=100 if replicas == 1 else None)
 
 
