@@ -16,6 +16,7 @@ and their optimizer state, as the CUDA kernel does). On a GPU it is not needed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -37,6 +38,15 @@ RAW_IDS = 5000  # raw id space; bucketed to the ranks by range
 
 
 def _trainer(rank: int, world: int, root: str, port: int, steps: int, slots: int, maps_path: str) -> None:
+    _train(rank, world, root, port, steps, slots, maps_path)
+    dist.destroy_process_group()
+    # The group's gloo threads live until its last reference (cycles through the model) is
+    # collected. At interpreter exit a thread still dropping the last collective's tensors would
+    # need the GIL during finalization and abort the process; collect while the interpreter is whole.
+    gc.collect()
+
+
+def _train(rank: int, world: int, root: str, port: int, steps: int, slots: int, maps_path: str) -> None:
     from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
     from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -94,7 +104,6 @@ def _trainer(rank: int, world: int, root: str, port: int, steps: int, slots: int
                 merged.setdefault(fqn, {}).update(m)
         with open(maps_path, "w") as f:
             json.dump({fqn: sorted(m.items()) for fqn, m in merged.items()}, f)
-    dist.destroy_process_group()
 
 
 def main(argv: Any = None) -> int:

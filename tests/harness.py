@@ -31,6 +31,7 @@ Facts this relies on (TorchRec 1.8.0 / fbgemm-gpu-cpu 1.8.0, CPU):
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -382,6 +383,12 @@ def _spawn_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         raise
     finally:
         dist.destroy_process_group()
+        # The group's C++ object (and its gloo worker threads) lives until the last reference,
+        # often a cycle through the model, is collected. Left to interpreter exit, a worker
+        # still dropping the last collective's tensors needs the GIL while Python finalizes,
+        # and the process aborts ("terminate called without an active exception"). Collect
+        # now, so the group is destroyed (its threads joined) while the interpreter is whole.
+        gc.collect()
 
 
 def run_spawn(fn: Callable[..., Any], world_size: int, *args: Any,
