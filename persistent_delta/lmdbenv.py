@@ -27,6 +27,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -99,6 +100,35 @@ def is_io_failure(exc: BaseException) -> bool:
 # ------------------------------------------------------------------------ file checks
 
 
+_META_READS = 20  # reads of the meta pages before a changing file is judged on its last one
+_META_RETRY_S = 0.002
+
+
+def _read_metas(data: str) -> Tuple[Tuple[int, int], List[str]]:
+    """One read of ``data``'s meta pages: (their transaction ids, the problems found).
+
+    The file's size is taken *after* the meta pages are read, from the open file: a writer
+    writes a commit's pages before its meta page and LMDB never shrinks the file, so a size read
+    later is at least what the meta page read earlier needs, however a live writer races this
+    reader (a size taken first could be older than the meta page, and look truncated)."""
+    with open(data, "rb") as f:
+        v = _lmdb_verify._Verifier(f, os.fstat(f.fileno()).st_size)  # py-lmdb's meta parser (pinned py-lmdb 3.0)
+        try:
+            v.detect_engine()
+        except _lmdb_verify.VerifyError as exc:
+            raise NotALogError(f"{data}: not an LMDB file ({exc})") from exc
+        v.load_metas()
+        m0, m1 = v._read_meta(0, 1), v._read_meta(1, v.psize)
+        size = os.fstat(f.fileno()).st_size
+    problems = list(v.errors)
+    if m0.txnid and m1.txnid and abs(int(m0.txnid) - int(m1.txnid)) != 1:
+        problems.append(f"the meta pages' transaction ids {m0.txnid} and {m1.txnid} are not consecutive")
+    need = v.next_pgno * v.psize
+    if size < need:
+        problems.append(f"the file is truncated: {size} bytes, but its committed meta page needs {need}")
+    return (int(m0.txnid), int(m1.txnid)), problems
+
+
 def check_file(path: str, full: bool = False) -> None:
     """Check ``<path>/data.mdb`` against LMDB's own metadata before anything maps it.
 
@@ -109,31 +139,28 @@ def check_file(path: str, full: bool = False) -> None:
     SIGBUS at the first access to a missing page). With ``full``, py-lmdb's offline structural
     verifier walks every reachable page too (``lmdb.verify``; time linear in the file).
 
+    Safe against a live writer: the meta pages are read with separate reads, so a commit in
+    between can pair an old page with a new one. A problem is reported only when two reads in a
+    row saw the same transaction ids (a file at rest: the problem is in the file), or after
+    ``_META_READS`` reads of a file that kept changing (a few milliseconds).
+
     Raises:
         NotALogError: the file is not an LMDB file at all (no LMDB magic).
         DamagedLogError: any of the checks fails; the message names the file.
     """
     data = os.path.join(path, DATA_FILE)
-    try:
-        size = os.path.getsize(data)
-        with open(data, "rb") as f:
-            v = _lmdb_verify._Verifier(f, size)  # py-lmdb's meta parser (pinned py-lmdb 3.0)
-            try:
-                v.detect_engine()
-            except _lmdb_verify.VerifyError as exc:
-                raise NotALogError(f"{data}: not an LMDB file ({exc})") from exc
-            v.load_metas()
-            m0, m1 = v._read_meta(0, 1), v._read_meta(1, v.psize)
-    except _lmdb_verify.VerifyError as exc:
-        raise DamagedLogError(f"{data}: damaged LMDB file: {exc}") from exc
-    except OSError as exc:
-        raise translate(exc, path) from exc
-    problems = list(v.errors)
-    if m0.txnid and m1.txnid and abs(int(m0.txnid) - int(m1.txnid)) != 1:
-        problems.append(f"the meta pages' transaction ids {m0.txnid} and {m1.txnid} are not consecutive")
-    need = v.next_pgno * v.psize
-    if size < need:
-        problems.append(f"the file is truncated: {size} bytes, but its committed meta page needs {need}")
+    seen: Optional[Tuple[int, int]] = None
+    for _ in range(_META_READS):
+        try:
+            txnids, problems = _read_metas(data)
+        except _lmdb_verify.VerifyError as exc:
+            raise DamagedLogError(f"{data}: damaged LMDB file: {exc}") from exc
+        except OSError as exc:
+            raise translate(exc, path) from exc
+        if not problems or txnids == seen:
+            break
+        seen = txnids
+        time.sleep(_META_RETRY_S)
     if not problems and full:
         problems = _lmdb_verify.verify(data)
     if problems:

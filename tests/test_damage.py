@@ -126,3 +126,43 @@ def test_damage_fuzz_small(tmp_path):
 @pytest.mark.slow
 def test_damage_fuzz(tmp_path):
     _fuzz(tmp_path, flips=80, truncations=20, seed=2)
+
+
+WRITER = r"""
+import lmdb, os, sys, time
+env = lmdb.open(sys.argv[1], map_size=1 << 31, sync=False, metasync=False)
+stop = time.time() + float(sys.argv[2])
+i = 0
+print("READY", flush=True)
+while time.time() < stop:
+    with env.begin(write=True) as txn:  # every commit grows the file by a few pages
+        txn.put(b"%012d" % i, os.urandom(3 * 4096))
+    i += 1
+print("COMMITS", i, flush=True)
+"""
+
+
+def test_the_file_check_never_takes_a_live_writer_for_damage(tmp_path):
+    """A consumer opens a log while its writer commits (a replica started beside a trainer): the
+    check of the file must not pair a meta page read before a commit with a size or a twin meta
+    page read after it and call the live file damaged."""
+    from persistent_delta.lmdbenv import check_file
+
+    path = str(tmp_path / "live")
+    os.makedirs(path)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, path, "4"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        checks, failures = 0, []
+        while proc.poll() is None:
+            try:
+                check_file(path)
+            except Exception as exc:  # noqa: BLE001 - every failure is collected and reported
+                failures.append(repr(exc))
+            checks += 1
+        commits = int(proc.stdout.read().split()[-1])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert commits > 1000 and checks > 1000, (commits, checks)
+    assert not failures, f"{len(failures)} of {checks} checks failed against {commits} commits: {failures[:3]}"
