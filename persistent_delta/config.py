@@ -214,8 +214,12 @@ class RetentionBound:
 
     Args:
         max_batches: expire a consumer more than this many batches behind the log end.
-        max_bytes: expire consumers, oldest first, while the lookups they hold back (stored
-            bytes from the lowest position to the log end) exceed this.
+        max_bytes: expire consumers, oldest first, while the records they hold back (stored
+            bytes of their channel from the lowest position to its end) exceed this.
+
+    The bound applies to each channel on its own: lookups consumers (the trainer's, out-of-
+    process ones, a shipper's) and snapshots consumers (a replica's, a shipper's), in batches
+    and in bytes of that channel.
 
     An expired consumer no longer holds back retention; its next read gets
     :class:`~persistent_delta.errors.OffsetOutOfRangeError` (or its reset policy), and a commit

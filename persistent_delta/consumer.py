@@ -317,10 +317,12 @@ class DeltaReader:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
-        bounds = {rank: log.read(lambda r: delivery.bounds(r, self.channel)) for rank, log in self._logs.items()}
+        bounds = {rank: log.read(lambda r: (*delivery.bounds(r, self.channel), delivery.served_from(r, self.channel)))
+                  for rank, log in self._logs.items()}
         positions = {rank: delivery.serve_position(self._positions[rank], a, b, self.channel, self.reset,
-                                                   self._label(), where[rank]) for rank, (a, b) in bounds.items()}
-        stops = delivery.poll_stops(positions, {rank: b for rank, (_, b) in bounds.items()}, self._expected, max_batches)
+                                                   self._label(), where[rank], floor)
+                     for rank, (a, b, floor) in bounds.items()}
+        stops = delivery.poll_stops(positions, {rank: b for rank, (_, b, _) in bounds.items()}, self._expected, max_batches)
         if max_bytes is not None:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}

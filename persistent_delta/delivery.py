@@ -14,7 +14,9 @@ Design note
   index (the batch being recorded is open), or ``closed_end`` once the tracker closed or was
   restarted after a crash (a dead writer's open batch is complete: nothing more can come).
   A plain store's end is one past its last append. The end is never below ``log_start``.
-* snapshots: one past the newest publish stamp.
+* snapshots: one past the newest publish stamp. Positions from where retention deleted up to
+  (:func:`served_from`) can be served, so a snapshots consumer whose publishes were deleted
+  (the retention bound expired it) is told, never silently served only the later ones.
 
 Positions in ``[start, end]`` can be served; ``end + 1`` too, on the lookups channel: the
 trainer's own consumers read *through* the open batch (TorchRec's ``get_unique`` includes the
@@ -56,7 +58,7 @@ from persistent_delta import codec
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import ConsumerConflictError, InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.records import compact_range, delete_below, last_appended, log_start, read_unique
+from persistent_delta.records import compact_range, delete_below, last_appended, log_start, read_unique, snapshot_start
 from persistent_delta.schema import (
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
@@ -116,6 +118,14 @@ def bounds(r: ReadTxn, channel: str) -> Tuple[int, int]:
     return min(min(present), end) if present else end, end
 
 
+def served_from(r: ReadTxn, channel: str) -> int:
+    """Positions below this cannot be served: what a read there needs was deleted. Lookups:
+    the log start. Snapshots: where retention deleted up to (0 until it has), at or below the
+    first stored stamp: a position between the two missed nothing (no publish was stamped
+    there)."""
+    return log_start(r) if channel == LOOKUPS else min(snapshot_start(r), bounds(r, channel)[0])
+
+
 def checkpoint_floor(r: ReadTxn) -> Optional[int]:
     """The first batch after the latest model checkpoint (records from it on are kept)."""
     v = r.meta(META_CHECKPOINT_FLOOR)
@@ -168,11 +178,12 @@ def check_exact(r: ReadTxn, start: int, what: str) -> None:
         )
 
 
-def position_status(entry: ConsumerEntry, start: int, end: int) -> str:
-    """How a committed position relates to its channel's ``[start, end]`` (see the module docs)."""
+def position_status(entry: ConsumerEntry, start: int, end: int, floor: Optional[int] = None) -> str:
+    """How a committed position relates to its channel's ``[start, end]`` (see the module docs);
+    ``floor``: :func:`served_from` (default ``start``, as on the lookups channel)."""
     if entry.expired:
         return EXPIRED
-    if entry.channel == LOOKUPS and entry.offset < start:
+    if entry.offset < (start if floor is None else floor):
         return BELOW_START
     if entry.offset <= end:
         return OK
@@ -182,15 +193,17 @@ def position_status(entry: ConsumerEntry, start: int, end: int) -> str:
 
 
 def serve_position(
-    position: int, start: int, end: int, channel: str, reset: Optional[str], name: str, where: str
+    position: int, start: int, end: int, channel: str, reset: Optional[str], name: str, where: str,
+    floor: Optional[int] = None,
 ) -> int:
     """The position a read at ``position`` may use: itself when it can be served, else moved
-    by the ``reset`` policy (``"earliest"``: the start, ``"latest"``: the end).
+    by the ``reset`` policy (``"earliest"``: the start, ``"latest"``: the end). ``floor``:
+    :func:`served_from` (default ``start``, as on the lookups channel).
 
     Raises:
         OffsetOutOfRangeError: it cannot be served and ``reset`` is None.
     """
-    below = channel == LOOKUPS and position < start
+    below = position < (start if floor is None else floor)
     above = position > end + 1
     if not (below or above):
         return position
@@ -268,10 +281,10 @@ def retention_floor(r: ReadTxn, channel: str) -> Optional[int]:
     return floor
 
 
-def _expire(w: WriteTxn, bound: RetentionBound) -> List[str]:
-    """Mark the lookups consumers beyond the retention bound expired; returns their names."""
-    _, end = bounds(w, LOOKUPS)
-    live = {k: v for k, v in lookups_consumers(w.consumers()).items() if not v.expired}
+def _expire(w: WriteTxn, bound: RetentionBound, channel: str) -> List[str]:
+    """Mark a channel's consumers beyond the retention bound expired; returns their names."""
+    _, end = bounds(w, channel)
+    live = {k: v for k, v in w.consumers().items() if v.channel == channel and not v.expired}
     doomed: List[str] = []
     if bound.max_batches is not None:
         doomed += [k for k, v in live.items() if end - v.offset > bound.max_batches]
@@ -279,7 +292,7 @@ def _expire(w: WriteTxn, bound: RetentionBound) -> List[str]:
         rest = sorted((v.offset, k) for k, v in live.items() if k not in doomed)
         while rest:
             lowest = rest[0][0]
-            held = sum(n for e in w.tables().values() for _, _, n in w.iter_record_keys(e.table_id, lowest, end))
+            held = sum(n for e in w.tables().values() for _, _, n in w.iter_record_keys(e.table_id, lowest, end, channel))
             if held <= bound.max_bytes:
                 break
             doomed.append(rest.pop(0)[1])
@@ -288,18 +301,18 @@ def _expire(w: WriteTxn, bound: RetentionBound) -> List[str]:
         entry.expired = True
         w.set_consumer(name, entry)
         logger.warning(
-            "EXPIRED consumer %r of %s: it is at batch %d, %d batches behind the log end %d, beyond the retention "
-            "bound %s; it no longer holds back retention and its next read below the log start fails (or resets)",
-            name, w.path, entry.offset, end - entry.offset, end, bound,
+            "EXPIRED consumer %r (%s) of %s: it is at batch %d, %d batches behind the channel end %d, beyond the "
+            "retention bound %s; it no longer holds back retention and its next read below the channel start fails "
+            "(or resets)", name, channel, w.path, entry.offset, end - entry.offset, end, bound,
         )
     return doomed
 
 
 def apply_retention(w: WriteTxn, channel: str, bound: Optional[RetentionBound] = None) -> Tuple[int, int]:
-    """``delete_on_read``: expire consumers beyond ``bound`` (lookups), then delete the
+    """``delete_on_read``: expire the channel's consumers beyond ``bound``, then delete the
     channel below its retention floor. Returns (records, bytes) deleted."""
-    if channel == LOOKUPS and bound is not None and bound.enabled:
-        _expire(w, bound)
+    if bound is not None and bound.enabled:
+        _expire(w, bound, channel)
     floor = retention_floor(w, channel)
     if floor is None:
         return 0, 0

@@ -97,4 +97,4 @@ def commit(
             w.put_record(entry.table_id, cap.stamp, codec.checksum_record(value), channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
-        delivery.apply_retention(w, SNAPSHOTS)
+        delivery.apply_retention(w, SNAPSHOTS, bound)

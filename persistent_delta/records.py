@@ -26,7 +26,16 @@ from persistent_delta import codec
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
 from persistent_delta.rows import compute_unique_rows
-from persistent_delta.schema import LOOKUPS, META_LOG_START, SNAPSHOTS, TableEntry, check_batch_idx, check_fqn
+from persistent_delta.schema import (
+    LOOKUPS,
+    META_LOG_START,
+    META_SNAPSHOT_END,
+    META_SNAPSHOT_START,
+    SNAPSHOTS,
+    TableEntry,
+    check_batch_idx,
+    check_fqn,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +245,11 @@ def raise_log_start(w: WriteTxn, start: int) -> None:
         w.set_meta(META_LOG_START, start)
 
 
+def snapshot_start(r: ReadTxn) -> int:
+    """Snapshot records stamped below this batch were deleted (retention)."""
+    return int(r.meta(META_SNAPSHOT_START, 0))
+
+
 def last_appended(r: ReadTxn) -> int:
     """The highest batch_idx appended to any table (-1 for none)."""
     return max((e.last_batch_idx for e in r.tables().values()), default=-1)
@@ -257,11 +271,16 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) 
     """Delete records with ``batch_idx < up_to_idx`` (all when None); returns (records, bytes).
 
     On the lookups channel it raises ``log_start`` to ``up_to_idx``; ``None`` also unlists
-    every table, as ``DeltaStoreTrec.delete()`` forgets them.
+    every table, as ``DeltaStoreTrec.delete()`` forgets them. On the snapshots channel it
+    raises the snapshot start (:func:`snapshot_start`) to ``up_to_idx``.
     """
     n = nbytes = 0
     if channel == LOOKUPS:
         raise_log_start(w, last_appended(w) + 1 if up_to_idx is None else up_to_idx)
+    else:
+        mark = int(w.meta(META_SNAPSHOT_END, 0)) if up_to_idx is None else up_to_idx
+        if mark > snapshot_start(w):
+            w.set_meta(META_SNAPSHOT_START, mark)
     for entry in w.tables().values():
         rn, rb = delete_table_records(w, entry, 0, up_to_idx, channel)
         n, nbytes = n + rn, nbytes + rb

@@ -53,6 +53,7 @@ META_TABLES_VERSION = "tables_version"  # bumped by every transaction that chang
 META_UPDATE_MODE = "update_mode"  # torchrec UpdateMode value of the lookups channel
 # Written by the delivery rules.
 META_LOG_START = "log_start"  # batches below it were deleted (retention, clear)
+META_SNAPSHOT_START = "snapshot_start"  # publishes stamped below it were deleted (retention)
 # Written by the tracker.
 META_TRACKER = "tracker"  # TrackerMeta
 META_CURR_BATCH = "curr_batch_idx"  # the batch being recorded (complete: every batch below)

@@ -4,6 +4,7 @@ import pytest
 
 from harness import feature_names, run_spawn
 from tracker_cases import (
+    snapshot_bound_case,
     compaction_and_settings_case,
     config_checks,
     empty_shapes_case,
@@ -135,3 +136,17 @@ def test_empty_results_keep_their_row_shape(tmp_path):
     for fqn, (shape, dtype) in r["snapshots"].items():
         assert shape == (0, *r["dims"][fqn]) and dtype == "torch.float32", (fqn, shape, dtype)
     assert r["lookups"] and all(v is None for v in r["lookups"].values()), r  # ID_ONLY: ids only
+
+
+def test_the_retention_bound_expires_a_snapshots_consumer_too(tmp_path):
+    """Issue 15: a shipper or replica on the snapshots channel that stops (a long outage) must not
+    hold snapshot retention without bound; once expired and its publishes deleted, its next poll
+    is told, never served the later publishes as if nothing was missing."""
+    (out,) = run_spawn(snapshot_bound_case, 1, str(tmp_path / "log"))
+    assert out["statuses"]["stale"] == "expired" and out["statuses"]["live"] != "expired", out["statuses"]
+    assert "below the log start" in out["stale_poll"], out["stale_poll"]
+    start, end = out["reset_range"]
+    assert out["stale_start"] < start < end and out["reset_rows"] > 0, out
+    # the consumer that kept up read every publish, contiguously, and was never expired
+    ranges = out["live_ranges"]
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(a < b for a, b in ranges), ranges

@@ -680,3 +680,42 @@ def publish_apply_case(rank: int, world_size: int, root: str, sharding: str, dp_
     changed = {fqn: bool((t.local_tables[fqn].weights() != w).any()) for fqn, (w, _) in shards.items()}
     t.close()
     return {"shards": shards, "windows": windows, "changed_after": changed}
+
+
+def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Publish every step with a retention bound of 4 batches: a snapshots consumer that keeps
+    up is never expired; one that stopped at the start is expired, the publishes it held are
+    deleted, and its next poll is told (out of range), or reset by its policy."""
+    from persistent_delta import DeltaConsumer, OffsetOutOfRangeError, RetentionBound
+    from persistent_delta.cli.offsets import describe
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                            retention=RetentionBound(max_batches=4)))
+    stale = DeltaConsumer(root, "stale", channel="snapshots")
+    stale.commit()
+    live = DeltaConsumer(root, "live", channel="snapshots")
+    live_ranges = []
+    for b in make_batches("ec", 12, 8, seed=3, world_size=world_size, rank=rank):
+        train_step(dmp, b)
+        t.publish("serving")
+        t.flush()
+        p = live.poll()
+        live_ranges.append(p.ranges()[rank])
+        live.commit()
+    out: Dict[str, Any] = {"live_ranges": live_ranges, "stale_start": stale.position()[rank]}
+    statuses = {c.name: c.status for c in describe(root)[rank].consumers}
+    out["statuses"] = statuses
+    try:
+        stale.poll()
+        out["stale_poll"] = "served"
+    except OffsetOutOfRangeError as exc:
+        out["stale_poll"] = str(exc)
+    stale.close()
+    with DeltaConsumer(root, "stale", channel="snapshots", register=False, reset="earliest") as again:
+        p = again.poll()
+        out["reset_range"] = p.ranges()[rank]
+        out["reset_rows"] = sum(d.ids.numel() for d in p)
+    live.close()
+    t.close()
+    return out

@@ -148,7 +148,8 @@ def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffset
             name=name, channel=entry.channel, offset=entry.offset, log_start=start, log_end=end,
             lag=max(0, end - entry.offset), pending_records=n, pending_rows=rows, pending_bytes=nbytes,
             commit_time=entry.commit_time or None, registered_by=entry.registered_by,
-            status=delivery.position_status(entry, start, end), delivery=entry.delivery.value,
+            status=delivery.position_status(entry, start, end, delivery.served_from(r, entry.channel)),
+            delivery=entry.delivery.value,
             lag_s=_lag_s(r, entry.channel, max(begin, entry.offset), end, now),
         ))
     if tables:

@@ -252,7 +252,7 @@ class _Checker:
                 self.bad(where, str(exc))
                 continue
             start, end = delivery.bounds(r, entry.channel)
-            status = delivery.position_status(entry, start, end)
+            status = delivery.position_status(entry, start, end, delivery.served_from(r, entry.channel))
             if status == delivery.PAST_END:
                 self.bad(where, f"offset {entry.offset} is past the {entry.channel} end {end}")
 
