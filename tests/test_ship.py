@@ -339,6 +339,49 @@ def test_a_64_mib_record_is_chunked_and_arrives_bit_exact(tmp_path, nats_server)
             assert torch.equal(g.global_ids, w.global_ids)
 
 
+def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path, nats_server):
+    """A stream created with a byte limit (discard=old) drops its oldest messages: a remote
+    consumer whose next range was dropped gets OffsetOutOfRangeError, never a silent gap; with
+    reset="earliest" it moves to the first range still whole on the stream and reads exactly the
+    rows of the log over the range it reports. A new consumer starts at the first range there."""
+    root = str(tmp_path / "log")
+    limit = transport.StreamOptions(max_bytes=256 << 10)
+
+    def write_and_ship(batches: range) -> None:
+        with LmdbDeltaStore(os.path.join(root, "rank-0"), updateMode=UpdateMode.LAST) as store:
+            for b in batches:
+                store.append(b, "t", torch.arange(b, b + 256), torch.full((256, 16), float(b)))  # 16 KiB per batch
+        with Shipper(root, nats_server.url, "job-lim", channels=["lookups"], max_batches=1, stream=limit) as s:
+            s.run(idle_exit_s=0.3)
+            assert s.stats()[0]["position"] == batches.stop
+
+    write_and_ship(range(0, 5))
+    for name in ("strict", "lenient"):
+        with RemoteConsumer(nats_server.url, "job-lim", name, wait=10) as c:
+            assert c.poll().ranges() == {0: (0, 5)}
+            c.commit()
+    write_and_ship(range(5, 40))  # 35 x 16 KiB more than the stream keeps: [5, ...) is dropped
+    conn = transport.Connection(nats_server.url)
+    try:
+        info = conn.stream_state("job-lim")
+    finally:
+        conn.close()
+    assert info["first_seq"] > 1 and info["bytes"] <= 256 << 10, info  # the server dropped the oldest
+    with RemoteConsumer(nats_server.url, "job-lim", "strict", wait=10) as c:
+        with pytest.raises(OffsetOutOfRangeError, match="dropped by its limits"):
+            c.poll()
+    for name, reset in (("lenient", "earliest"), ("newcomer", None)):
+        with RemoteConsumer(nats_server.url, "job-lim", name, reset=reset, wait=10) as c:
+            got = c.poll()
+            (start, end), = got.ranges().values()
+            assert 5 < start < end == 40, (name, got.ranges())
+            with DeltaReader(root, start=start) as local:
+                want = local.poll()
+            assert want.ranges() == {0: (start, 40)}
+            g, w = got.ranks[0].tables["t"], want.ranks[0].tables["t"]
+            assert torch.equal(g.ids, w.ids) and torch.equal(g.states, w.states), name
+
+
 def test_subjects_are_injective_and_valid_for_any_fqn():
     fqns = ["a.b", "a_b", "a b", "a*b", "a>b", "ü.ß", "x" * 400, "", "A.B", "a..b", "t"]
     subjects = [transport.data_subject("j", "lookups", 0, f) for f in fqns]
