@@ -47,13 +47,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from persistent_delta import codec, delivery, transport
+from persistent_delta import codec, delivery, transport, zchlog
 from persistent_delta.config import LogOptions
 from persistent_delta.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
 from persistent_delta.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log import DeltaLog
-from persistent_delta.schema import CHANNELS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
 from persistent_delta.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
 from persistent_delta.watch import FileWatch
 
@@ -130,6 +130,7 @@ class _Feed:
     stats_sent: float = 0.0
     dirty: bool = False  # shipped and acknowledged, not yet committed locally
     committed_at: float = 0.0
+    log: Optional[DeltaLog] = None  # read-only, for the side records of managed-collision tables
 
 
 class Shipper:
@@ -338,8 +339,10 @@ class Shipper:
         stamps = {fqn: t.stamps.to(torch.int64).numpy().tobytes() for fqn, t in d.tables.items() if t.stamps is not None}
         if stamps:
             info["stamps"] = stamps  # replicated tables: per row, the publish its value comes from
+        side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
+            if feed.channel == LOOKUPS else None
         parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                          d.end_idx, rows, chunk, info)
+                                                          d.end_idx, rows, chunk, info, side)
         if not (self._publish(feed, parts) and self._publish(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0
@@ -354,12 +357,30 @@ class Shipper:
         st.last_shipped = time.time()
         return max(1, d.end_idx - pos)
 
+    def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[transport.SideRecord]]:
+        """The side records of the managed-collision tables over the range just polled
+        (:func:`zchlog.shipped_side`: at most two records per table). They are read in a
+        transaction of their own: the range is below the log end and at or above this
+        shipper's position, so retention and compaction leave it as the poll read it."""
+        if not managed:
+            return {}
+        if feed.log is None:
+            feed.log = DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options)
+
+        def read(r: Any) -> Dict[str, List[transport.SideRecord]]:
+            entries = r.tables()
+            return {fqn: zchlog.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
+
+        return feed.log.read(read)
+
     def _registration_lost(self, feed: _Feed) -> None:
         # the log was started afresh (fresh=True deletes every registration), or the entry was
         # deleted (offsets --delete): register anew, under a new epoch
         logger.warning("shipper %s: rank %d %s: registration deleted (log started afresh?); registering again",
                        self.job, feed.rank, feed.channel)
         feed.consumer.close()
+        if feed.log is not None:
+            feed.log.close()
         self._feeds.pop((feed.rank, feed.channel), None)
 
     def _commit(self, feed: _Feed, force: bool) -> None:
@@ -462,6 +483,8 @@ class Shipper:
             except Exception as exc:  # noqa: BLE001 - closing: the next shipper catches up from the stream
                 logger.warning("shipper %s: final commit of rank %d %s failed: %s", self.job, f.rank, f.channel, exc)
             f.consumer.close()
+            if f.log is not None:
+                f.log.close()
         if self._watch is not None:
             self._watch.close()
         if self._conn is not None:
