@@ -3,7 +3,9 @@
 Owns: a remote consumer's positions (per rank, in batch indices, stored and replicated in
 the job's ``offsets`` bucket), its one-active-process claim, and its poll/commit cycle. The
 result types are :mod:`persistent_delta.results`' (the same :class:`DeltaPoll` as a local
-:class:`~persistent_delta.DeltaConsumer`: ``merged()`` and ``apply`` work unchanged); which
+:class:`~persistent_delta.DeltaConsumer`: ``merged()``, ``zch()`` and ``apply`` work unchanged;
+a managed-collision table's ``TableDelta.zch`` comes from the side records shipped with each
+range, by :func:`persistent_delta.zchlog.side_delta`, the local reader's rule); which
 batches a poll may deliver is :func:`persistent_delta.delivery.poll_stops` (complete batches
 only: every rank of the job); the message format is :mod:`persistent_delta.transport`'s.
 
@@ -25,7 +27,10 @@ from the stream -- dropped by the stream's limits, or never shipped because the 
 expired by the trainer's retention bound -- and the poll raises
 :class:`OffsetOutOfRangeError` unless a reset policy moves the position (``"earliest"``: the
 first range still on the stream; ``"latest"``: the end). A log started afresh (a new shipper
-epoch whose log end is below the position) is treated the same way. Never a silent gap.
+epoch whose log end is below the position) is treated the same way. Never a silent gap. Nor
+for raw ids: a lookups range of a job with managed-collision tables shipped without their side
+records (by an older shipper) raises :class:`FormatMismatchError` instead of reading as "no
+reassignments".
 
 One active process per consumer name: a key in the job's ``locks`` bucket created
 exclusively and refreshed by a heartbeat; a killed holder's key expires after the bucket's

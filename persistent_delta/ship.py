@@ -11,9 +11,11 @@ For each local rank log and channel the shipper is a registered consumer
 (:class:`~persistent_delta.DeltaConsumer` named ``ship-<job>-<channel>``, reading that rank
 only: it never waits for other hosts' ranks). A round polls at most ``max_batches`` batches
 (cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
-ranges at the same batches), publishes the range's parts, then its marker, and commits the
-local position **only after the stream acknowledged all of them** (at most every 0.1 s while
-busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
+ranges at the same batches), publishes the range's parts (on the lookups channel with the
+side records of managed-collision tables over the same range, read from the log in a
+transaction of their own: :func:`persistent_delta.zchlog.shipped_side`), then its marker,
+and commits the local position **only after the stream acknowledged all of them** (at most
+every 0.1 s while busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
 therefore re-sends at most the range in flight, under the same message ids (the server
 drops them within its duplicate window; remote consumers drop a range ending at or below
 their position after it). On start the shipper reads its last marker on the stream: when it

@@ -24,6 +24,12 @@ would read). Its parts are the tables' records, encoded by :mod:`persistent_delt
 log's own record format, its checksum sealed with the part's message id), split into chunks
 of at most the server's max payload; the marker lists the parts and is published only after
 every part was acknowledged, so a remote consumer applies a range only when it has all of it.
+On the lookups channel a range also carries the *side records* of managed-collision tables
+(:mod:`persistent_delta.zchlog`: at most two per table, as
+:func:`~persistent_delta.zchlog.shipped_side` gives them): parts of their own, in the same
+encoding, chunking and ids, numbered after the tables' parts, on the table's subject, listed
+under the marker's ``"side"`` (present, possibly empty, whenever the shipper ships them; a
+reader older than them ignores the extra parts and list).
 
 **Message ids** (``Nats-Msg-Id``) are ``<job>:<epoch>:<channel>:<rank>:<start>:<end>:<part>:
 <chunk>``. The *epoch* is the shipper registration's identity (the log id plus a random

@@ -22,7 +22,10 @@ behind them:
   checkpoint).
 
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
-(admitted raw id -> slot) map: :class:`RawIdMap` does that. Ranges are half-open
+(admitted raw id -> slot) map: :class:`RawIdMap` does that. Local reads (:func:`read_side`)
+and remote ones (the records a shipper shipped: :func:`shipped_side`, read back by
+:mod:`persistent_delta.remote`) turn records into a :class:`ZchDelta` by one rule,
+:func:`side_delta`. Ranges are half-open
 ``[start_idx, end_idx)``; slot ids in results are global row ids (shard-local + ``row_offset``).
 """
 
