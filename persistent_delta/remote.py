@@ -3,7 +3,9 @@
 Owns: a remote consumer's positions (per rank, in batch indices, stored and replicated in
 the job's ``offsets`` bucket), its one-active-process claim, and its poll/commit cycle. The
 result types are :mod:`persistent_delta.results`' (the same :class:`DeltaPoll` as a local
-:class:`~persistent_delta.DeltaConsumer`: ``merged()`` and ``apply`` work unchanged); which
+:class:`~persistent_delta.DeltaConsumer`: ``merged()``, ``zch()`` and ``apply`` work unchanged;
+a managed-collision table's ``TableDelta.zch`` comes from the side records shipped with each
+range, by :func:`persistent_delta.zchlog.side_delta`, the local reader's rule); which
 batches a poll may deliver is :func:`persistent_delta.delivery.poll_stops` (complete batches
 only: every rank of the job); the message format is :mod:`persistent_delta.transport`'s.
 
@@ -25,7 +27,10 @@ from the stream -- dropped by the stream's limits, or never shipped because the 
 expired by the trainer's retention bound -- and the poll raises
 :class:`OffsetOutOfRangeError` unless a reset policy moves the position (``"earliest"``: the
 first range still on the stream; ``"latest"``: the end). A log started afresh (a new shipper
-epoch whose log end is below the position) is treated the same way. Never a silent gap.
+epoch whose log end is below the position) is treated the same way. Never a silent gap. Nor
+for raw ids: a lookups range of a job with managed-collision tables shipped without their side
+records (by an older shipper) raises :class:`FormatMismatchError` instead of reading as "no
+reassignments".
 
 One active process per consumer name: a key in the job's ``locks`` bucket created
 exclusively and refreshed by a heartbeat; a killed holder's key expires after the bucket's
@@ -49,6 +54,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import codec, delivery, transport
 from persistent_delta.errors import (
+    FormatMismatchError,
     InvalidInputError,
     LogClosedError,
     LogLockedError,
@@ -70,7 +76,8 @@ from persistent_delta.schema import (
     check_consumer_name,
     check_table_filter,
 )
-from persistent_delta.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables
+from persistent_delta.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables, SideRecord
+from persistent_delta.zchlog import is_managed, side_delta
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,7 @@ class _Range:
     marker: Marker
     tables: Dict[str, UniqueRows]
     nbytes: int
+    side: Dict[str, List[SideRecord]] = field(default_factory=dict)  # managed-collision tables' side records
 
 
 @dataclass
@@ -449,12 +457,26 @@ class RemoteConsumer:
                     st.assembler.add_part(headers, data)
                     continue
                 m = Marker.decode(data, seq, self._where(st.rank))
+                if m.side is None and self._managed(st.rank):
+                    st.seq = seq  # refused again by the next poll, never skipped
+                    raise FormatMismatchError(
+                        f"{self._where(st.rank)}: range [{m.start}, {m.end}) was shipped without the side records of "
+                        "its managed-collision tables (an older shipper): a raw-id map built from it would be wrong; "
+                        "upgrade the shipper, and seek() this consumer past that range or to a base")
                 self._on_marker(st, m)
                 if st.gap is not None or st.buffered >= self._max_buffer:
                     return
 
+    def _managed(self, rank: int) -> bool:
+        """Whether the lookups channel of ``rank`` has managed-collision tables (their side
+        records travel with every range)."""
+        meta = self._meta.get(rank)
+        return self.channel == LOOKUPS and meta is not None and any(
+            is_managed(TableEntry.from_bytes(fqn, b)) for fqn, b in meta.entries.items())
+
     def _on_marker(self, st: _RankState, m: Marker) -> None:
-        tables = st.assembler.complete(m)
+        got = st.assembler.complete(m)
+        tables, side = (None, {}) if got is None else got
         expected = st.ranges[-1].marker.end if st.ranges else st.pos
         restarted = (st.epoch is not None and m.epoch != st.epoch and expected is not None
                      and int(m.info.get("log_end", m.end)) < expected)
@@ -463,16 +485,17 @@ class RemoteConsumer:
                 return
             st.pos = expected = m.start
         nbytes = 0 if tables is None else sum(
-            int(u.ids.nbytes) + (0 if u.states is None else int(u.states.nbytes)) for u in tables.values())
+            int(u.ids.nbytes) + (0 if u.states is None else int(u.states.nbytes)) for u in tables.values()) + sum(
+            int(ids.nbytes) + int(states.nbytes) for recs in side.values() for _, ids, states in recs)
         if restarted or (m.end > expected and (m.start > expected or tables is None)):
             # batches missing at the position: the log was started afresh (its batch numbers
             # restarted below us), or the stream lacks [expected, m.start) or this range's parts
-            st.gap, st.gap_complete = _Range(m, tables or {}, nbytes), tables is not None
+            st.gap, st.gap_complete = _Range(m, tables or {}, nbytes, side), tables is not None
             return
         if m.end <= expected:
             return  # a re-send (or a range already delivered): never applied twice
         assert tables is not None
-        st.ranges.append(_Range(m, tables, nbytes))
+        st.ranges.append(_Range(m, tables, nbytes, side))
         st.buffered += nbytes
         st.epoch = m.epoch
 
@@ -617,7 +640,12 @@ class RemoteConsumer:
                     stamps = None if got is None else got.view(-1)
             else:
                 rows = empty_rows(entry, mode, self.channel)
-            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, ShardInfo.from_entry(entry), stamps)
+            shard = ShardInfo.from_entry(entry)
+            zch = None
+            if self.channel == LOOKUPS and is_managed(entry):  # the same rule as a local read (zchlog)
+                zch = side_delta(fqn, start, end, [rec for r in taken for rec in r.side.get(fqn, [])],
+                                 shard.row_offset if shard is not None else 0, f"{self._where(st.rank)} {fqn!r}")
+            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, shard, stamps, zch)
         for r in taken:
             st.buffered -= r.nbytes
         if taken:

@@ -270,7 +270,9 @@ class DeltaPoll:
     def zch(self) -> Dict[str, ZchDelta]:
         """fqn -> a managed-collision table's raw ids, slot reassignments and evictions over
         the poll's ranges, merged over ranks (:mod:`persistent_delta.zchlog`); ``states`` holds
-        the poll's rows of the admitted raw ids' slots when every one of them is in the poll."""
+        the poll's rows of the admitted raw ids' slots when every one of them is in the poll.
+        Local and remote polls alike (a :class:`~persistent_delta.remote.RemoteConsumer` reads
+        the side records shipped with each lookups range)."""
         out: Dict[str, ZchDelta] = {}
         merged: Optional[Dict[str, MergedDelta]] = None
         for fqn, parts in self.tables().items():

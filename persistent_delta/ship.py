@@ -11,9 +11,11 @@ For each local rank log and channel the shipper is a registered consumer
 (:class:`~persistent_delta.DeltaConsumer` named ``ship-<job>-<channel>``, reading that rank
 only: it never waits for other hosts' ranks). A round polls at most ``max_batches`` batches
 (cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
-ranges at the same batches), publishes the range's parts, then its marker, and commits the
-local position **only after the stream acknowledged all of them** (at most every 0.1 s while
-busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
+ranges at the same batches), publishes the range's parts (on the lookups channel with the
+side records of managed-collision tables over the same range, read from the log in a
+transaction of their own: :func:`persistent_delta.zchlog.shipped_side`), then its marker,
+and commits the local position **only after the stream acknowledged all of them** (at most
+every 0.1 s while busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
 therefore re-sends at most the range in flight, under the same message ids (the server
 drops them within its duplicate window; remote consumers drop a range ending at or below
 their position after it). On start the shipper reads its last marker on the stream: when it
@@ -47,13 +49,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from persistent_delta import codec, delivery, transport
+from persistent_delta import codec, delivery, transport, zchlog
 from persistent_delta.config import LogOptions
 from persistent_delta.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
 from persistent_delta.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log import DeltaLog
-from persistent_delta.schema import CHANNELS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
 from persistent_delta.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
 from persistent_delta.watch import FileWatch
 
@@ -130,6 +132,7 @@ class _Feed:
     stats_sent: float = 0.0
     dirty: bool = False  # shipped and acknowledged, not yet committed locally
     committed_at: float = 0.0
+    log: Optional[DeltaLog] = None  # read-only, for the side records of managed-collision tables
 
 
 class Shipper:
@@ -338,8 +341,10 @@ class Shipper:
         stamps = {fqn: t.stamps.to(torch.int64).numpy().tobytes() for fqn, t in d.tables.items() if t.stamps is not None}
         if stamps:
             info["stamps"] = stamps  # replicated tables: per row, the publish its value comes from
+        side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
+            if feed.channel == LOOKUPS else None
         parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                          d.end_idx, rows, chunk, info)
+                                                          d.end_idx, rows, chunk, info, side)
         if not (self._publish(feed, parts) and self._publish(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0
@@ -354,12 +359,30 @@ class Shipper:
         st.last_shipped = time.time()
         return max(1, d.end_idx - pos)
 
+    def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[transport.SideRecord]]:
+        """The side records of the managed-collision tables over the range just polled
+        (:func:`zchlog.shipped_side`: at most two records per table). They are read in a
+        transaction of their own: the range is below the log end and at or above this
+        shipper's position, so retention and compaction leave it as the poll read it."""
+        if not managed:
+            return {}
+        if feed.log is None:
+            feed.log = DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options)
+
+        def read(r: Any) -> Dict[str, List[transport.SideRecord]]:
+            entries = r.tables()
+            return {fqn: zchlog.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
+
+        return feed.log.read(read)
+
     def _registration_lost(self, feed: _Feed) -> None:
         # the log was started afresh (fresh=True deletes every registration), or the entry was
         # deleted (offsets --delete): register anew, under a new epoch
         logger.warning("shipper %s: rank %d %s: registration deleted (log started afresh?); registering again",
                        self.job, feed.rank, feed.channel)
         feed.consumer.close()
+        if feed.log is not None:
+            feed.log.close()
         self._feeds.pop((feed.rank, feed.channel), None)
 
     def _commit(self, feed: _Feed, force: bool) -> None:
@@ -462,6 +485,8 @@ class Shipper:
             except Exception as exc:  # noqa: BLE001 - closing: the next shipper catches up from the stream
                 logger.warning("shipper %s: final commit of rank %d %s failed: %s", self.job, f.rank, f.channel, exc)
             f.consumer.close()
+            if f.log is not None:
+                f.log.close()
         if self._watch is not None:
             self._watch.close()
         if self._conn is not None:

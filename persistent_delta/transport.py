@@ -24,6 +24,12 @@ would read). Its parts are the tables' records, encoded by :mod:`persistent_delt
 log's own record format, its checksum sealed with the part's message id), split into chunks
 of at most the server's max payload; the marker lists the parts and is published only after
 every part was acknowledged, so a remote consumer applies a range only when it has all of it.
+On the lookups channel a range also carries the *side records* of managed-collision tables
+(:mod:`persistent_delta.zchlog`: at most two per table, as
+:func:`~persistent_delta.zchlog.shipped_side` gives them): parts of their own, in the same
+encoding, chunking and ids, numbered after the tables' parts, on the table's subject, listed
+under the marker's ``"side"`` (present, possibly empty, whenever the shipper ships them; a
+reader older than them ignores the extra parts and list).
 
 **Message ids** (``Nats-Msg-Id``) are ``<job>:<epoch>:<channel>:<rank>:<start>:<end>:<part>:
 <chunk>``. The *epoch* is the shipper registration's identity (the log id plus a random
@@ -159,19 +165,26 @@ def _kind(channel: str) -> int:
     return codec.KIND_SNAPSHOT if channel == SNAPSHOTS else codec.KIND_LOOKUP
 
 
+SideRecord = Tuple[int, torch.Tensor, torch.Tensor]  # (kind, ids, states): a managed-collision side record
+
+
 def encode_range(
     job: str, epoch: str, channel: str, rank: int, start: int, end: int, rows: Dict[str, UniqueRows],
-    chunk_bytes: int, info: Optional[Dict[str, Any]] = None,
+    chunk_bytes: int, info: Optional[Dict[str, Any]] = None, side: Optional[Dict[str, List[SideRecord]]] = None,
 ) -> Tuple[List[Message], Message, int]:
-    """The messages of one shipped range: every table's part (chunked to ``chunk_bytes``) and
-    the marker, published last. Returns ``(parts, marker, row_bytes)``."""
+    """The messages of one shipped range: every table's part (chunked to ``chunk_bytes``), the
+    side records of managed-collision tables (``side``: fqn -> records in order, each a part of
+    its own numbered after the tables', on the table's subject; the marker lists them under
+    ``"side"``, present whenever ``side`` is given, also empty) and the marker, published
+    last. Returns ``(parts, marker, row_bytes)``."""
     parts: List[Message] = []
     listing: List[List[Any]] = []
+    side_listing: List[List[Any]] = []
     row_bytes = 0
-    for i, (fqn, u) in enumerate(sorted(rows.items())):
+
+    def add(i: int, fqn: str, value: bytearray) -> int:
         base = msg_id(job, epoch, channel, rank, start, end, i)
-        value = codec.seal_record(codec.encode_record(u.ids, u.states, _kind(channel)), base.encode())
-        row_bytes += u.ids.numel() * u.ids.element_size() + (0 if u.states is None else u.states.numel() * u.states.element_size())
+        codec.seal_record(value, base.encode())
         mv = memoryview(value)
         n = max(1, -(-len(value) // chunk_bytes))
         for j in range(n):
@@ -179,9 +192,22 @@ def encode_range(
                 _MSG_ID: msg_id(job, epoch, channel, rank, start, end, i, j), _FORMAT_HEADER: str(FORMAT_VERSION),
                 "PD-Epoch": epoch, "PD-Range": f"{start}-{end}", "PD-Part": f"{i}/{j}/{n}",
             }))
-        listing.append([fqn, n, len(value)])
+        return n
+
+    for i, (fqn, u) in enumerate(sorted(rows.items())):
+        value = codec.encode_record(u.ids, u.states, _kind(channel))
+        row_bytes += u.ids.numel() * u.ids.element_size() + (0 if u.states is None else u.states.numel() * u.states.element_size())
+        listing.append([fqn, add(i, fqn, value), len(value)])
+    i = len(listing)
+    for fqn, records in sorted((side or {}).items()):
+        for kind, ids, states in records:
+            value = codec.encode_record(ids, states, kind)
+            side_listing.append([fqn, add(i, fqn, value), len(value)])
+            i += 1
     body = {"v": FORMAT_VERSION, "job": job, "epoch": epoch, "channel": channel, "rank": int(rank), "start": int(start),
             "end": int(end), "parts": listing, "shipped": time.time(), **(info or {})}
+    if side is not None:
+        body["side"] = side_listing
     marker = Message(end_subject(job, channel, rank), codec.pack(body), {
         _MSG_ID: msg_id(job, epoch, channel, rank, start, end, "end"), _FORMAT_HEADER: str(FORMAT_VERSION),
         "PD-Epoch": epoch, "PD-Range": f"{start}-{end}",
@@ -207,15 +233,20 @@ class Marker:
     seq: int  # its stream sequence
     shipped: float
     info: Dict[str, Any] = field(default_factory=dict)
+    # managed-collision side parts (fqn, chunks, bytes), numbered after ``parts``; None: the
+    # shipper did not ship side records (an older one, or a channel without them)
+    side: Optional[List[Tuple[str, int, int]]] = None
 
     @staticmethod
     def decode(data: bytes, seq: int, where: str) -> "Marker":
         d = codec.unpack(data, f"range marker in {where}")
         try:
             assert isinstance(d, dict)
+            side = d.get("side")
             return Marker(str(d["epoch"]), int(d["start"]), int(d["end"]),
                           [(str(f), int(n), int(b)) for f, n, b in d["parts"]], seq, float(d.get("shipped", 0.0)),
-                          {k: v for k, v in d.items() if k not in ("epoch", "start", "end", "parts")})
+                          {k: v for k, v in d.items() if k not in ("epoch", "start", "end", "parts", "side")},
+                          None if side is None else [(str(f), int(n), int(b)) for f, n, b in side])
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"range marker in {where} (stream seq {seq}) is malformed: {exc}") from exc
 
@@ -245,29 +276,44 @@ class RangeAssembler:
             chunks[(i, j)] = data
             self.pending_bytes += len(data)
 
-    def complete(self, m: Marker) -> Optional[Dict[str, UniqueRows]]:
-        """The tables of the range ``m`` marks, or None when parts are missing (the stream
-        dropped them: a gap). Clears every pending attempt."""
+    def complete(self, m: Marker) -> Optional[Tuple[Dict[str, UniqueRows], Dict[str, List[SideRecord]]]]:
+        """The tables of the range ``m`` marks and its managed-collision side records (fqn ->
+        records in order), or None when parts are missing (the stream dropped them: a gap).
+        Clears every pending attempt."""
         chunks = self._pending.get((m.epoch, f"{m.start}-{m.end}"), {})
-        out: Optional[Dict[str, UniqueRows]] = {}
-        for i, (fqn, n, nbytes) in enumerate(m.parts):
-            pieces = [chunks.get((i, j)) for j in range(n)]
-            if any(p is None for p in pieces):
-                out = None
+        tables: Dict[str, UniqueRows] = {}
+        side: Dict[str, List[SideRecord]] = {}
+        complete = True
+        for i, (fqn, n, nbytes) in enumerate(m.parts + (m.side or [])):
+            rec = self._record(chunks, m, i, fqn, n, nbytes)
+            if rec is None:
+                complete = False
                 break
-            buf = pieces[0] if n == 1 else b"".join(pieces)  # type: ignore[arg-type]
-            if len(buf) != nbytes:  # type: ignore[arg-type]
-                raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} has {len(buf)} bytes, "  # type: ignore[arg-type]
-                                         f"its marker says {nbytes}")
-            base = msg_id(self.job, m.epoch, self.channel, self.rank, m.start, m.end, i)
-            try:
-                rec = codec.decode_record(buf, key=base.encode())  # type: ignore[arg-type]
-            except CorruptRecordError as exc:
-                raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) table {fqn!r}: {exc}") from exc
-            out[fqn] = UniqueRows(ids=rec.ids, states=rec.states)  # type: ignore[index]
+            if i < len(m.parts):
+                tables[fqn] = UniqueRows(ids=rec.ids, states=rec.states)
+            elif rec.kind in codec.SIDE_KINDS and rec.states is not None:
+                side.setdefault(fqn, []).append((rec.kind, rec.ids, rec.states))
+            else:
+                raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r} is listed as a "
+                                         f"managed-collision side record but holds record kind {rec.kind}")
         self._pending.clear()
         self.pending_bytes = 0
-        return out
+        return (tables, side) if complete else None
+
+    def _record(self, chunks: Dict[Tuple[int, int], bytes], m: Marker, i: int, fqn: str, n: int, nbytes: int
+                ) -> Optional[codec.DecodedRecord]:
+        pieces = [chunks.get((i, j)) for j in range(n)]
+        if any(p is None for p in pieces):
+            return None
+        buf = pieces[0] if n == 1 else b"".join(pieces)  # type: ignore[arg-type]
+        if len(buf) != nbytes:  # type: ignore[arg-type]
+            raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} has {len(buf)} bytes, "  # type: ignore[arg-type]
+                                     f"its marker says {nbytes}")
+        base = msg_id(self.job, m.epoch, self.channel, self.rank, m.start, m.end, i)
+        try:
+            return codec.decode_record(buf, key=base.encode())  # type: ignore[arg-type]
+        except CorruptRecordError as exc:
+            raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) table {fqn!r}: {exc}") from exc
 
     def _where(self) -> str:
         return f"stream {stream_name(self.job)} {self.channel} rank {self.rank}"

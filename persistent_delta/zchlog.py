@@ -22,7 +22,10 @@ behind them:
   checkpoint).
 
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
-(admitted raw id -> slot) map: :class:`RawIdMap` does that. Ranges are half-open
+(admitted raw id -> slot) map: :class:`RawIdMap` does that. Local reads (:func:`read_side`)
+and remote ones (the records a shipper shipped: :func:`shipped_side`, read back by
+:mod:`persistent_delta.remote`) turn records into a :class:`ZchDelta` by one rule,
+:func:`side_delta`. Ranges are half-open
 ``[start_idx, end_idx)``; slot ids in results are global row ids (shard-local + ``row_offset``).
 """
 
@@ -136,23 +139,34 @@ def iter_side(
         yield rec.batch_idx, rec.kind, rec.ids.to(torch.int64).clone(), states.clone()
 
 
-def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_offset: int = 0) -> Optional[ZchDelta]:
-    """One rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)``, or None for a
-    table that is not a managed-collision one."""
-    if not is_managed(entry):
-        return None
+SideRecord = Tuple[int, torch.Tensor, torch.Tensor]  # (kind, shard-local slot ids int64, states int64 [n, 2])
+
+
+def side_delta(
+    fqn: str, start_idx: int, end_idx: int, records: Iterable[SideRecord], row_offset: int = 0, where: str = ""
+) -> ZchDelta:
+    """The rule: one rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)`` from its
+    side records in append order (from the log: :func:`read_side`; from the stream: the
+    records :func:`shipped_side` gave the shipper, concatenated over the shipped ranges).
+
+    Raises:
+        CorruptRecordError: a record of another kind, or without int64 ``[n, 2]`` states.
+    """
     looked_slots: List[torch.Tensor] = []
     looked: List[torch.Tensor] = []
     slots: List[torch.Tensor] = []
     moves: List[torch.Tensor] = []
-    for _, kind, ids, states in iter_side(r, entry, start_idx, end_idx):
+    for kind, ids, states in records:
+        if kind not in codec.SIDE_KINDS:
+            raise CorruptRecordError(f"{where or fqn}: record kind {kind} is not a managed-collision side record")
+        _check(states, int(ids.numel()), f"{where or fqn}")
         if kind == codec.KIND_RAW_IDS:
-            looked_slots.append(ids)
+            looked_slots.append(ids.to(torch.int64))
             looked.append(states)
         else:
-            slots.append(ids)
+            slots.append(ids.to(torch.int64))
             moves.append(states)
-    out = ZchDelta(entry.fqn, start_idx, end_idx, ranks=[])
+    out = ZchDelta(fqn, start_idx, end_idx, ranks=[])
     if looked:
         st, ls = torch.cat(looked), torch.cat(looked_slots) + row_offset
         admitted = st[:, ADMITTED] != 0
@@ -163,6 +177,53 @@ def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_o
         mv = torch.cat(moves)
         out.slots, out.taken, out.given = torch.cat(slots) + row_offset, mv[:, TAKEN].clone(), mv[:, GIVEN].clone()
         out.evicted_raw_ids = _evicted(out.taken, out.given, out.slots)
+    return out
+
+
+def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_offset: int = 0) -> Optional[ZchDelta]:
+    """One rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)``, or None for a
+    table that is not a managed-collision one."""
+    if not is_managed(entry):
+        return None
+    return side_delta(entry.fqn, start_idx, end_idx, ((k, ids, st) for _, k, ids, st in iter_side(r, entry, start_idx, end_idx)),
+                      row_offset, f"{r.path} {entry.fqn!r}")
+
+
+def reduce_raw_ids(ids: torch.Tensor, states: torch.Tensor) -> SideRecord:
+    """Raw-id records (concatenated: slot ids, states ``[n, 2]``) reduced to one that
+    :func:`side_delta` reads the same: each admitted raw id once with the last slot it was
+    looked up in, then each raw id never admitted in them once (with its last slot)."""
+    admitted = states[:, ADMITTED] != 0
+    a_raw, a_slot = _last_per_key(states[admitted, RAW], ids[admitted].to(torch.int64))
+    u_raw, u_slot = _last_per_key(states[~admitted, RAW], ids[~admitted].to(torch.int64))
+    keep = ~torch.isin(u_raw, a_raw)
+    flags = torch.cat([torch.ones(a_raw.numel(), dtype=torch.int64), torch.zeros(int(keep.sum()), dtype=torch.int64)])
+    return codec.KIND_RAW_IDS, torch.cat([a_slot, u_slot[keep]]), raw_ids_states(torch.cat([a_raw, u_raw[keep]]), flags)
+
+
+def shipped_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int) -> List[SideRecord]:
+    """A table's side records over ``[start_idx, end_idx)`` as at most two records, as the
+    shipper ships them: the raw-id records concatenated and reduced (each admitted raw id once,
+    with the last slot it was looked up in; each raw id never admitted in the range once), and
+    the slot reassignments concatenated in order. :func:`side_delta` gives the same
+    :class:`ZchDelta` of them as of the log's records, also when several consecutive ranges'
+    records are concatenated (the last slot of a raw id is in the last range that looked it up;
+    an id unadmitted in one range and admitted in another is dropped from the unadmitted ids
+    either way). Empty for a table that is not a managed-collision one."""
+    if not is_managed(entry):
+        return []
+    raw_slots: List[torch.Tensor] = []
+    raw: List[torch.Tensor] = []
+    slots: List[torch.Tensor] = []
+    moves: List[torch.Tensor] = []
+    for _, kind, ids, states in iter_side(r, entry, start_idx, end_idx):
+        (raw_slots if kind == codec.KIND_RAW_IDS else slots).append(ids)
+        (raw if kind == codec.KIND_RAW_IDS else moves).append(states)
+    out: List[SideRecord] = []
+    if raw:
+        out.append(reduce_raw_ids(torch.cat(raw_slots), torch.cat(raw)))
+    if moves:
+        out.append((codec.KIND_SLOTS, torch.cat(slots), torch.cat(moves)))
     return out
 
 

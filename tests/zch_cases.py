@@ -301,3 +301,26 @@ def ordered_case(rank: int, world_size: int, root: str, ckpt_root: str, kind: st
     tracker.close()
     maps = gather_maps(module_maps(dmp)) if kind == "mc" else {}
     return {"batches": batches, "maps": maps}
+
+
+def ship_case(rank: int, world_size: int, root: str, steps: int, step_sleep: float = 0.0) -> Dict[str, Any]:
+    """Train an MC model ``steps`` steps (16 slots per rank and table, evictions every 2 steps)
+    while a shipper ships the log (tests/test_zch_ship.py); a consumer registered at batch 0
+    keeps the whole log for the local comparison. Returns the trainer's raw-id maps (union
+    over ranks, from the modules' own buffers)."""
+    import time
+
+    from persistent_delta import DeltaConsumer, PersistentTrackerConfig, attach
+    from torchrec.distributed.model_tracker.types import TrackingMode
+
+    dmp = build_mc_model(rank, world_size)
+    tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY))
+    if rank == 0:
+        DeltaConsumer(root, "keep", wait=30).close()  # registered before any batch: every batch kept whole
+    dist.barrier()
+    for kjt in mc_batches(rank, world_size, steps, seed=21):
+        mc_step(dmp, kjt)
+        if step_sleep:
+            time.sleep(step_sleep)
+    tracker.close()
+    return {"maps": gather_maps(module_maps(dmp))}
