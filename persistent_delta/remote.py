@@ -47,7 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, TypeVar, Union
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
@@ -93,6 +93,7 @@ class _Range:
     tables: Dict[str, UniqueRows]
     nbytes: int
     side: Dict[str, List[SideRecord]] = field(default_factory=dict)  # managed-collision tables' side records
+    stamps: Dict[str, torch.Tensor] = field(default_factory=dict)  # replicated tables: per row, its publish
 
 
 @dataclass
@@ -451,8 +452,8 @@ class RemoteConsumer:
             if not msgs:
                 return
             for seq, subj, headers, data in msgs:
+                transport.check_format(headers, self._where(st.rank))  # refused again by the next poll, never skipped
                 st.seq = seq + 1
-                transport.check_format(headers, self._where(st.rank))
                 if subj != end_subject:
                     st.assembler.add_part(headers, data)
                     continue
@@ -476,7 +477,7 @@ class RemoteConsumer:
 
     def _on_marker(self, st: _RankState, m: Marker) -> None:
         got = st.assembler.complete(m)
-        tables, side = (None, {}) if got is None else got
+        tables, side, stamps = (None, {}, {}) if got is None else (got.tables, got.side, got.stamps)
         expected = st.ranges[-1].marker.end if st.ranges else st.pos
         restarted = (st.epoch is not None and m.epoch != st.epoch and expected is not None
                      and int(m.info.get("log_end", m.end)) < expected)
@@ -490,12 +491,12 @@ class RemoteConsumer:
         if restarted or (m.end > expected and (m.start > expected or tables is None)):
             # batches missing at the position: the log was started afresh (its batch numbers
             # restarted below us), or the stream lacks [expected, m.start) or this range's parts
-            st.gap, st.gap_complete = _Range(m, tables or {}, nbytes, side), tables is not None
+            st.gap, st.gap_complete = _Range(m, tables or {}, nbytes, side, stamps), tables is not None
             return
         if m.end <= expected:
             return  # a re-send (or a range already delivered): never applied twice
         assert tables is not None
-        st.ranges.append(_Range(m, tables, nbytes, side))
+        st.ranges.append(_Range(m, tables, nbytes, side, stamps))
         st.buffered += nbytes
         st.epoch = m.epoch
 
@@ -633,9 +634,9 @@ class RemoteConsumer:
                 states = [p.states for p in parts]
                 ids = [p.ids for p in parts]
                 rows = compute_unique_rows(ids, None if any(s is None for s in states) else states, mode)  # type: ignore[arg-type]
-                raw: List[Optional[bytes]] = [r.marker.info.get("stamps", {}).get(fqn) for r in with_rows]
-                if all(b is not None for b in raw):  # a replicated table: per row, its publish (newest wins)
-                    per = [torch.frombuffer(bytearray(b or b""), dtype=torch.int64).view(-1, 1) for b in raw]
+                raw = [r.stamps.get(fqn) for r in with_rows]
+                if all(s is not None for s in raw):  # a replicated table: per row, its publish (newest wins)
+                    per = [s.view(-1, 1) for s in raw if s is not None]
                     got = compute_unique_rows(ids, per, UpdateMode.LAST).states
                     stamps = None if got is None else got.view(-1)
             else:

@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -338,13 +338,12 @@ class Shipper:
         chunk = max(1024, self._conn.max_payload - transport._HEADROOM)
         info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
-        stamps = {fqn: t.stamps.to(torch.int64).numpy().tobytes() for fqn, t in d.tables.items() if t.stamps is not None}
-        if stamps:
-            info["stamps"] = stamps  # replicated tables: per row, the publish its value comes from
+        # replicated tables: per row, the publish its value comes from (parts of their own)
+        stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
             if feed.channel == LOOKUPS else None
         parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                          d.end_idx, rows, chunk, info, side)
+                                                          d.end_idx, rows, chunk, info, side, stamps)
         if not (self._publish(feed, parts) and self._publish(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0

@@ -29,7 +29,10 @@ On the lookups channel a range also carries the *side records* of managed-collis
 :func:`~persistent_delta.zchlog.shipped_side` gives them): parts of their own, in the same
 encoding, chunking and ids, numbered after the tables' parts, on the table's subject, listed
 under the marker's ``"side"`` (present, possibly empty, whenever the shipper ships them; a
-reader older than them ignores the extra parts and list).
+reader older than them ignores the extra parts and list). On the snapshots channel a
+replicated (data-parallel) table's per-row publish stamps (which publish each row's value
+comes from: newest wins across ranks) are a part of their own too, numbered last and listed
+under ``"stamps"``: the marker stays small (lists and a few numbers) however many rows move.
 
 **Message ids** (``Nats-Msg-Id``) are ``<job>:<epoch>:<channel>:<rank>:<start>:<end>:<part>:
 <chunk>``. The *epoch* is the shipper registration's identity (the log id plus a random
@@ -60,14 +63,14 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
 from persistent_delta import codec
 from persistent_delta.errors import CorruptRecordError, FormatMismatchError, InvalidInputError, TransportError
-from persistent_delta.schema import CHANNELS, LOOKUPS, SNAPSHOTS, check_channel
+from persistent_delta.schema import CHANNELS, LOOKUPS, SNAPSHOTS
 
 logger = logging.getLogger(__name__)
 
@@ -171,15 +174,19 @@ SideRecord = Tuple[int, torch.Tensor, torch.Tensor]  # (kind, ids, states): a ma
 def encode_range(
     job: str, epoch: str, channel: str, rank: int, start: int, end: int, rows: Dict[str, UniqueRows],
     chunk_bytes: int, info: Optional[Dict[str, Any]] = None, side: Optional[Dict[str, List[SideRecord]]] = None,
+    stamps: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Tuple[List[Message], Message, int]:
     """The messages of one shipped range: every table's part (chunked to ``chunk_bytes``), the
     side records of managed-collision tables (``side``: fqn -> records in order, each a part of
     its own numbered after the tables', on the table's subject; the marker lists them under
-    ``"side"``, present whenever ``side`` is given, also empty) and the marker, published
-    last. Returns ``(parts, marker, row_bytes)``."""
+    ``"side"``, present whenever ``side`` is given, also empty), the per-row publish stamps of
+    replicated tables (``stamps``: fqn -> int64, one per row of its part; a part each, numbered
+    last, listed under ``"stamps"``: chunked like rows, so a large replicated table never
+    outgrows the marker) and the marker, published last. Returns ``(parts, marker, row_bytes)``."""
     parts: List[Message] = []
     listing: List[List[Any]] = []
     side_listing: List[List[Any]] = []
+    stamps_listing: List[List[Any]] = []
     row_bytes = 0
 
     def add(i: int, fqn: str, value: bytearray) -> int:
@@ -204,10 +211,16 @@ def encode_range(
             value = codec.encode_record(ids, states, kind)
             side_listing.append([fqn, add(i, fqn, value), len(value)])
             i += 1
+    for fqn, t in sorted((stamps or {}).items()):
+        value = codec.encode_record(t.to(torch.int64).reshape(-1), None, codec.KIND_LOOKUP)
+        stamps_listing.append([fqn, add(i, fqn, value), len(value)])
+        i += 1
     body = {"v": FORMAT_VERSION, "job": job, "epoch": epoch, "channel": channel, "rank": int(rank), "start": int(start),
             "end": int(end), "parts": listing, "shipped": time.time(), **(info or {})}
     if side is not None:
         body["side"] = side_listing
+    if stamps_listing:
+        body["stamps"] = stamps_listing
     marker = Message(end_subject(job, channel, rank), codec.pack(body), {
         _MSG_ID: msg_id(job, epoch, channel, rank, start, end, "end"), _FORMAT_HEADER: str(FORMAT_VERSION),
         "PD-Epoch": epoch, "PD-Range": f"{start}-{end}",
@@ -236,6 +249,8 @@ class Marker:
     # managed-collision side parts (fqn, chunks, bytes), numbered after ``parts``; None: the
     # shipper did not ship side records (an older one, or a channel without them)
     side: Optional[List[Tuple[str, int, int]]] = None
+    # replicated tables' per-row publish stamps (fqn, chunks, bytes), numbered last
+    stamps: List[Tuple[str, int, int]] = field(default_factory=list)
 
     @staticmethod
     def decode(data: bytes, seq: int, where: str) -> "Marker":
@@ -245,10 +260,21 @@ class Marker:
             side = d.get("side")
             return Marker(str(d["epoch"]), int(d["start"]), int(d["end"]),
                           [(str(f), int(n), int(b)) for f, n, b in d["parts"]], seq, float(d.get("shipped", 0.0)),
-                          {k: v for k, v in d.items() if k not in ("epoch", "start", "end", "parts", "side")},
-                          None if side is None else [(str(f), int(n), int(b)) for f, n, b in side])
+                          {k: v for k, v in d.items() if k not in ("epoch", "start", "end", "parts", "side", "stamps")},
+                          None if side is None else [(str(f), int(n), int(b)) for f, n, b in side],
+                          [(str(f), int(n), int(b)) for f, n, b in d.get("stamps", [])])
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"range marker in {where} (stream seq {seq}) is malformed: {exc}") from exc
+
+
+@dataclass
+class RangeContent:
+    """A complete shipped range: fqn -> rows, managed-collision side records, and the per-row
+    publish stamps of replicated tables."""
+
+    tables: Dict[str, UniqueRows]
+    side: Dict[str, List[SideRecord]]
+    stamps: Dict[str, torch.Tensor]
 
 
 class RangeAssembler:
@@ -276,21 +302,29 @@ class RangeAssembler:
             chunks[(i, j)] = data
             self.pending_bytes += len(data)
 
-    def complete(self, m: Marker) -> Optional[Tuple[Dict[str, UniqueRows], Dict[str, List[SideRecord]]]]:
-        """The tables of the range ``m`` marks and its managed-collision side records (fqn ->
-        records in order), or None when parts are missing (the stream dropped them: a gap).
-        Clears every pending attempt."""
+    def complete(self, m: Marker) -> Optional["RangeContent"]:
+        """The tables of the range ``m`` marks, its managed-collision side records (fqn ->
+        records in order) and its replicated tables' stamps, or None when parts are missing
+        (the stream dropped them: a gap). Clears every pending attempt."""
         chunks = self._pending.get((m.epoch, f"{m.start}-{m.end}"), {})
         tables: Dict[str, UniqueRows] = {}
         side: Dict[str, List[SideRecord]] = {}
+        stamps: Dict[str, torch.Tensor] = {}
         complete = True
-        for i, (fqn, n, nbytes) in enumerate(m.parts + (m.side or [])):
+        n_sides = len(m.parts) + len(m.side or [])
+        for i, (fqn, n, nbytes) in enumerate(m.parts + (m.side or []) + m.stamps):
             rec = self._record(chunks, m, i, fqn, n, nbytes)
             if rec is None:
                 complete = False
                 break
             if i < len(m.parts):
                 tables[fqn] = UniqueRows(ids=rec.ids, states=rec.states)
+            elif i >= n_sides:
+                if rec.kind != codec.KIND_LOOKUP or rec.ids.dtype != torch.int64 or fqn not in tables or \
+                        rec.ids.numel() != tables[fqn].ids.numel():
+                    raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i}: the stamps of "
+                                             f"{fqn!r} do not match its rows")
+                stamps[fqn] = rec.ids
             elif rec.kind in codec.SIDE_KINDS and rec.states is not None:
                 side.setdefault(fqn, []).append((rec.kind, rec.ids, rec.states))
             else:
@@ -298,7 +332,7 @@ class RangeAssembler:
                                          f"managed-collision side record but holds record kind {rec.kind}")
         self._pending.clear()
         self.pending_bytes = 0
-        return (tables, side) if complete else None
+        return RangeContent(tables, side, stamps) if complete else None
 
     def _record(self, chunks: Dict[Tuple[int, int], bytes], m: Marker, i: int, fqn: str, n: int, nbytes: int
                 ) -> Optional[codec.DecodedRecord]:

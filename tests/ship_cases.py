@@ -63,3 +63,37 @@ def assemble(out: str, world_size: int) -> Dict[str, torch.Tensor]:
             ro, co = info["row_offset"], info["col_offset"]
             t[ro:ro + w.shape[0], co:co + w.shape[1]] = w
     return full
+
+
+DP_ROWS = 140_000  # > 131,072: one publish's per-row stamps alone (8 bytes a row) exceed a 1 MiB payload
+
+
+def dp_trainer(rank: int, world_size: int, root: str, out: str) -> Dict[str, Any]:
+    """A replicated (data-parallel) table_0 over DP_ROWS rows and a row-wise table_1, ID_ONLY,
+    publish("serving") after every step. In the first step rank 0 looks up every row of
+    table_0 (one publish of 140,000 replicated rows); later steps are small Zipf batches on
+    both ranks, so a row's newest value comes from either rank's publish. Saves the final
+    local shards to ``out/rank-<r>.pt``."""
+    from harness import DENSE_IN, Batch, feature_names
+    from torchrec import KeyedJaggedTensor
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", num_tables=2, rows=DP_ROWS,
+                              dim=4, seed=SEED, dp_tables=(0,))
+    t = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"]))
+    feats = [f for fs in feature_names(2).values() for f in fs]  # table_0: feature_0, feature_1; table_1: feature_2
+    bags = 1000
+    g = torch.Generator().manual_seed(rank)
+    lengths = torch.cat([torch.full((bags,), DP_ROWS // bags if rank == 0 else 1, dtype=torch.long),
+                         torch.zeros(bags, dtype=torch.long), torch.ones(bags, dtype=torch.long)])
+    ids0 = torch.arange(DP_ROWS) if rank == 0 else torch.randint(0, DP_ROWS, (bags,), generator=g)
+    first = Batch(torch.rand(bags, DENSE_IN, generator=g), KeyedJaggedTensor.from_lengths_sync(
+        keys=feats, values=torch.cat([ids0, torch.randint(0, DP_ROWS, (bags,), generator=g)]), lengths=lengths))
+    for b in [first] + make_batches("ec", 6, 16, seed=9, world_size=world_size, rank=rank, num_tables=2, rows=DP_ROWS,
+                                    zipf_s=1.05):
+        train_step(dmp, b)
+        t.publish("serving")
+    shards = {fqn: (lt.weights().detach().clone(), info) for (fqn, lt), info in
+              zip(sorted(t.local_tables.items()), [table_shard_info(dmp)[f] for f in sorted(t.local_tables)])}
+    torch.save(shards, os.path.join(out, f"rank-{rank}.pt"))
+    t.close()
+    return {}
