@@ -528,10 +528,16 @@ class RemoteConsumer:
         else:
             st.pos = None
 
-    def poll(self, max_batches: Optional[int] = None, timeout: Optional[float] = None) -> DeltaPoll:
+    def poll(self, max_batches: Optional[int] = None, timeout: Optional[float] = None,
+             max_bytes: Optional[int] = None) -> DeltaPoll:
         """Per rank, the complete ranges from the position up to the end every rank of the job
         has shipped (at most about ``max_batches``; a range is never split), merged per table;
         moves the position past them. See :meth:`DeltaConsumer.poll`.
+
+        ``max_bytes``: stop at the first range end (the same on every rank, so publishes stay
+        whole) after which the ranges' rows, summed over ranks, would exceed this many bytes;
+        at least one range is read. A replica catching up uses it to bound each poll's result
+        (what the consumer buffers from the stream is bounded by ``max_buffer_bytes``).
 
         While the server cannot be reached the poll delivers what it buffered and retries
         until its timeout (``last_error`` says why); ``commit`` retries up to ``retry_s``.
@@ -545,6 +551,8 @@ class RemoteConsumer:
             raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wake.clear()
@@ -563,12 +571,12 @@ class RemoteConsumer:
                 if self.last_error != str(exc):
                     logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
                 self.last_error = str(exc)
-            result = self._poll_once(max_batches)
+            result = self._poll_once(max_batches, max_bytes)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
             self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
 
-    def _poll_once(self, max_batches: Optional[int]) -> DeltaPoll:
+    def _poll_once(self, max_batches: Optional[int], max_bytes: Optional[int] = None) -> DeltaPoll:
         for st in self._ranks.values():
             if st.gap is not None and not st.ranges:
                 self._resolve_gap(st)
@@ -577,7 +585,10 @@ class RemoteConsumer:
         positions = {r: int(st.pos) for r, st in known.items()}  # type: ignore[arg-type]
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
         hard = delivery.poll_stops(positions, ends, self._expected, None)
-        soft = delivery.poll_stops(positions, ends, self._expected, max_batches)
+        if max_bytes is not None:
+            cut = self._byte_cut(known, hard, max_bytes)
+            hard = {r: max(positions[r], min(h, cut)) for r, h in hard.items()}
+        soft = {r: min(s, hard[r]) for r, s in delivery.poll_stops(positions, ends, self._expected, max_batches).items()}
         common = self._common_stop(known, positions, hard, soft)
         out: Dict[int, RankDelta] = {}
         for rank, st in sorted(self._ranks.items()):
@@ -590,6 +601,23 @@ class RemoteConsumer:
             out[rank] = self._deliver(st, taken)
         return DeltaPoll(channel=self.channel, ranks=out,
                          world_size=None if self._expected is None else len(self._expected))
+
+    @staticmethod
+    def _byte_cut(known: Dict[int, _RankState], hard: Dict[int, int], max_bytes: int) -> int:
+        """The largest range end up to which the buffered ranges' rows, summed over ranks, fit
+        in ``max_bytes`` -- at least the first end with rows (a poll reads at least one range)."""
+        per_end: Dict[int, int] = {}
+        for rank, st in known.items():
+            for r in st.ranges:
+                if r.marker.end <= hard[rank]:
+                    per_end[r.marker.end] = per_end.get(r.marker.end, 0) + r.nbytes
+        cut: Optional[int] = None
+        held = 0
+        for end, nbytes in sorted(per_end.items()):
+            if held > 0 and held + nbytes > max_bytes:
+                break
+            cut, held = end, held + nbytes
+        return max(hard.values(), default=0) if cut is None else cut
 
     def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
                      soft: Dict[int, int]) -> Optional[int]:

@@ -22,7 +22,7 @@ from nats_servers import nats_cluster, nats_server  # noqa: F401 - fixtures
 from persistent_delta import LmdbDeltaStore, apply_poll
 from persistent_delta.cli import main as cli_main
 from persistent_delta.consumer import DeltaReader
-from persistent_delta.errors import FormatMismatchError, LogLockedError, OffsetOutOfRangeError
+from persistent_delta.errors import FormatMismatchError, InvalidInputError, LogLockedError, OffsetOutOfRangeError
 from persistent_delta.remote import RemoteConsumer
 from persistent_delta.schema import SNAPSHOTS
 from persistent_delta.ship import Shipper
@@ -408,6 +408,34 @@ def test_a_replicated_tables_publishes_reach_a_remote_replica_bit_exact(tmp_path
             apply_poll(tables, c.poll(timeout=1.0), complete_only=True)
     for fqn in want:
         assert torch.equal(tables[fqn], want[fqn]), f"{fqn}: {int((tables[fqn] != want[fqn]).any(1).sum())} rows differ"
+
+
+def test_remote_poll_max_bytes_cuts_at_range_ends_and_reads_at_least_one(tmp_path, nats_server):
+    """RemoteConsumer.poll(max_bytes=) (a replica catching up): each poll stops at the range end
+    after which the rows would exceed the limit, never splits a range, reads at least one, and
+    the polls are contiguous and equal to a local read of the same ranges."""
+    root = str(tmp_path / "log")
+    with LmdbDeltaStore(os.path.join(root, "rank-0"), updateMode=UpdateMode.LAST) as store:
+        for b in range(12):
+            store.append(b, "t", torch.arange(100 * b, 100 * b + 100), torch.full((100, 16), float(b)))
+    with Shipper(root, nats_server.url, "job-mb", channels=["lookups"], max_batches=2) as s:
+        s.run(idle_exit_s=0.3)
+    per_range = 2 * 100 * (8 + 16 * 4)  # two batches of 100 rows: int64 ids + 16 fp32
+    for limit, want in ((2 * per_range, [(0, 4), (4, 8), (8, 12)]), (1, [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10),
+                                                                           (10, 12)])):
+        with RemoteConsumer(nats_server.url, "job-mb", f"r{limit}", wait=10) as c:
+            got = []
+            while c.position()[0] < 12:
+                p = c.poll(max_bytes=limit)
+                got.append(p.ranges()[0])
+                with DeltaReader(root, start=got[-1][0]) as local:
+                    w = local.poll(max_batches=got[-1][1] - got[-1][0]).ranks[0].tables["t"]
+                assert torch.equal(p.ranks[0].tables["t"].ids, w.ids) and torch.equal(p.ranks[0].tables["t"].states,
+                                                                                     w.states)
+            assert got == want, (limit, got)
+    with RemoteConsumer(nats_server.url, "job-mb", "bad", wait=10) as c:
+        with pytest.raises(InvalidInputError):
+            c.poll(max_bytes=0)
 
 
 def test_subjects_are_injective_and_valid_for_any_fqn():
