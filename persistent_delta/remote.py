@@ -447,7 +447,7 @@ class RemoteConsumer:
         subject = transport.rank_filter(self.job, self.channel, st.rank)
         end_subject = transport.end_subject(self.job, self.channel, st.rank)
         while st.gap is None and st.buffered < self._max_buffer:
-            msgs, _last = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
+            msgs, more = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
                                               min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)))
             if not msgs:
                 return
@@ -467,6 +467,8 @@ class RemoteConsumer:
                 self._on_marker(st, m)
                 if st.gap is not None or st.buffered >= self._max_buffer:
                     return
+            if not more:
+                return  # caught up: a new marker wakes the next poll (no request that would come back empty)
 
     def _managed(self, rank: int) -> bool:
         """Whether the lookups channel of ``rank`` has managed-collision tables (their side

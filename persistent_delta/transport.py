@@ -662,17 +662,18 @@ class Connection:
 
     # ------------------------------------------------------------------ reading
     def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int
-                  ) -> Tuple[List[Tuple[int, str, Dict[str, str], bytes]], int]:
+                  ) -> Tuple[List[Tuple[int, str, Dict[str, str], bytes]], bool]:
         """Messages on ``subject`` (wildcards allowed) from stream sequence ``seq`` on (a batch
         direct get, stateless: nothing on the server to recreate after a restart). Returns
-        ``([(seq, subject, headers, data)], last_seq)``: ``last_seq`` is the stream's last
-        sequence when known (0 otherwise)."""
+        ``([(seq, subject, headers, data)], more)``: ``more`` is False when the server said no
+        message on ``subject`` follows the last one returned (a reader that has caught up
+        need not ask again until something new arrives)."""
 
-        async def get() -> Tuple[List[Tuple[int, str, Dict[str, str], bytes]], int]:
+        async def get() -> Tuple[List[Tuple[int, str, Dict[str, str], bytes]], bool]:
             inbox = self.nc.new_inbox()
             sub = await self.nc.subscribe(inbox)
             out: List[Tuple[int, str, Dict[str, str], bytes]] = []
-            last = 0
+            more = True
             try:
                 req = {"seq": max(1, seq), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
                 await self.nc.publish(f"$JS.API.DIRECT.GET.{stream_name(job)}", json.dumps(req).encode(), reply=inbox)
@@ -681,17 +682,17 @@ class Connection:
                     h = dict(m.headers or {})
                     status = h.get("Status")
                     if status is not None:
-                        last = int(h.get("Nats-Last-Sequence", 0) or 0)
+                        if status == "404":
+                            more = False  # nothing at or after seq
                         if status in ("204", "404"):
                             break
                         raise TransportError(f"direct get on {stream_name(job)} answered {status} {h}")
                     out.append((int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), h, bytes(m.data)))
-                    if int(h.get("Nats-Num-Pending", "1") or 0) == 0:
-                        last = max(last, out[-1][0])
-                        # the server still sends EOB; read it so the inbox is drained
+                    # pending after this one (the server still sends EOB; it is read, so the inbox is drained)
+                    more = int(h.get("Nats-Num-Pending", "1") or 0) > 0
             finally:
                 await sub.unsubscribe()
-            return out, last
+            return out, more
 
         return self.call(f"read {subject} from seq {seq}", get)
 
