@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,3 +49,58 @@ def fill_filesystem(path: str) -> str:
             except OSError:
                 pass
     return filler
+
+
+@dataclass(frozen=True)
+class OtherUid:
+    """How to run this repo's Python code as another, unprivileged user (``nobody``)."""
+
+    python: str
+    uid: int
+    gid: int
+    pythonpath: List[str]
+
+    def env(self, home: str) -> Dict[str, str]:
+        """A minimal environment for the other user: no root HOME, this repo and its packages."""
+        return {"PATH": "/usr/bin:/bin", "HOME": home, "PYTHONPATH": os.pathsep.join(self.pythonpath),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+_OTHER_UID: List[Optional[OtherUid]] = []
+
+
+def other_uid() -> Optional[OtherUid]:
+    """Running as root: an interpreter of this Python version that ``nobody`` can run, with this
+    venv's packages importable (checked once by importing torch, nats and persistent_delta as
+    ``nobody``); ``None`` when not root or no such interpreter exists. The venv's own interpreter
+    usually lives under an owner-only home (pyenv under /root), so the system's same-version
+    interpreter is tried too: extension modules are built for the version's ABI, not the build."""
+    if _OTHER_UID:
+        return _OTHER_UID[0]
+    found: Optional[OtherUid] = None
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        try:
+            nobody = pwd.getpwnam("nobody")
+        except KeyError:
+            nobody = None
+        if nobody is not None:
+            here = os.path.dirname(os.path.abspath(__file__))
+            paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], REPO, here]
+            version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+            for python in (os.path.realpath(sys.executable), f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+                if not os.path.exists(python):
+                    continue
+                cand = OtherUid(python, nobody.pw_uid, nobody.pw_gid, list(dict.fromkeys(paths)))
+                try:
+                    probe = subprocess.run(
+                        [python, "-c", "import torch, nats, persistent_delta.remote"], env=cand.env("/tmp"),
+                        user=cand.uid, group=cand.gid, extra_groups=[], capture_output=True, timeout=120)
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if probe.returncode == 0:
+                    found = cand
+                    break
+    _OTHER_UID.append(found)
+    return found

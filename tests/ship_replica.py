@@ -1,7 +1,8 @@
 """A serving replica that reads only from the stream (run as a script by tests/test_ship.py).
 
-It cannot read the trainer's log directory: an audit hook fails every open/listdir under it
-(and under root it would run as another uid). It starts from the deterministic initial tables,
+It cannot read the trainer's log directory: ``--forbid-by uid`` (the tests' choice under root)
+means it runs as another, unprivileged user and the log root is owner-only, checked at start;
+``--forbid-by hook``: an audit hook fails every open/listdir under it. It starts from the deterministic initial tables,
 applies every poll of the snapshots channel with ``apply_poll(..., complete_only=True)``, saves
 its tables, then commits; it logs each poll's ranges. ``--die-after-polls K``: SIGKILL itself
 after the K-th non-empty poll, before its commit. It stops once ``--stop-file`` exists and
@@ -56,8 +57,14 @@ def main() -> int:
     p.add_argument("--stop-file", required=True)
     p.add_argument("--name", default="replica")
     p.add_argument("--die-after-polls", type=int, default=0)
+    p.add_argument("--forbid-by", choices=("uid", "hook"), default="hook")
     args = p.parse_args()
-    forbid(args.forbid)
+    readable = os.access(args.forbid, os.F_OK)  # under another uid: False, the log root is owner-only
+    if args.forbid_by == "hook":
+        forbid(args.forbid)
+    if args.forbid_by == "uid" and (os.getuid() == 0 or readable):
+        print(f"not separated: uid {os.getuid()}, log readable: {readable}", file=sys.stderr)
+        return 3
 
     import torch
 
@@ -74,7 +81,8 @@ def main() -> int:
     log = open(os.path.join(args.out, f"{args.name}.polls"), "a")
     polls = 0
     with RemoteConsumer(args.server, args.job, args.name, channel="snapshots", wait=60) as c:
-        log.write(json.dumps({"start": c.position(), "pid": os.getpid()}) + "\n")
+        log.write(json.dumps({"start": c.position(), "pid": os.getpid(), "uid": os.getuid(),
+                              "log_readable": readable}) + "\n")
         log.flush()
         while True:
             poll = c.poll(timeout=0.3)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Dict, List
@@ -27,7 +29,7 @@ from persistent_delta.remote import RemoteConsumer
 from persistent_delta.schema import SNAPSHOTS
 from persistent_delta.ship import Shipper
 from persistent_delta import transport
-from procs import REPO
+from procs import REPO, other_uid
 from ship_cases import assemble, trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,6 +42,7 @@ def _env() -> Dict[str, str]:
 
 
 _STARTED: List[subprocess.Popen] = []
+_DIRS: List[str] = []
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +54,29 @@ def _no_process_left():
         if p.poll() is None:
             p.kill()
             p.wait()
+    while _DIRS:
+        shutil.rmtree(_DIRS.pop(), ignore_errors=True)
 
 
-def _popen(argv: List[str], log: str) -> subprocess.Popen:
+def replica_dir(tmp_path) -> str:
+    """The replica's output folder (the trainer writes its results there too). Under root the
+    replica runs as ``nobody`` (procs.other_uid): its folder is then a fresh one it owns, outside
+    pytest's owner-only temporary tree, which holds the log it must not read."""
+    ou = other_uid()
+    if ou is None:
+        out = str(tmp_path / "out")
+        os.makedirs(out)
+        return out
+    out = tempfile.mkdtemp(prefix="pd-replica-")
+    _DIRS.append(out)
+    os.chown(out, ou.uid, ou.gid)
+    return out
+
+
+def _popen(argv: List[str], log: str, **kw: Any) -> subprocess.Popen:
+    kw.setdefault("env", _env())
     with open(log, "ab") as f:  # a file, not a pipe: nobody has to drain it
-        p = subprocess.Popen(argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, **kw)
     p.log = log  # type: ignore[attr-defined]
     _STARTED.append(p)
     return p
@@ -67,8 +88,27 @@ def start_shipper(root: str, url: str, job: str, *extra: str) -> subprocess.Pope
 
 
 def start_replica(url: str, job: str, forbid: str, out: str, stop: str, *extra: str) -> subprocess.Popen:
-    return _popen([sys.executable, os.path.join(HERE, "ship_replica.py"), "--server", url, "--job", job,
-                   "--forbid", forbid, "--out", out, "--stop-file", stop, *extra], os.path.join(out, "replica.log"))
+    """The replica script, unable to read ``forbid`` (the log root): under root it runs as
+    ``nobody`` (the log root is owner-only), otherwise an audit hook fails every open under it."""
+    args = [os.path.join(HERE, "ship_replica.py"), "--server", url, "--job", job, "--forbid", forbid,
+            "--out", out, "--stop-file", stop, *extra]
+    log = os.path.join(out, "replica.log")
+    ou = other_uid()
+    if ou is None:
+        return _popen([sys.executable, *args, "--forbid-by", "hook"], log)
+    return _popen([ou.python, *args, "--forbid-by", "uid"], log, env=ou.env(out), user=ou.uid, group=ou.gid,
+                  extra_groups=[])
+
+
+def replica_starts(out: str) -> List[Dict[str, Any]]:
+    """The replica's start lines: under root each says it ran as another uid that could not
+    read the log."""
+    starts = [p for p in read_polls(os.path.join(out, "replica.polls")) if "start" in p]
+    assert starts
+    if other_uid() is not None:
+        for s in starts:
+            assert s["uid"] != 0 and s["log_readable"] is False, s
+    return starts
 
 
 def stop_proc(p: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
@@ -170,12 +210,11 @@ def check_contiguous(polls: List[Dict[str, Any]], killed_at: int) -> None:
 @pytest.mark.dist
 def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path, nats_server):
     """2-rank trainer (column-wise shards) + shipper process + a replica process that cannot
-    read the log directory (audit hook). The shipper is SIGKILLed twice mid-stream and
+    read the log directory (under root it runs as ``nobody``, otherwise an audit hook). The shipper is SIGKILLed twice mid-stream and
     restarted; the replica SIGKILLs itself between a poll and its commit and is restarted.
     The replica ends bit-exact with the trainer's tables; every batch was applied once, except
     the killed poll's, which was re-delivered."""
-    root, out, job = str(tmp_path / "log"), str(tmp_path / "out"), "job-a"
-    os.makedirs(out)
+    root, out, job = str(tmp_path / "log"), replica_dir(tmp_path), "job-a"
     stop = os.path.join(out, "stop")
     go = os.path.join(out, "go")
     box = run_trainer_in_thread(2, root, out, 80, 1, "column_wise", 0.05, None, go, 0, f"{nats_server.url} {job} 30")
@@ -210,6 +249,7 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
     for fqn in want:
         assert torch.equal(got[fqn], want[fqn]), f"{fqn}: {int((got[fqn] != want[fqn]).any(1).sum())} rows differ"
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=3)
+    assert len(replica_starts(out)) == 2  # started, SIGKILLed, started again
 
     # a replica joining late starts from the base snapshot published at step 30, then follows
     with RemoteConsumer(nats_server.url, job, "late", channel=SNAPSHOTS, wait=30) as late:
@@ -240,8 +280,7 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     """The single file-backed server is stopped mid-run and SIGKILLed twice later, at random
     instants, each time started again on its store: the trainer is never held, the shipper
     retries and catches up, and the replica ends bit-exact."""
-    root, out, job = str(tmp_path / "log"), str(tmp_path / "out"), "job-b"
-    os.makedirs(out)
+    root, out, job = str(tmp_path / "log"), replica_dir(tmp_path), "job-b"
     stop = os.path.join(out, "stop")
     go = os.path.join(out, "go")
     box = run_trainer_in_thread(2, root, out, 100, 1, "row_wise", 0.05, None, go)
@@ -270,6 +309,7 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     for fqn in want:
         assert torch.equal(got[fqn], want[fqn]), f"{fqn} (seed {seed})"
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=0)
+    replica_starts(out)
     stop_proc(shipper)
 
 
