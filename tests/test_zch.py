@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from harness import run_spawn
+from nats_servers import nats_server  # noqa: F401 - fixture
 from persistent_delta.cli import main
 from zch_cases import hash_zch_case, mch_hook_case
 
@@ -117,10 +118,13 @@ def _replica_run(tmp_path, skip_restore: bool = False):
     return names, trainer, replica, before, after, lost, restored
 
 
-def test_replica_map_follows_evictions_through_sigkill_and_restore(tmp_path):
+def test_replica_map_follows_evictions_through_sigkill_and_restore(tmp_path, nats_server):
     """Small slot budget (16 per rank and table), evictions every 2 steps; SIGKILL of both ranks
-    after a checkpoint; restore; the replica applies every poll in order."""
+    after a checkpoint; restore; the replica applies every poll in order. The same log shipped
+    to a stream in ranges of 4 batches, lost timeline and re-delivery included: a remote
+    replica applying it in order ends with the trainer's map too."""
     names, trainer, replica, before, after, lost, restored = _replica_run(tmp_path)
+    remote = _remote_map(str(tmp_path / "log"), nats_server.url)
     assert lost, "the replica never saw reassignments of the lost timeline: the restore was not exercised"
     # the restore re-delivers the checkpoint's raw id of every slot reassigned after it
     assert all(restored.values()), f"after the restore the replica is not at the checkpoint's map: {restored}"
@@ -128,6 +132,31 @@ def test_replica_map_follows_evictions_through_sigkill_and_restore(tmp_path):
     for fqn, name in names.items():
         assert len(trainer[name]) > 10, trainer[name]
         assert replica.as_dict(fqn) == trainer[name], f"{fqn}: the replica's raw-id map differs from the trainer's"
+        assert remote.as_dict(fqn) == trainer[name], f"{fqn}: the remote replica's raw-id map differs from the trainer's"
+
+
+def _remote_map(root: str, url: str):
+    """Ship the whole lookups log (ranges of 4 batches), then apply the stream to a RawIdMap in
+    order, polls of at most 4 batches."""
+    from persistent_delta import RawIdMap
+    from persistent_delta.consumer import DeltaReader
+    from persistent_delta.remote import RemoteConsumer
+    from persistent_delta.ship import Shipper
+
+    with DeltaReader(root) as local:
+        start, end = local.position(), local.end_offsets()
+    with Shipper(root, url, "zch-restore", channels=["lookups"], max_batches=4) as shipper:
+        shipper.run(idle_exit_s=1.0)
+        assert {st["rank"]: st["position"] for st in shipper.stats()} == end, shipper.stats()
+    replica = RawIdMap()
+    with RemoteConsumer(url, "zch-restore", "replica", wait=30) as c:
+        assert c.position() == start
+        while c.position() != c.end_offsets():
+            poll = c.poll(max_batches=4, timeout=1.0)
+            for z in poll.zch().values():
+                replica.apply(z)
+            c.commit()
+    return replica
 
 
 def test_durable_get_indexed_lookups_equals_raw_id_trackers_on_hash_zch(tmp_path):
