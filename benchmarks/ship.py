@@ -20,7 +20,8 @@ the trainer, against local NATS JetStream servers (file-backed; R=1, or a 3-node
   Target (R=1): p99 <= 100 ms.
 * **trainer cost** -- the same trainer without a shipper and with one shipping both channels
   (a registered out-of-process lookups consumer makes the writer store every batch whole):
-  mean step time, bytes the writer wrote, data file size.
+  mean step time, bytes the writer wrote, data file size. ``--shipper-nice N`` runs the
+  shipper at ``persistent-delta ship --nice N``.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def freshness(steps: int, url: Any, replicas: int, base: str, batch: int, commit
                 commit_every_s=commit_every_s, target_p99_ms=100 if replicas == 1 else None)
 
 
-def trainer_cost(steps: int, url: str, base: str) -> Dict[str, Any]:
+def trainer_cost(steps: int, url: str, base: str, nice: int = 0) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for with_shipper in (False, True):
         root, res = os.path.join(base, f"cost-{with_shipper}"), os.path.join(base, f"cost-{with_shipper}.json")
@@ -192,8 +193,8 @@ def trainer_cost(steps: int, url: str, base: str) -> Dict[str, Any]:
         assert trainer.stdout is not None and trainer.stdout.readline().strip() == "READY"
         shipper = None
         if with_shipper:
-            shipper = subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", root, "--server", url,
-                                        "--job", "cost"], env=_env(), stdout=subprocess.DEVNULL,
+            shipper = subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-m", "persistent_delta", "ship", root,
+                                        "--server", url, "--job", "cost"], env=_env(), stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
             time.sleep(3.0)  # registered before training starts
         open(flag, "w").close()
@@ -221,6 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cluster", action="store_true", help="also a 3-node R=3 cluster")
     ap.add_argument("--batches", default="64,512", help="trainer batch sizes of the freshness runs")
     ap.add_argument("--only", default="throughput,freshness,cost")
+    ap.add_argument("--shipper-nice", type=int, default=0,
+                    help="niceness of the shipper process in the cost run (0: as the trainer)")
     ap.add_argument("--commit-every", type=float, default=0.0,
                     help="seconds between the freshness replica's commits (0: after every poll)")
     args = ap.parse_args(argv)
@@ -241,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for batch in args.batches:
                     freshness(args.steps, server.url, 1, base, batch, args.commit_every)
             if "cost" in only:
-                trainer_cost(args.steps, server.url, base)
+                trainer_cost(args.steps, server.url, base, args.shipper_nice)
         if args.cluster:
             with LocalCluster(os.path.join(base, "cluster")) as cluster:
                 log("R=3 cluster at %s", cluster.urls)

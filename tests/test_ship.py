@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -285,7 +286,7 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
     go = os.path.join(out, "go")
     box = run_trainer_in_thread(2, root, out, 100, 1, "row_wise", 0.05, None, go)
     wait_for(lambda: all(os.path.exists(os.path.join(root, f"rank-{r}", "data.mdb")) for r in (0, 1)), 120, "the logs")
-    shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots")
+    shipper = start_shipper(root, nats_server.url, job, "--channels", "snapshots", "--nice", "5")
     replica = start_replica(nats_server.url, job, root, out, stop)
     wait_for(lambda: os.path.exists(os.path.join(out, "replica.polls")), 60, "the replica")
     open(go, "w").close()
@@ -310,7 +311,10 @@ def test_server_restart_mid_run_and_catch_up(tmp_path, nats_server):
         assert torch.equal(got[fqn], want[fqn]), f"{fqn} (seed {seed})"
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=0)
     replica_starts(out)
+    assert os.getpriority(os.PRIO_PROCESS, shipper.pid) == 5  # --nice: the shipper yields the CPU to the trainer
     stop_proc(shipper)
+    buf = io.StringIO()
+    assert cli_main(["ship", root, "--server", nats_server.url, "--job", job, "--nice", "20"], stdout=buf) == 2
 
 
 @pytest.mark.dist

@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=1, help="stream replicas when creating it (default 1)")
     s.add_argument("--max-bytes", type=int, default=-1, help="stream byte limit when creating it (default none)")
     s.add_argument("--max-age", type=float, default=0.0, help="stream age limit in seconds when creating it")
+    s.add_argument("--nice", type=_niceness, default=0, metavar="N",
+                   help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
+                        "core, the shipper then runs on what it leaves (freshness pays)")
     s.set_defaults(func=_cmd_ship)
 
     r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
@@ -396,6 +399,16 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--execute", action="store_true", help="apply (default: dry run)")
     u.set_defaults(func=_cmd_upgrade)
     return p
+
+
+def _niceness(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"takes 0 to 19, got {text!r}")
+    return n
 
 
 def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) -> int:

@@ -7,6 +7,7 @@ connection options; shipping itself is :mod:`persistent_delta.ship`'s.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from typing import Any, Dict, List, Optional
@@ -48,8 +49,13 @@ def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -
     """Ship until SIGTERM/SIGINT (or ``stop``); returns the shipper's final statistics."""
     if not args.server or not args.job:
         raise InvalidInputError("ship needs --server nats://HOST:PORT and --job NAME")
+    nice = getattr(args, "nice", 0)
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise InvalidInputError(f"--nice takes 0 to 19, got {nice!r}")
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     stream = StreamOptions(replicas=args.replicas, max_bytes=args.max_bytes, max_age_s=args.max_age)
+    if nice:
+        os.nice(nice)  # the whole process: a shipper of its own, not a trainer's thread
     event = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
