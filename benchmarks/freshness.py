@@ -3,7 +3,7 @@ process to the rows applied by a replica in another process, and what publishing
 trainer.
 
     python -m benchmarks.freshness [--quick] [--every1-steps 600] [--every10-steps 5000]
-                                   [--rounds 12] [--block 50]
+                                   [--rounds 12] [--block 50] [--replica-nice N]
 
 Workload (one rank, the trainer at torch's default thread count): an EmbeddingCollection of 4
 tables x 100,000 rows x dim 64, batch 1024 x pooling 8, Zipf ids, fused row-wise Adagrad,
@@ -94,10 +94,13 @@ def _cpu_s() -> float:
 class Replica:
     """The replica process for one log root."""
 
+    nice = 0  # --replica-nice: the replica's CPU priority below the trainer's (diagnosis of the cost)
+
     def __init__(self, root: str, from_stamp: int = 0) -> None:
         self.out, self.stop = root + ".replica.json", root + ".stop"
         env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.freshness", "--role", "replica", "--root", root,
+        self.proc = subprocess.Popen(["nice", "-n", str(self.nice), sys.executable, "-m", "benchmarks.freshness",
+                                      "--role", "replica", "--root", root,
                                       "--replica-out", self.out, "--replica-stop", self.stop,
                                       "--replica-from-stamp", str(from_stamp)], env=env)
         deadline = time.monotonic() + 120
@@ -223,7 +226,7 @@ def run_cost(rounds: int, block: int, batches: List[Any]) -> Dict[str, Any]:
     return emit(
         "freshness", phase="cost", publish_every=10, rounds=rounds, block_steps=block,
         publish_over_unread_median=median(ratio), publish_over_read_ids_median=median(over_read),
-        aa_median=median(aa), target=1.05, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
+        aa_median=median(aa), target=1.05, replica_nice=Replica.nice, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
         replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=len(rep["lags"]),
         machine=machine(),
@@ -244,6 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--replica-stop", help=argparse.SUPPRESS)
     ap.add_argument("--replica-from-stamp", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=50, help="steps (with publishes) before the measured ones")
+    ap.add_argument("--replica-nice", type=int, default=0,
+                    help="run the replica process at this niceness (0: as the trainer; diagnosis: what of the "
+                         "cost is the replica's CPU on a machine with no core to spare)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the trainer process (seconds; default: Python's 0.005)")
     args = ap.parse_args(argv)
@@ -255,6 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    Replica.nice = args.replica_nice
     init_single_rank_pg()
     batches = make_batches(_workload(), 50, seed=1)
     phases = [p.strip() for p in args.only.split(",")]
