@@ -54,6 +54,7 @@ from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import batch_bytes
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
+from persistent_delta.rows import IdMemo
 from persistent_delta.watch import FileWatch
 from persistent_delta.schema import (
     LOOKUPS,
@@ -327,11 +328,12 @@ class DeltaReader:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
         ranks: Dict[int, RankDelta] = {}
+        memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
         for rank, log in self._logs.items():
             pos, stop = positions[rank], stops[rank]
 
             def read(r: ReadTxn, rank: int = rank, path: str = log.path, pos: int = pos, stop: int = stop) -> RankDelta:
-                return read_range(r, rank, path, pos, stop, self.channel, self._tables)
+                return read_range(r, rank, path, pos, stop, self.channel, self._tables, memo)
 
             delta = log.read(read)
             ranks[rank] = delta

@@ -25,7 +25,7 @@ from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, 
 from persistent_delta import codec
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.rows import compute_unique_rows
+from persistent_delta.rows import IdMemo, compute_unique_rows
 from persistent_delta.schema import (
     LOOKUPS,
     META_LOG_START,
@@ -163,10 +163,12 @@ def read_unique(
     tables: Optional[Sequence[str]] = None,
     listed_only: bool = True,
     channel: str = LOOKUPS,
+    memo: Optional[IdMemo] = None,
 ) -> Dict[str, UniqueRows]:
     """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
 
     A table with no records in range gets :func:`empty_rows`. Results own their memory.
+    ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
     """
     out: Dict[str, UniqueRows] = {}
     for fqn, entry in r.tables().items():
@@ -183,7 +185,7 @@ def read_unique(
         if not ids:
             out[fqn] = empty_rows(entry, mode, channel)
             continue
-        out[fqn] = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode)
+        out[fqn] = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode, memo, fqn)
     return out
 
 

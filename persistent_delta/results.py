@@ -19,7 +19,7 @@ from persistent_delta import delivery
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn
 from persistent_delta.records import last_stamps, publish_times, read_unique
-from persistent_delta.rows import compute_unique_rows, is_ascending, unique_ids
+from persistent_delta.rows import IdMemo, compute_unique_rows, is_ascending, unique_ids
 from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
 from persistent_delta.zchlog import ZchDelta, merge_side, read_side
 
@@ -316,15 +316,17 @@ def read_range(
     end_idx: int,
     channel: str = LOOKUPS,
     tables: Optional[Sequence[str]] = None,
+    memo: Optional[IdMemo] = None,
 ) -> RankDelta:
     """Per-table unique rows of one rank's log for a read at ``start_idx`` up to ``end_idx``,
     with global ids. The result reports the range actually read: it starts at
     :func:`~persistent_delta.delivery.read_start` (the start of a filtered window the position
-    lies inside). Results own their memory (safe to keep after the transaction)."""
+    lies inside). Results own their memory (safe to keep after the transaction). ``memo``:
+    the poll's :class:`~persistent_delta.rows.IdMemo`, shared by its ranks."""
     mode = delivery.update_mode(r, channel)
     start_idx = delivery.read_start(r, start_idx, channel)
     end_idx = max(end_idx, start_idx)
-    rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel)
+    rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
     entries = r.tables()
     out = RankDelta(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx)
     if channel == SNAPSHOTS:

@@ -22,6 +22,9 @@ from the cheapest case to the most general one, none of them sorting rows:
   gives the ascending unique ids and each one's first (FIRST) or last (LAST) position in log
   order in linear time (``scatter_reduce``). Sparse ids use one stable sort instead, which
   for records of ascending ids (a few publishes) only merges the records' runs.
+* **Once per poll.** Column-wise shards hold the same ids on every rank: a poll's
+  :class:`IdMemo` reuses the first rank's unique ids and picked positions for every rank whose
+  concatenated ids are equal (checked), so only the rows are gathered per rank.
 * **Gather.** The winning rows are then gathered from the records (which may be views into
   LMDB's map) into the result with ``index_select``, without a copy of the result's size on
   the way (see :func:`gather_rows`).
@@ -31,7 +34,7 @@ The result is ascending by id, which is what ``get_unique`` promises.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -174,10 +177,36 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
     return sorted_ids[keep], order[keep]
 
 
+class IdMemo:
+    """The id work of one table's records (ascending unique ids, and each one's picked
+    position under the FIRST/LAST rule), kept for the next call with equal ids: a poll over
+    column-wise shards reads the same ids on every rank (each rank holds a column slice of the
+    same rows), so the rule runs once per table and poll, not once per rank. Equality is
+    checked (one comparison of the concatenated ids), never assumed. One poll's; not shared
+    between threads."""
+
+    def __init__(self) -> None:
+        self._kept: Dict[Tuple[object, UpdateMode], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def first_or_last(self, key: object, ids: torch.Tensor, mode: UpdateMode, owned: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`first_or_last` of ``ids``; ``owned``: ``ids`` is the caller's own memory
+        (else a view, maybe into a map whose transaction ends: the memo keeps a copy)."""
+        hit = self._kept.get((key, mode))
+        if hit is not None and hit[0].dtype == ids.dtype and torch.equal(hit[0], ids):
+            return hit[1].clone(), hit[2]  # the ids are the caller's to keep: a copy of their own
+        uniq, picked = first_or_last(ids, mode)
+        if hit is None:  # the first rank's work is kept (row-wise shards: never hit, one kept)
+            self._kept[(key, mode)] = (ids if owned else ids.clone(), uniq, picked)
+        return uniq, picked
+
+
 def compute_unique_rows(
     ids: Sequence[torch.Tensor],
     states: Optional[Sequence[torch.Tensor]],
     mode: UpdateMode,
+    memo: Optional[IdMemo] = None,
+    key: object = None,
 ) -> UniqueRows:
     """Unique rows of the given records, in ascending id order.
 
@@ -185,6 +214,8 @@ def compute_unique_rows(
         ids: 1-D id tensors, in log order (at least one).
         states: per-record states (same row counts as ``ids``), or None for ``UpdateMode.NONE``.
         mode: FIRST keeps each id's first state, LAST its last one, NONE ids only.
+        memo, key: reuse the id work of an earlier call under ``key`` whose ids were equal
+            (:class:`IdMemo`; the same result either way).
 
     Returns:
         ``UniqueRows`` owning its memory (never a view of the inputs).
@@ -205,7 +236,8 @@ def compute_unique_rows(
     cat_ids = _cat(ids)
     if cat_ids.numel() == 0:
         return UniqueRows(ids=cat_ids.clone(), states=torch.cat(parts).clone())
-    uniq, picked = first_or_last(cat_ids, mode)
+    uniq, picked = first_or_last(cat_ids, mode) if memo is None else \
+        memo.first_or_last(key, cat_ids, mode, owned=len(ids) > 1)
     return UniqueRows(ids=uniq, states=gather_rows(parts, picked))
 
 

@@ -149,9 +149,11 @@ def _job(root: str, world: int, layout: str, mode: UpdateMode, seed: int, global
     g = random.Random(seed)
     written: Dict[Tuple[int, str], Dict[str, list]] = {}
     for rank in range(world):
+        if layout == "col_same":  # column-wise as a real job looks: every rank the same ids (its own columns)
+            g = random.Random(seed)
         if layout == "row":
             lo, hi, c0, c1, stype = rank * global_rows // world, (rank + 1) * global_rows // world, 0, dim, "row_wise"
-        elif layout == "col":
+        elif layout in ("col", "col_same"):
             lo, hi, c0, c1, stype = 0, global_rows, rank * dim // world, (rank + 1) * dim // world, "column_wise"
         else:  # replicated: every rank all rows and columns, ids overlapping
             lo, hi, c0, c1, stype = 0, global_rows, 0, dim, "data_parallel"
@@ -217,10 +219,13 @@ def _ref_merged(per_rank: Dict[int, Rows], shards: Dict[int, ShardInfo],
 
 
 @pytest.mark.parametrize("mode,channel", [(m, LOOKUPS) for m in UpdateMode] + [(UpdateMode.FIRST, SNAPSHOTS)])
-@pytest.mark.parametrize("world,layout", [(1, "row"), (3, "row"), (2, "col"), (4, "col"), (2, "replicated")])
+@pytest.mark.parametrize("world,layout", [(1, "row"), (3, "row"), (2, "col"), (4, "col"), (2, "col_same"), (4, "col_same"),
+                                          (2, "replicated")])
 @pytest.mark.parametrize("concat_bytes", [rows._CONCAT_BYTES, 0])
 def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world, layout, channel, concat_bytes):
-    """Snapshots merge LAST whatever the lookups mode (one lookups mode suffices for them)."""
+    """Snapshots merge LAST whatever the lookups mode (one lookups mode suffices for them).
+    ``col_same``: every rank the same ids, so a poll's id work is done once and reused
+    (rows.IdMemo)."""
     monkeypatch.setattr(rows, "_CONCAT_BYTES", concat_bytes)
     root = str(tmp_path)
     written = _job(root, world, layout, mode, seed=world * 31 + len(layout) + len(mode.value))
