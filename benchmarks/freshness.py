@@ -94,9 +94,8 @@ def _cpu_s() -> float:
 class Replica:
     """The replica process for one log root."""
 
-    nice = 0  # --replica-nice: the replica's CPU priority below the trainer's (diagnosis of the cost)
-
-    def __init__(self, root: str, from_stamp: int = 0) -> None:
+    def __init__(self, root: str, from_stamp: int = 0, nice: int = 0) -> None:
+        self.nice = nice  # below the trainer's CPU priority (--replica-nice: diagnosis of the cost)
         self.out, self.stop = root + ".replica.json", root + ".stop"
         env = dict(os.environ)
         self.proc = subprocess.Popen(["nice", "-n", str(self.nice), sys.executable, "-m", "benchmarks.freshness",
@@ -188,13 +187,13 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     )
 
 
-def run_cost(rounds: int, block: int, batches: List[Any]) -> Dict[str, Any]:
+def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0) -> Dict[str, Any]:
     from benchmarks._model import train_step
 
     variants = ("publish", "read", "a", "b")
     roots = {v: workdir(f"cost-{v}") for v in variants}
     models = {v: _tracked(roots[v], seed=1) for v in variants}
-    replica = Replica(roots["publish"])
+    replica = Replica(roots["publish"], nice=replica_nice)
     done = {v: 0 for v in variants}
     round_s: List[Dict[str, float]] = []
     warm = 1
@@ -226,7 +225,7 @@ def run_cost(rounds: int, block: int, batches: List[Any]) -> Dict[str, Any]:
     return emit(
         "freshness", phase="cost", publish_every=10, rounds=rounds, block_steps=block,
         publish_over_unread_median=median(ratio), publish_over_read_ids_median=median(over_read),
-        aa_median=median(aa), target=1.05, replica_nice=Replica.nice, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
+        aa_median=median(aa), target=1.05, replica_nice=replica_nice, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
         replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=len(rep["lags"]),
         machine=machine(),
@@ -261,12 +260,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    Replica.nice = args.replica_nice
     init_single_rank_pg()
     batches = make_batches(_workload(), 50, seed=1)
     phases = [p.strip() for p in args.only.split(",")]
     if "cost" in phases:
-        run_cost(args.rounds, args.block, batches)
+        run_cost(args.rounds, args.block, batches, args.replica_nice)
     if "every1" in phases:
         run_freshness("every1", 1, args.every1_steps, batches, args.warmup)
     if "every10" in phases:

@@ -237,7 +237,7 @@ def compute_unique_rows(
     if cat_ids.numel() == 0:
         return UniqueRows(ids=cat_ids.clone(), states=torch.cat(parts).clone())
     uniq, picked = first_or_last(cat_ids, mode) if memo is None else \
-        memo.first_or_last(key, cat_ids, mode, owned=len(ids) > 1)
+        memo.first_or_last(key, cat_ids, mode, owned=cat_ids is not ids[0])
     return UniqueRows(ids=uniq, states=gather_rows(parts, picked))
 
 

@@ -26,7 +26,7 @@ from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import replay
-from persistent_delta.cli.ship import add_connect_arguments, connect_options, run_ship
+from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=1, help="stream replicas when creating it (default 1)")
     s.add_argument("--max-bytes", type=int, default=-1, help="stream byte limit when creating it (default none)")
     s.add_argument("--max-age", type=float, default=0.0, help="stream age limit in seconds when creating it")
-    s.add_argument("--nice", type=_niceness, default=0, metavar="N",
+    s.add_argument("--nice", type=niceness, default=0, metavar="N",
                    help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
                         "core, the shipper then runs on what it leaves (freshness pays)")
     s.set_defaults(func=_cmd_ship)
@@ -399,16 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--execute", action="store_true", help="apply (default: dry run)")
     u.set_defaults(func=_cmd_upgrade)
     return p
-
-
-def _niceness(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 19:
-        raise argparse.ArgumentTypeError(f"takes 0 to 19, got {text!r}")
-    return n
 
 
 def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) -> int:

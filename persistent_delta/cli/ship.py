@@ -37,6 +37,17 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
                           nkeys_seed=args.nkeys_seed, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
+def niceness(text: str) -> int:
+    """``--nice``: how much to lower the shipper's CPU priority, 0 to 19 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"takes 0 to 19, got {text!r}")
+    return n
+
+
 def _channels(text: str) -> List[str]:
     chans = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in chans if c not in CHANNELS]
@@ -49,9 +60,7 @@ def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -
     """Ship until SIGTERM/SIGINT (or ``stop``); returns the shipper's final statistics."""
     if not args.server or not args.job:
         raise InvalidInputError("ship needs --server nats://HOST:PORT and --job NAME")
-    nice = getattr(args, "nice", 0)
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise InvalidInputError(f"--nice takes 0 to 19, got {nice!r}")
+    nice = getattr(args, "nice", 0)  # checked by niceness() when parsed
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     stream = StreamOptions(replicas=args.replicas, max_bytes=args.max_bytes, max_age_s=args.max_age)
     if nice:
