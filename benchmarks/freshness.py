@@ -94,10 +94,12 @@ def _cpu_s() -> float:
 class Replica:
     """The replica process for one log root."""
 
-    def __init__(self, root: str, from_stamp: int = 0, nice: int = 0) -> None:
+    def __init__(self, root: str, from_stamp: int = 0, nice: int = 0, read_threads: Optional[int] = None) -> None:
         self.nice = nice  # below the trainer's CPU priority (--replica-nice: diagnosis of the cost)
         self.out, self.stop = root + ".replica.json", root + ".stop"
         env = dict(os.environ)
+        if read_threads is not None:  # LogOptions.read_threads of the replica's polls and apply
+            env["PERSISTENT_DELTA_READ_THREADS"] = str(read_threads)
         self.proc = subprocess.Popen(["nice", "-n", str(self.nice), sys.executable, "-m", "benchmarks.freshness",
                                       "--role", "replica", "--root", root,
                                       "--replica-out", self.out, "--replica-stop", self.stop,
@@ -151,12 +153,13 @@ def memcpy_gbps(nbytes: int) -> float:
     return nbytes / median(times) / 1e9
 
 
-def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup: int) -> Dict[str, Any]:
+def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup: int,
+                  read_threads: Optional[int] = None) -> Dict[str, Any]:
     from benchmarks._model import train_step
 
     root = workdir(f"fresh-{name}")
     dmp, tracker = _tracked(root, seed=1)
-    replica = Replica(root, from_stamp=tracker.curr_batch_idx + warmup)
+    replica = Replica(root, from_stamp=tracker.curr_batch_idx + warmup, read_threads=read_threads)
     step_s: List[float] = []
     publish_s: List[float] = []
     for i in range(warmup):  # first publishes carry every row touched so far, and fault in the map
@@ -178,6 +181,7 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     per_publish_bytes = rep["bytes"] / max(1, len(lags))
     return emit(
         "freshness", phase=name, publish_every=every, steps=steps, warmup_steps=warmup, publishes=len(lags),
+        replica_read_threads=read_threads,
         lag_p50_ms=1e3 * pct(lags, 0.5), lag_p99_ms=1e3 * pct(lags, 0.99),
         lag_max_ms=1e3 * max(lags, default=0), target_p99_ms=50 if every == 1 else 100,
         step_mean_ms=1e3 * sum(step_s) / len(step_s), publish_call_mean_ms=1e3 * sum(publish_s) / max(1, len(publish_s)),
@@ -187,13 +191,14 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     )
 
 
-def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0) -> Dict[str, Any]:
+def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
+             read_threads: Optional[int] = None) -> Dict[str, Any]:
     from benchmarks._model import train_step
 
     variants = ("publish", "read", "a", "b")
     roots = {v: workdir(f"cost-{v}") for v in variants}
     models = {v: _tracked(roots[v], seed=1) for v in variants}
-    replica = Replica(roots["publish"], nice=replica_nice)
+    replica = Replica(roots["publish"], nice=replica_nice, read_threads=read_threads)
     done = {v: 0 for v in variants}
     round_s: List[Dict[str, float]] = []
     warm = 1
@@ -225,7 +230,7 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0)
     return emit(
         "freshness", phase="cost", publish_every=10, rounds=rounds, block_steps=block,
         publish_over_unread_median=median(ratio), publish_over_read_ids_median=median(over_read),
-        aa_median=median(aa), target=1.05, replica_nice=replica_nice, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
+        aa_median=median(aa), target=1.05, replica_nice=replica_nice, replica_read_threads=read_threads, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
         replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=len(rep["lags"]),
         machine=machine(),
@@ -249,6 +254,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--replica-nice", type=int, default=0,
                     help="run the replica process at this niceness (0: as the trainer; diagnosis: what of the "
                          "cost is the replica's CPU on a machine with no core to spare)")
+    ap.add_argument("--replica-read-threads", type=int, default=None,
+                    help="the replica's LogOptions.read_threads (PERSISTENT_DELTA_READ_THREADS; default: the "
+                         "library's, 1; 0: the process's torch threads)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the trainer process (seconds; default: Python's 0.005)")
     args = ap.parse_args(argv)
@@ -264,11 +272,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     batches = make_batches(_workload(), 50, seed=1)
     phases = [p.strip() for p in args.only.split(",")]
     if "cost" in phases:
-        run_cost(args.rounds, args.block, batches, args.replica_nice)
+        run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads)
     if "every1" in phases:
-        run_freshness("every1", 1, args.every1_steps, batches, args.warmup)
+        run_freshness("every1", 1, args.every1_steps, batches, args.warmup, args.replica_read_threads)
     if "every10" in phases:
-        run_freshness("every10", 10, args.every10_steps, batches, args.warmup)
+        run_freshness("every10", 10, args.every10_steps, batches, args.warmup, args.replica_read_threads)
     return 0
 
 

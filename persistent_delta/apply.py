@@ -31,6 +31,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 from persistent_delta.errors import IncompletePollError, InvalidInputError
 from persistent_delta.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.schema import SNAPSHOTS
+from persistent_delta.threads import intra_op_threads
 
 
 @dataclass
@@ -68,6 +69,9 @@ def apply_poll(
         complete_only: refuse a poll that is not :attr:`~DeltaPoll.complete`.
         strict: a polled table missing from ``tables`` is an error (``False``: skipped).
 
+    Runs with the poll's ``read_threads`` torch intra-op threads (default 1: see
+    :mod:`persistent_delta.threads`).
+
     Raises:
         InvalidInputError: not a snapshots poll; a table is missing (``strict``), not 2-D,
             smaller than the shard says, or of another dtype.
@@ -80,20 +84,20 @@ def apply_poll(
         raise IncompletePollError(
             f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges()}: "
             "some rank's part of these publishes is not in it; nothing was applied")
-    plan: List[Tuple[torch.Tensor, TableDelta]] = []
-    for fqn, parts in poll.tables().items():
-        table = tables.get(fqn)
-        if table is None:
-            if strict:
-                raise InvalidInputError(f"the replica has no table {fqn!r} (it has {sorted(tables)})")
-            continue
-        if len(parts) > 1 and any(p.shard is not None and p.shard.replicated for p in parts):
-            parts = [_replicated(fqn, parts)]
-        for part in parts:
-            if part.ids.numel() and part.states is not None:
-                plan.append((_target(fqn, table, part), part))
-    out = Applied(ranges=poll.ranges(), publishes=poll.publishes)
-    with torch.no_grad():
+    with torch.no_grad(), intra_op_threads(poll.read_threads):
+        plan: List[Tuple[torch.Tensor, TableDelta]] = []
+        for fqn, parts in poll.tables().items():
+            table = tables.get(fqn)
+            if table is None:
+                if strict:
+                    raise InvalidInputError(f"the replica has no table {fqn!r} (it has {sorted(tables)})")
+                continue
+            if len(parts) > 1 and any(p.shard is not None and p.shard.replicated for p in parts):
+                parts = [_replicated(fqn, parts)]
+            for part in parts:
+                if part.ids.numel() and part.states is not None:
+                    plan.append((_target(fqn, table, part), part))
+        out = Applied(ranges=poll.ranges(), publishes=poll.publishes)
         for target, part in plan:
             states = part.states
             assert states is not None

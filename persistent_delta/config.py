@@ -89,6 +89,12 @@ class LogOptions:
             is opened for writing, so LMDB's write buffers are reused instead of page-faulted
             in at every commit (appends of large values ~2x faster). Off by default because
             it is process-wide (see :mod:`persistent_delta.alloc`).
+        read_threads: torch intra-op threads a reader's polls, ``merged()`` and
+            :func:`~persistent_delta.apply.apply_poll` run with (default 1; 0: the process's
+            own setting). The read path is memory-bound; parallel regions leave OpenMP's
+            workers spinning after them, which on a machine shared with a trainer took cores
+            from the trainer and doubled a replica's p99 freshness (see
+            :mod:`persistent_delta.threads`). Environment: ``PERSISTENT_DELTA_READ_THREADS``.
     """
 
     durability: Durability = Durability.ON_FLUSH
@@ -98,6 +104,7 @@ class LogOptions:
     readahead: bool = True
     tune_malloc: bool = False
     group_access: bool = False
+    read_threads: int = 1
 
     @property
     def file_mode(self) -> int:
@@ -118,6 +125,7 @@ class LogOptions:
         max_readers: Optional[int] = None,
         tune_malloc: Optional[bool] = None,
         group_access: Optional[bool] = None,
+        read_threads: Optional[int] = None,
     ) -> "LogOptions":
         """The options in force: each explicit (non-None) argument, else its environment
         variable, else the default.
@@ -133,9 +141,11 @@ class LogOptions:
             max_readers=_env_int("PERSISTENT_DELTA_MAX_READERS", d.max_readers),
             tune_malloc=_env_int("PERSISTENT_DELTA_TUNE_MALLOC", int(d.tune_malloc)) != 0,
             group_access=_env_int("PERSISTENT_DELTA_GROUP_ACCESS", int(d.group_access)) != 0,
+            read_threads=_env_int("PERSISTENT_DELTA_READ_THREADS", d.read_threads),
         )
         explicit = dict(durability=durability, map_size=map_size, max_map_size=max_map_size,
-                        max_readers=max_readers, tune_malloc=tune_malloc, group_access=group_access)
+                        max_readers=max_readers, tune_malloc=tune_malloc, group_access=group_access,
+                        read_threads=read_threads)
         kw = {k: v for k, v in explicit.items() if v is not None}
         if isinstance(kw.get("durability"), str):
             try:
@@ -153,6 +163,8 @@ class LogOptions:
             raise InvalidInputError(f"bad map sizes: map_size={self.map_size}, max_map_size={self.max_map_size}")
         if self.max_readers < 1:
             raise InvalidInputError(f"max_readers must be positive, got {self.max_readers}")
+        if isinstance(self.read_threads, bool) or not isinstance(self.read_threads, int) or self.read_threads < 0:
+            raise InvalidInputError(f"read_threads must be an integer >= 0 (0: the process's setting), got {self.read_threads!r}")
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import batch_bytes
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
-from persistent_delta.rows import IdMemo
+from persistent_delta.rows import IdMemo, Scratch
+from persistent_delta.threads import intra_op_threads
 from persistent_delta.watch import FileWatch
 from persistent_delta.schema import (
     LOOKUPS,
@@ -152,6 +153,7 @@ class DeltaReader:
         self._positions: Dict[int, int] = {}
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._watcher: Optional[FileWatch] = None
+        self._scratch = Scratch()  # the rows a poll stages on their way into its result, kept mapped
         self._watched: List[str] = []
         check_table_filter(tables, None)
         self._closed = False
@@ -284,7 +286,8 @@ class DeltaReader:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             seen = self._txnids()
-            result = self._poll_once(max_batches, max_bytes)
+            with intra_op_threads(self._options.read_threads):
+                result = self._poll_once(max_batches, max_bytes)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
             watch = self._watch()
@@ -328,7 +331,7 @@ class DeltaReader:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
         ranks: Dict[int, RankDelta] = {}
-        memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
+        memo = IdMemo(self._scratch)  # column-wise shards: one table's ids are the same on every rank
         for rank, log in self._logs.items():
             pos, stop = positions[rank], stops[rank]
 
@@ -339,7 +342,8 @@ class DeltaReader:
             ranks[rank] = delta
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,
-                         world_size=None if self._expected is None else len(self._expected))
+                         world_size=None if self._expected is None else len(self._expected),
+                         read_threads=self._options.read_threads)
 
     def _byte_cut(self, positions: Dict[int, int], stops: Dict[int, int], max_bytes: int) -> int:
         """The first batch index (common to all ranks) at which the records stored from the

@@ -53,6 +53,7 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import codec, delivery, transport
+from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     FormatMismatchError,
     InvalidInputError,
@@ -76,6 +77,7 @@ from persistent_delta.schema import (
     check_consumer_name,
     check_table_filter,
 )
+from persistent_delta.threads import intra_op_threads
 from persistent_delta.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables, SideRecord
 from persistent_delta.zchlog import is_managed, side_delta
 
@@ -138,6 +140,9 @@ class RemoteConsumer:
         max_buffer_bytes: complete ranges buffered per rank at most, before a poll.
         retry_s: how long ``commit``, ``committed`` and ``end_offsets`` retry while the server
             is unreachable (a restart, a leader election) before raising ``TransportError``.
+        read_threads: torch intra-op threads of its polls, ``merged()`` and ``apply_poll``
+            (``LogOptions.read_threads``: default 1, or ``PERSISTENT_DELTA_READ_THREADS``;
+            0: the process's setting).
 
     Raises:
         TransportError: the server cannot be reached within ``wait``.
@@ -158,8 +163,10 @@ class RemoteConsumer:
         stream: Optional[transport.StreamOptions] = None,
         max_buffer_bytes: int = 256 << 20,
         retry_s: float = 30.0,
+        read_threads: Optional[int] = None,
     ) -> None:
         self._closed = True
+        self._read_threads = LogOptions.resolve(read_threads=read_threads).read_threads
         self.job = transport.check_job(job)
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
@@ -573,7 +580,8 @@ class RemoteConsumer:
                 if self.last_error != str(exc):
                     logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
                 self.last_error = str(exc)
-            result = self._poll_once(max_batches, max_bytes)
+            with intra_op_threads(self._read_threads):
+                result = self._poll_once(max_batches, max_bytes)
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
             self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
@@ -602,7 +610,8 @@ class RemoteConsumer:
                     taken.append(st.ranges.popleft())
             out[rank] = self._deliver(st, taken)
         return DeltaPoll(channel=self.channel, ranks=out,
-                         world_size=None if self._expected is None else len(self._expected))
+                         world_size=None if self._expected is None else len(self._expected),
+                         read_threads=self._read_threads)
 
     @staticmethod
     def _byte_cut(known: Dict[int, _RankState], hard: Dict[int, int], max_bytes: int) -> int:

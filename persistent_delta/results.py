@@ -16,11 +16,13 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import delivery
+from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn
 from persistent_delta.records import last_stamps, publish_times, read_unique
 from persistent_delta.rows import IdMemo, compute_unique_rows, is_ascending, unique_ids
 from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
+from persistent_delta.threads import intra_op_threads
 from persistent_delta.zchlog import ZchDelta, merge_side, read_side
 
 
@@ -211,12 +213,15 @@ def _assemble_columns(
 class DeltaPoll:
     """The result of :meth:`DeltaConsumer.poll`: per rank, the range read and per-table deltas.
 
-    ``world_size`` is the job's number of ranks when the reader knows it (a tracker's job).
+    ``world_size`` is the job's number of ranks when the reader knows it (a tracker's job);
+    ``read_threads``: the torch intra-op threads :meth:`merged` and ``apply_poll`` use (the
+    reader's ``LogOptions.read_threads``; see :mod:`persistent_delta.threads`).
     """
 
     channel: str
     ranks: Dict[int, RankDelta]
     world_size: Optional[int] = None
+    read_threads: int = field(default_factory=lambda: LogOptions.resolve().read_threads)
 
     @property
     def complete(self) -> bool:
@@ -265,7 +270,8 @@ class DeltaPoll:
 
     def merged(self) -> Dict[str, MergedDelta]:
         """fqn -> the table's delta merged over ranks, in global row ids."""
-        return {fqn: merge_table(fqn, parts) for fqn, parts in self.tables().items()}
+        with intra_op_threads(self.read_threads):
+            return {fqn: merge_table(fqn, parts) for fqn, parts in self.tables().items()}
 
     def zch(self) -> Dict[str, ZchDelta]:
         """fqn -> a managed-collision table's raw ids, slot reassignments and evictions over

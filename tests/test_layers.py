@@ -10,7 +10,7 @@ from typing import Dict, Set
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "persistent_delta")
 
 LAYERS = [
-    {"errors", "alloc", "lifecycle"},
+    {"errors", "alloc", "lifecycle", "threads"},
     {"config", "codec"},
     {"schema", "layout", "watch", "natsserver"},
     {"lmdbenv"},
@@ -30,7 +30,7 @@ LAYERS = [
 TRAINER = {"tracker", "capture", "writer", "window", "publish", "restore", "topk", "zch"}
 READERS = {"consumer", "apply", "raw_ids", "results", "delivery", "records", "zchlog", "ordered", "cli.apply", "log", "store",
            "cli.offsets", "cli.replay", "cli.verify", "cli.vacuum", "cli.main", "cli", "shard_files", "transport",
-           "ship", "remote", "natsserver", "cli.ship", "cli.remote"}
+           "ship", "remote", "natsserver", "cli.ship", "cli.remote", "threads"}
 
 
 def _modules() -> Dict[str, str]:

@@ -137,6 +137,10 @@ def test_ordered_runs():
     assert rows.ordered_runs([torch.tensor([3, 1]), torch.tensor([7])]) is None  # not ascending
     assert rows.ordered_runs([torch.tensor([1, 1])]) is None  # a repeat
     assert rows.ordered_runs([e]) == []
+    # overlapping the first record (the early exit) and overlapping a later one only
+    assert rows.ordered_runs([torch.tensor([10, 12]), torch.tensor([1, 3]), torch.tensor([4, 11])]) is None
+    assert rows.ordered_runs([torch.tensor([10, 12]), torch.tensor([1, 3]), torch.tensor([2, 4])]) is None
+    assert rows.ordered_runs([torch.tensor([10, 12]), torch.tensor([1, 3]), torch.tensor([4, 9])]) == [1, 2, 0]
 
 
 # ----------------------------------------------------------------------------- logs
@@ -351,3 +355,59 @@ def test_a_flipped_byte_in_a_data_file_copy_is_caught(tmp_path):
     with DeltaReader(copy, channel=SNAPSHOTS) as reader:
         with pytest.raises(CorruptRecordError):
             reader.poll()
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(), reason="the count is per thread with OpenMP only")
+@pytest.mark.parametrize("option,env,want", [(None, None, 1), (0, None, 2), (None, "3", 3), (1, "3", 1)])
+def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, option, env, want):
+    """A reader's poll, ``merged()`` and ``apply_poll`` run at ``LogOptions.read_threads``
+    torch threads (default 1; 0: the process's own), and give the caller's count back."""
+    from persistent_delta import apply as apply_mod
+    from persistent_delta import consumer as consumer_mod
+    from persistent_delta import results as results_mod
+    from persistent_delta.config import LogOptions
+
+    root = str(tmp_path)
+    _job(root, 2, "row", UpdateMode.FIRST, seed=5)
+    if env is not None:
+        monkeypatch.setenv("PERSISTENT_DELTA_READ_THREADS", env)
+    seen: Dict[str, List[int]] = {"poll": [], "merge": [], "apply": []}
+
+    def spy(module, name, what):
+        real = getattr(module, name)
+
+        def wrapped(*a, **k):
+            seen[what].append(torch.get_num_threads())
+            return real(*a, **k)
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(consumer_mod, "read_range", "poll")
+    spy(results_mod, "merge_table", "merge")
+    spy(apply_mod, "_target", "apply")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with DeltaReader(root, channel=SNAPSHOTS, options=LogOptions.resolve(read_threads=option)) as reader:
+            poll = reader.poll()
+            assert torch.get_num_threads() == 2
+            poll.merged()
+            assert torch.get_num_threads() == 2
+            tables = {"a": torch.zeros(4000, 8), "e": torch.zeros(4000, 8)}
+            assert apply_mod.apply_poll(tables, poll).rows > 0
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen["poll"] and seen["merge"] and seen["apply"]
+    assert {k: set(v) for k, v in seen.items()} == {k: {want} for k in seen}
+
+
+def test_read_threads_must_be_a_count():
+    from persistent_delta.config import LogOptions
+    from persistent_delta.errors import InvalidInputError
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidInputError, match="read_threads"):
+            LogOptions(read_threads=bad)

@@ -1,0 +1,56 @@
+"""How many torch intra-op threads the read path's own calls use.
+
+Owns: the thread count a reader's polls, ``merged()`` and ``apply_poll`` run with
+(``LogOptions.read_threads``, default 1).
+
+Why one thread: the read path copies rows (gather, concatenate, scatter into a replica's
+tables) and is bound by memory, not by cores. With torch's OpenMP backend every parallel region
+leaves its worker threads spinning for a while after it ends (libgomp's default wait policy).
+On a machine whose cores a trainer keeps busy, a replica's spinning workers took those cores
+from the trainer and from the replica's own main thread: with a trainer at torch's default
+thread count on 2 cores, publish every 10 steps, a replica applying each publish had p99
+freshness 113-115 ms at 2 threads and 56-74 ms at 1 (2 runs each, 150 publishes,
+``benchmarks/freshness``). On an idle machine one thread gathers 15 MB about 0.6 ms slower.
+
+How: ``torch.set_num_threads`` around the call, restored after. With the OpenMP backend the
+count is the calling thread's own (OpenMP's per-thread setting): other threads of the process
+keep theirs; torch also takes it as the default of a thread that first runs a torch op while
+it is in force. With any other backend the thread pool is process-wide, so the count is left
+alone there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+_per_thread: Optional[bool] = None
+
+
+def _openmp() -> bool:
+    global _per_thread
+    if _per_thread is None:
+        _per_thread = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return _per_thread
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the body with ``n`` torch intra-op threads on the calling thread (0: unchanged)."""
+    if n <= 0 or not _openmp():
+        yield
+        return
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+__all__ = ["intra_op_threads"]
