@@ -56,6 +56,7 @@ from persistent_delta.errors import InvalidInputError, NotALogError, TransportEr
 from persistent_delta.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log import DeltaLog
 from persistent_delta.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.threads import intra_op_threads
 from persistent_delta.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
 from persistent_delta.watch import FileWatch
 
@@ -177,6 +178,7 @@ class Shipper:
         self._connect = connect or ConnectOptions()
         self._stream = stream or StreamOptions()
         self._options = options
+        self._read_threads = (options or LogOptions.resolve()).read_threads
         self._feeds: Dict[Tuple[int, str], _Feed] = {}
         self._conn: Optional[Connection] = None
         self._ready = False
@@ -409,7 +411,8 @@ class Shipper:
         shipped = 0
         for feed in list(self._feeds.values()):
             try:
-                n = self._ship(feed)
+                with intra_op_threads(self._read_threads):  # its polls and encoding: see threads
+                    n = self._ship(feed)
                 shipped += n
                 self._commit(feed, force=n == 0)
             except TransportError as exc:
