@@ -4,12 +4,15 @@ trainer.
 
     python -m benchmarks.freshness [--quick] [--every1-steps 600] [--every10-steps 5000]
                                    [--rounds 12] [--block 50] [--replica-nice N]
+                                   [--replica-read-threads N]
 
 Workload (one rank, the trainer at torch's default thread count): an EmbeddingCollection of 4
 tables x 100,000 rows x dim 64, batch 1024 x pooling 8, Zipf ids, fused row-wise Adagrad,
 ID_ONLY tracking with one consumer ``serving``. The replica is a separate process: a
 ``DeltaConsumer(root, "replica", channel="snapshots")`` polling with a timeout and applying each
-poll to its own full tables with :func:`persistent_delta.apply_poll`, then committing.
+poll to its own full tables with :func:`persistent_delta.apply_poll`, then committing, at the
+library's ``read_threads`` (1; ``--replica-read-threads N`` sets ``PERSISTENT_DELTA_READ_THREADS``
+for it: 0 is torch's default count).
 
 Phases, each printing one JSON line:
 

@@ -7,10 +7,12 @@ Why one thread: the read path copies rows (gather, concatenate, scatter into a r
 tables) and is bound by memory, not by cores. With torch's OpenMP backend every parallel region
 leaves its worker threads spinning for a while after it ends (libgomp's default wait policy).
 On a machine whose cores a trainer keeps busy, a replica's spinning workers took those cores
-from the trainer and from the replica's own main thread: with a trainer at torch's default
-thread count on 2 cores, publish every 10 steps, a replica applying each publish had p99
-freshness 113-115 ms at 2 threads and 56-74 ms at 1 (2 runs each, 150 publishes,
-``benchmarks/freshness``). On an idle machine one thread gathers 15 MB about 0.6 ms slower.
+from the trainer and from the replica's own main thread. With a trainer at torch's default
+thread count on 2 cores, a replica applying every publish (``benchmarks/freshness``, 2 runs
+each, 500-600 publishes) had p99 freshness 80-90 ms (publish every step) and 116-124 ms (every
+10 steps) at 2 threads, 25-29 ms and 70-71 ms at 1, and used a third as much CPU. On an idle
+machine one thread gathers 15 MB about 0.6 ms slower (``benchmarks/read_path``: the same
+figures within its noise).
 
 How: ``torch.set_num_threads`` around the call, restored after. With the OpenMP backend the
 count is the calling thread's own (OpenMP's per-thread setting): other threads of the process
