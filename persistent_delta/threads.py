@@ -1,7 +1,8 @@
 """How many torch intra-op threads the read path's own calls use.
 
 Owns: the thread count a reader's polls, ``merged()`` and ``apply_poll`` run with
-(``LogOptions.read_threads``, default 1).
+(``LogOptions.read_threads``, default 1), and how a thread of the library's own (the background
+writer: ``WriterOptions.torch_threads``) sets its count for its life.
 
 Why one thread: the read path copies rows (gather, concatenate, scatter into a replica's
 tables) and is bound by memory, not by cores. With torch's OpenMP backend every parallel region
@@ -55,4 +56,28 @@ def intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-__all__ = ["intra_op_threads"]
+def set_for_this_thread(n: int) -> None:
+    """In a thread of the library's own: ``n`` intra-op threads for the rest of its life (0:
+    unchanged). The thread that starts it wraps the start in :func:`default_kept`."""
+    if n <= 0 or not _openmp():
+        return
+    torch.get_num_threads()  # this thread's lazy init first, so the setting sticks
+    torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def default_kept() -> Iterator[None]:
+    """Give back torch's default count after the body, in which a thread started there ran
+    :func:`set_for_this_thread` (``torch.set_num_threads`` also sets the default that threads
+    starting later pick up; the caller's own count is its value before the body)."""
+    if not _openmp():  # set_for_this_thread changes nothing there
+        yield
+        return
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+__all__ = ["default_kept", "intra_op_threads", "set_for_this_thread"]

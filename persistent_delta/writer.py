@@ -40,6 +40,7 @@ from persistent_delta.errors import LogClosedError, WriterError
 from persistent_delta.log import DeltaLog, WriteTxn
 from persistent_delta.records import AppendRecord, encode_records, write_records
 from persistent_delta.rows import compute_unique_rows, unique_ids
+from persistent_delta.threads import default_kept, set_for_this_thread
 from persistent_delta.window import WindowFilter
 
 logger = logging.getLogger(__name__)
@@ -141,13 +142,9 @@ class BackgroundWriter:
         }
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"persistent-delta-writer:{log.path}", daemon=True)
-        threads = torch.get_num_threads()
-        self._thread.start()
-        self._ready.wait()
-        if self._opts.torch_threads > 0:
-            # torch.set_num_threads also sets the default that threads started later pick
-            # up; the writer thread has set its own already: give the default back.
-            torch.set_num_threads(threads)
+        with default_kept():  # the writer thread sets its own count (threads.set_for_this_thread)
+            self._thread.start()
+            self._ready.wait()
 
     # ------------------------------------------------------------------ training-thread side
     def submit(self, task: WriteTask) -> None:
@@ -251,9 +248,7 @@ class BackgroundWriter:
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
         try:
-            if self._opts.torch_threads > 0:
-                torch.get_num_threads()  # this thread's lazy init first, so the setting sticks
-                torch.set_num_threads(self._opts.torch_threads)
+            set_for_this_thread(self._opts.torch_threads)
         finally:
             self._ready.set()
         while True:

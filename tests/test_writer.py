@@ -261,3 +261,28 @@ def test_the_file_stays_near_peak_live_data_with_read_and_delete_every_10_steps(
     writer.close()
     log.close()
     assert max_file <= 1.5 * peak_live, (max_file, peak_live)
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(), reason="the count is per thread with OpenMP only")
+@pytest.mark.parametrize("torch_threads", [1, 3])
+def test_the_writer_thread_keeps_its_own_torch_threads_and_leaves_the_others(tmp_path, torch_threads):
+    """``WriterOptions.torch_threads`` is the writer thread's count for its life; the thread
+    that started it, and threads started afterwards, keep the process's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        log = log_with_consumer(str(tmp_path), UpdateMode.FIRST)
+        writer = BackgroundWriter(log, UpdateMode.FIRST, WriterOptions(torch_threads=torch_threads))
+        seen = []
+        writer.submit(WriteTask(op=lambda w: seen.append(torch.get_num_threads()), prompt=True))
+        writer.barrier()
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [torch_threads]
+        assert torch.get_num_threads() == 2 and later == [2]
+        writer.close()
+        log.close()
+    finally:
+        torch.set_num_threads(before)
