@@ -13,7 +13,7 @@ the trainer, against local NATS JetStream servers (file-backed; R=1, or a 3-node
 * **freshness** -- a 1-rank trainer process (EMBEDDING mode, ``publish()`` every step)
   records the wall-clock time of each ``publish()`` call; a shipper process ships the
   snapshots channel; this process is the remote replica: it polls the stream, applies the
-  rows to its tables and records when each published batch was applied, and commits its
+  rows to its tables (``apply_poll``) and records when each published batch was applied, and commits its
   position after every poll (``--commit-every S``: at most every S seconds instead; applying is
   idempotent, so a replica may commit periodically, like Kafka's auto-commit, and save the
   commit round trip before its next poll). Latency = applied - publish call (one clock).
@@ -124,6 +124,7 @@ def _trainer(root: str, steps: int, out: str, flag: str, batch: int = 512) -> su
 
 
 def freshness(steps: int, url: Any, replicas: int, base: str, batch: int, commit_every_s: float = 0.0) -> Dict[str, Any]:
+    from persistent_delta import apply_poll
     from persistent_delta.remote import RemoteConsumer
 
     root, out, flag = os.path.join(base, f"fr-log-r{replicas}"), os.path.join(base, f"fr-r{replicas}.json"), \
@@ -151,10 +152,10 @@ def freshness(steps: int, url: Any, replicas: int, base: str, batch: int, commit
                     break
             p = consumer.poll(timeout=0.2)
             for d in p:
-                if d.states is None or not d.ids.numel():
-                    continue
-                t = tables.setdefault(d.fqn, torch.zeros(100_000, 64))
-                t[d.global_ids] = d.states
+                if d.fqn not in tables and d.shard is not None and d.states is not None:
+                    tables[d.fqn] = torch.zeros(d.shard.global_rows, d.shard.global_cols or d.states.shape[1],
+                                                dtype=d.states.dtype)
+            apply_poll(tables, p, complete_only=True)  # the library's one "applied" (at its read_threads)
             now = time.time()
             for r, (s, e) in p.ranges().items():
                 for b in range(s, e):
