@@ -164,7 +164,8 @@ class LogOptions:
         if self.max_readers < 1:
             raise InvalidInputError(f"max_readers must be positive, got {self.max_readers}")
         if isinstance(self.read_threads, bool) or not isinstance(self.read_threads, int) or self.read_threads < 0:
-            raise InvalidInputError(f"read_threads must be an integer >= 0 (0: the process's setting), got {self.read_threads!r}")
+            raise InvalidInputError(
+                f"read_threads must be an integer >= 0 (0: the process's setting), got {self.read_threads!r}")
 
 
 @dataclass(frozen=True)
