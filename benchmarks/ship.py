@@ -13,8 +13,8 @@ the trainer, against local NATS JetStream servers (file-backed; R=1, or a 3-node
 * **freshness** -- a 1-rank trainer process (EMBEDDING mode, ``publish()`` every step)
   records the wall-clock time of each ``publish()`` call; a shipper process ships the
   snapshots channel; this process is the remote replica: it polls the stream, applies the
-  rows to its tables (``apply_poll``) and records when each published batch was applied, and commits its
-  position after every poll (``--commit-every S``: at most every S seconds instead; applying is
+  rows to its tables (``apply_poll``), records when each published batch was applied, and
+  commits its position after every poll (``--commit-every S``: at most every S seconds instead; applying is
   idempotent, so a replica may commit periodically, like Kafka's auto-commit, and save the
   commit round trip before its next poll). Latency = applied - publish call (one clock).
   Target (R=1): p99 <= 100 ms.

@@ -54,7 +54,7 @@ from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import batch_bytes
 from persistent_delta.results import DeltaPoll, RankDelta, read_range
-from persistent_delta.rows import IdMemo, Scratch
+from persistent_delta.rows import IdMemo
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.watch import FileWatch
 from persistent_delta.schema import (
@@ -153,7 +153,6 @@ class DeltaReader:
         self._positions: Dict[int, int] = {}
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._watcher: Optional[FileWatch] = None
-        self._scratch = Scratch()  # the rows a poll stages on their way into its result, kept mapped
         self._watched: List[str] = []
         check_table_filter(tables, None)
         self._closed = False
@@ -331,7 +330,7 @@ class DeltaReader:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
         ranks: Dict[int, RankDelta] = {}
-        memo = IdMemo(self._scratch)  # column-wise shards: one table's ids are the same on every rank
+        memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
         for rank, log in self._logs.items():
             pos, stop = positions[rank], stops[rank]
 

@@ -184,28 +184,6 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
     return sorted_ids[keep], order[keep]
 
 
-class Scratch:
-    """A reader's reusable buffer for the rows it concatenates or stages on their way into a
-    result (at most ``_CONCAT_BYTES``): kept across polls so its pages stay mapped, where a
-    fresh buffer may be page-faulted in on every use (glibc returns freed heap tops and large
-    blocks to the OS). Measured: a small gain (8-rank row-wise lookups, one interleaved A/B of
-    40 polls: 26.0 vs 28.8 ms), none beyond noise column-wise. One reader's (not thread-safe,
-    as the reader)."""
-
-    def __init__(self) -> None:
-        self._buf: Optional[torch.Tensor] = None
-
-    def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over the buffer (valid until the next call)."""
-        n = 1
-        for d in shape:
-            n *= int(d)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if self._buf is None or self._buf.numel() < nbytes:
-            self._buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
-        return self._buf[:nbytes].view(dtype).view(tuple(shape))
-
-
 class IdMemo:
     """The id work of one table's records (ascending unique ids, and each one's picked
     position under the FIRST/LAST rule), kept for the next call with equal ids: a poll over
@@ -214,8 +192,7 @@ class IdMemo:
     checked (one comparison of the concatenated ids), never assumed. One poll's; not shared
     between threads."""
 
-    def __init__(self, scratch: Optional[Scratch] = None) -> None:
-        self.scratch = scratch
+    def __init__(self) -> None:
         self._kept: Dict[Tuple[object, UpdateMode], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def first_or_last(self, key: object, ids: torch.Tensor, mode: UpdateMode, owned: bool
@@ -268,7 +245,7 @@ def compute_unique_rows(
         return UniqueRows(ids=cat_ids.clone(), states=torch.cat(parts).clone())
     uniq, picked = first_or_last(cat_ids, mode) if memo is None else \
         memo.first_or_last(key, cat_ids, mode, owned=cat_ids is not ids[0])
-    return UniqueRows(ids=uniq, states=gather_rows(parts, picked, None if memo is None else memo.scratch))
+    return UniqueRows(ids=uniq, states=gather_rows(parts, picked))
 
 
 # Records holding at most this many bytes together are concatenated (a sequential copy, which
@@ -292,7 +269,7 @@ def _row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
     return raw.view(np.dtype((np.void, row_bytes))).reshape(t.shape[0])
 
 
-def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, scratch: Optional[Scratch] = None) -> torch.Tensor:
+def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Tensor:
     """``torch.cat(parts)[picked]`` for distinct positions ``picked`` (the parts may be views
     into LMDB's map).
 
@@ -305,10 +282,7 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, scratch: Op
     if len(parts) == 1:
         return parts[0].index_select(0, picked)  # (row copies; advanced indexing is several x slower)
     if sum(p.nbytes for p in parts) <= _CONCAT_BYTES:
-        if scratch is None:
-            return torch.cat(list(parts)).index_select(0, picked)
-        staged = scratch.tensor((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
-        return torch.cat(list(parts), out=staged).index_select(0, picked)
+        return torch.cat(list(parts)).index_select(0, picked)
     sizes = [p.shape[0] for p in parts]
     total, m = sum(sizes), picked.numel()
     where = picked.numpy()
@@ -326,8 +300,7 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, scratch: Op
     if row_bytes == 0:
         return out  # no rows, or rows of no bytes: nothing to copy
     chunk = max(1, _CHUNK_BYTES // row_bytes)
-    shape = (min(chunk, m), *tail)
-    buf = torch.empty(shape, dtype=out.dtype) if scratch is None else scratch.tensor(shape, out.dtype)
+    buf = torch.empty((min(chunk, m), *tail), dtype=out.dtype)
     out_cells, buf_cells = _row_cells(out, row_bytes), _row_cells(buf, row_bytes)
     for i, p in enumerate(parts):
         a, b = bounds[i], bounds[i + 1]
