@@ -426,6 +426,40 @@ def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path,
             assert torch.equal(g.ids, w.ids) and torch.equal(g.states, w.states), name
 
 
+def test_key_listings_are_complete_while_keys_are_written(nats_server):
+    """`offsets --server` and a consumer's metadata scan list a bucket's keys while shippers
+    rewrite their statistics every second. Every listing holds every live key, and a deleted
+    key is not listed. (nats-py's own ``keys()`` returned partial or empty listings here: 7 of
+    300 with one key written every millisecond, which once emptied `offsets`' shipper table.)"""
+    conn, writer = transport.Connection(nats_server.url), transport.Connection(nats_server.url)
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        i = 0
+        while not stop.is_set():
+            writer.kv_put("job-k", "meta", f"ship.{i % 2}.snapshots", b"s" * 300)
+            i += 1
+
+    try:
+        conn.ensure_job("job-k", transport.StreamOptions())
+        for key in ("ship.0.snapshots", "ship.1.snapshots", "tables.0", "gone"):
+            conn.kv_put("job-k", "meta", key, b"v" * 200)
+        conn.kv_delete("job-k", "meta", "gone")
+        t = threading.Thread(target=rewrite)
+        t.start()
+        try:
+            listings = [conn.kv_keys("job-k", "meta") for _ in range(400)]
+        finally:
+            stop.set()
+            t.join()
+        bad = [k for k in listings if sorted(k) != ["ship.0.snapshots", "ship.1.snapshots", "tables.0"]]
+        assert not bad, f"{len(bad)} of {len(listings)} listings wrong, e.g. {bad[0]}"
+        assert conn.kv_keys("job-k", "offsets") == []
+    finally:
+        conn.close()
+        writer.close()
+
+
 @pytest.mark.dist
 def test_a_replicated_tables_publishes_reach_a_remote_replica_bit_exact(tmp_path, nats_server):
     """A data-parallel table is published by every rank, each its own lookups: the remote replica
