@@ -1,19 +1,23 @@
-"""glibc allocator thresholds for LMDB's write buffers.
+"""glibc allocator thresholds for LMDB's write buffers and a reader's results.
 
-Owns: the process-wide malloc tuning a writer may opt into.
+Owns: the process-wide malloc tuning a writer or a reader may opt into.
 
 Without ``writemap`` LMDB copies every value into page buffers it ``malloc``\\ s per commit and
 frees afterwards. glibc serves large buffers with ``mmap`` and returns freed heap tops to the OS,
 so each commit page-faults its buffers in afresh: transactions with large values were 2.5-4x
-slower here (see ``benchmarks/append_throughput.py``). Raising ``M_MMAP_THRESHOLD`` (to 32 MiB,
-glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps those buffers in the heap.
+slower here (see ``benchmarks/append_throughput.py``). A reader meets the same on the way out:
+a poll's results and ``merged()``'s rows are fresh megabytes each time, which glibc returned to
+the OS after the previous poll (``merged()`` of a 15.7 MB poll took 10-14 ms when it faulted its
+3,845 pages in, 1.7-1.9 ms when it did not; this VM's page faults cost ~3 us). Raising
+``M_MMAP_THRESHOLD`` (to 32 MiB, glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps
+those buffers in the heap.
 
 The setting is process-wide: the process keeps up to 512 MiB of freed heap memory for reuse
 instead of returning it, and blocks below 32 MiB come from the heap instead of their own
 mappings. It also changes what everything else in the process allocates (torch tensors
 included), so it is **opt-in**: ``LogOptions(tune_malloc=True)``,
 ``PersistentTrackerConfig(tune_malloc=True)`` or ``PERSISTENT_DELTA_TUNE_MALLOC=1``. It is
-applied once per process, when a log is opened for writing, and skipped when the process
+applied once per process, when a log is opened (for writing or reading), and skipped when the process
 already sets glibc's ``MALLOC_*_`` tunables in its environment, or off glibc (another
 allocator, e.g. jemalloc via ``LD_PRELOAD``, ignores ``mallopt``).
 """

@@ -50,10 +50,11 @@ from __future__ import annotations
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import crc32c
 import msgpack
+import numpy as np
 import torch
 
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
@@ -91,6 +92,7 @@ MAX_SEQ = (1 << 32) - 1
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     torch.frombuffer(bytes(8), dtype=torch.uint8)
+    torch.from_numpy(np.frombuffer(bytes(8), dtype=np.uint8))  # (its own once-warning: from_view)
 
 _DTYPES: Dict[str, torch.dtype] = {
     name: dt
@@ -291,19 +293,27 @@ def seal_record(value: bytearray, key: bytes) -> bytearray:
     return value
 
 
-def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> DecodedRecord:
-    """Decode a record value stored under ``key`` into tensor views over ``buf`` (no copy).
+class _Layout(NamedTuple):
+    """Where a checked record value's parts lie (offsets from the value's start)."""
 
-    Raises:
-        CorruptRecordError: checksum mismatch (value or key altered), truncated value, unknown
-            kind or dtype.
-    """
-    mv = memoryview(buf)
+    kind: int
+    ids_dtype: str  # a stored dtype name (known)
+    n_ids: int
+    ids_at: int
+    states_dtype: Optional[str]  # None: no states
+    states_shape: List[int]
+    states_at: int
+    header: Dict[str, Any]
+
+
+def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
+    """Check a record value (checksum, header, kind, dtypes, lengths) and say where its parts
+    lie: the one parser behind :func:`decode_record` and :func:`decode_record_rows`."""
     n = len(mv)
     if n < _PREFIX.size:
         raise CorruptRecordError(f"record value of {n} bytes is truncated")
     head_len, crc = _PREFIX.unpack_from(mv, 0)
-    if verify and crc32c.crc32c(mv[_PREFIX.size:]) ^ crc32c.crc32c(bytes(key)) != crc:
+    if verify and crc32c.crc32c(mv[_PREFIX.size:]) ^ crc32c.crc32c(key) != crc:
         raise CorruptRecordError("record checksum mismatch (the stored bytes or the record's key were altered)")
     try:
         header = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + head_len])
@@ -316,26 +326,110 @@ def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True,
         raise CorruptRecordError(f"unknown record kind {kind} (written by a newer version?)")
     pos = _PREFIX.size + head_len
     pos += _pad(pos)
-    ids_dtype = dtype_from_name(ids_dtype_name)
-    ids_len = int(n_ids) * ids_dtype.itemsize
+    ids_len = int(n_ids) * dtype_from_name(ids_dtype_name).itemsize
     if pos + ids_len > n:
         raise CorruptRecordError("record value shorter than its header says")
-    ids = _view(mv, ids_dtype, int(n_ids), pos)
+    ids_at = pos
     pos += ids_len
+    if states_meta is None:
+        return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, None, [], pos, header)
+    pos += _pad(pos)
+    try:
+        s_name, shape = states_meta[0], [int(d) for d in states_meta[1]]
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptRecordError(f"record header cannot be decoded: {exc}") from exc
+    count = 1
+    for d in shape:
+        count *= d
+    if pos + count * dtype_from_name(s_name).itemsize > n:
+        raise CorruptRecordError("record value shorter than its header says")
+    return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, s_name, shape, pos, header)
+
+
+def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> DecodedRecord:
+    """Decode a record value stored under ``key`` into tensor views over ``buf`` (no copy).
+
+    Raises:
+        CorruptRecordError: checksum mismatch (value or key altered), truncated value, unknown
+            kind or dtype.
+    """
+    mv = memoryview(buf)
+    lay = _layout(mv, verify, bytes(key))
+    ids = _view(mv, _DTYPES[lay.ids_dtype], lay.n_ids, lay.ids_at)
     states: Optional[torch.Tensor] = None
-    if states_meta is not None:
-        pos += _pad(pos)
-        s_dtype = dtype_from_name(states_meta[0])
-        shape = [int(d) for d in states_meta[1]]
+    if lay.states_dtype is not None:
         count = 1
-        for d in shape:
+        for d in lay.states_shape:
             count *= d
-        if pos + count * s_dtype.itemsize > n:
-            raise CorruptRecordError("record value shorter than its header says")
-        states = _view(mv, s_dtype, count, pos).reshape(shape)
-    w, e, t = header.get("w"), header.get("e"), header.get("t")
-    return DecodedRecord(kind=kind, ids=ids, states=states, nbytes=n, window_start=None if w is None else int(w),
-                         covers_end=None if e is None else int(e), publish_time=None if t is None else float(t))
+        states = _view(mv, _DTYPES[lay.states_dtype], count, lay.states_at).reshape(lay.states_shape)
+    w, e, t = lay.header.get("w"), lay.header.get("e"), lay.header.get("t")
+    return DecodedRecord(kind=lay.kind, ids=ids, states=states, nbytes=len(mv),
+                         window_start=None if w is None else int(w), covers_end=None if e is None else int(e),
+                         publish_time=None if t is None else float(t))
+
+
+# numpy's own dtypes for the stored names it has (not bfloat16 or the float8 ones).
+_NP_DTYPES: Dict[str, np.dtype] = {}
+for _name in _DTYPES:
+    try:
+        _NP_DTYPES[_name] = np.dtype(_name)
+    except TypeError:
+        pass
+
+
+class RecordRows(NamedTuple):
+    """A record value as numpy views over its buffer (valid as long as the buffer: inside the
+    read transaction for LMDB's map): ``ids`` (1-D, the stored integer dtype) and ``rows``,
+    the states' bytes one row per id (``uint8``, ``(len(ids), row_bytes)``) whatever their
+    dtype, or None without states; ``states_dtype``/``states_tail`` give them back their type
+    (:func:`rows_as_states`)."""
+
+    ids: np.ndarray
+    rows: Optional[np.ndarray]
+    states_dtype: Optional[torch.dtype]
+    states_tail: Tuple[int, ...]
+
+
+def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> RecordRows:
+    """:func:`decode_record` for the read path, into numpy views: a few microseconds less per
+    record than torch's (``torch.frombuffer`` and ``reshape`` cost ~5 us each, their numpy
+    counterparts under 1), which is most of a poll of many small records. The same checks.
+
+    Raises:
+        CorruptRecordError: as :func:`decode_record`; also ids of a dtype that is not an
+            integer one, or states that do not have one row per id.
+    """
+    mv = memoryview(buf)
+    lay = _layout(mv, verify, key)
+    if _DTYPES[lay.ids_dtype] not in INTEGER_ID_DTYPES:
+        raise CorruptRecordError(f"record ids of dtype {lay.ids_dtype} (ids are integers)")
+    ids = np.frombuffer(mv, dtype=_NP_DTYPES[lay.ids_dtype], count=lay.n_ids, offset=lay.ids_at)
+    if lay.states_dtype is None:
+        return RecordRows(ids, None, None, ())
+    shape = lay.states_shape
+    if not shape or shape[0] != lay.n_ids:
+        raise CorruptRecordError(f"record states of shape {shape} for {lay.n_ids} ids")
+    dtype = _DTYPES[lay.states_dtype]
+    tail = tuple(shape[1:])
+    row_bytes = dtype.itemsize
+    for d in tail:
+        row_bytes *= d
+    rows = np.frombuffer(mv, dtype=np.uint8, count=lay.n_ids * row_bytes, offset=lay.states_at)
+    return RecordRows(ids, rows.reshape(lay.n_ids, row_bytes), dtype, tail)
+
+
+def from_view(a: np.ndarray) -> torch.Tensor:
+    """A tensor over a numpy view of a record (no copy; read-only memory: never written)."""
+    return torch.from_numpy(a)
+
+
+def rows_as_states(rows: torch.Tensor, dtype: torch.dtype, tail: Sequence[int]) -> torch.Tensor:
+    """Byte rows (``uint8``, ``(n, row_bytes)``, as :func:`decode_record_rows` gives them) as
+    the states they hold: ``(n, *tail)`` of ``dtype``, a view of the same memory."""
+    n = rows.shape[0]
+    if rows.shape[1] == 0 or n == 0:
+        return torch.empty((n, *tail), dtype=dtype)
+    return rows.view(dtype).reshape(n, *tail)
 
 
 def upgrade_v1_value(value: Union[bytes, memoryview], key: bytes) -> bytearray:

@@ -86,9 +86,10 @@ class LogOptions:
             whatever the umask) so that readers running as another user of the group work;
             default owner-only (0600 / 0700). Environment: ``PERSISTENT_DELTA_GROUP_ACCESS=1``.
         tune_malloc: opt in to raising glibc's malloc thresholds once per process when a log
-            is opened for writing, so LMDB's write buffers are reused instead of page-faulted
-            in at every commit (appends of large values ~2x faster). Off by default because
-            it is process-wide (see :mod:`persistent_delta.alloc`).
+            is opened (writing or reading), so LMDB's write buffers and a reader's poll results
+            are reused instead of page-faulted in afresh (appends of large values ~2x faster;
+            a replica's ``merged()`` several x when it faulted). Off by default because it is
+            process-wide (see :mod:`persistent_delta.alloc`).
         read_threads: torch intra-op threads a reader's polls, ``merged()`` and
             :func:`~persistent_delta.apply.apply_poll` run with (default 1; 0: the process's
             own setting). The read path is memory-bound; parallel regions leave OpenMP's

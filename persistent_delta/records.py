@@ -23,7 +23,7 @@ import torch
 from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, UpdateMode
 
 from persistent_delta import codec
-from persistent_delta.errors import InvalidInputError
+from persistent_delta.errors import CorruptRecordError, InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
 from persistent_delta.rows import IdMemo, compute_unique_rows
 from persistent_delta.schema import (
@@ -176,16 +176,27 @@ def read_unique(
             continue
         if tables is not None and fqn not in tables:
             continue
+        # The records as numpy views, their states as byte rows (see codec.decode_record_rows):
+        # one cheap torch tensor each on the way into the rule, the type given back once.
         ids: List[torch.Tensor] = []
-        states: List[torch.Tensor] = []
-        for rec in r.iter_records(entry.table_id, from_idx, end_idx, channel=channel):
-            ids.append(rec.ids)
-            if rec.states is not None:
-                states.append(rec.states)
+        rows: List[torch.Tensor] = []
+        typed: Optional[Tuple[torch.dtype, Tuple[int, ...]]] = None
+        for rec in r.iter_record_rows(entry.table_id, from_idx, end_idx, channel=channel):
+            ids.append(codec.from_view(rec.ids))
+            if rec.rows is not None and rec.states_dtype is not None:
+                if typed is None:
+                    typed = (rec.states_dtype, rec.states_tail)
+                elif typed != (rec.states_dtype, rec.states_tail):
+                    raise CorruptRecordError(
+                        f"table {fqn!r}: records of states {typed} and {(rec.states_dtype, rec.states_tail)}")
+                rows.append(codec.from_view(rec.rows))
         if not ids:
             out[fqn] = empty_rows(entry, mode, channel)
             continue
-        out[fqn] = compute_unique_rows(ids, states if len(states) == len(ids) else None, mode, memo, fqn)
+        u = compute_unique_rows(ids, rows if len(rows) == len(ids) else None, mode, memo, fqn)
+        if u.states is not None and typed is not None:
+            u = UniqueRows(ids=u.ids, states=codec.rows_as_states(u.states, *typed))
+        out[fqn] = u
     return out
 
 

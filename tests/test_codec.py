@@ -30,6 +30,15 @@ def test_roundtrip_keeps_dtype_and_shape(ids_dtype, states):
     else:
         assert rec.states.dtype == states.dtype and rec.states.shape == states.shape
         assert torch.equal(rec.states, states)
+    # the read path's numpy form: the same ids, the states as byte rows that type back alike
+    got = codec.decode_record_rows(buf)
+    assert torch.equal(codec.from_view(got.ids), ids)
+    if states is None:
+        assert got.rows is None
+    else:
+        assert got.rows.shape == (6, states[:1].nbytes)
+        back = codec.rows_as_states(codec.from_view(got.rows), got.states_dtype, got.states_tail)
+        assert back.dtype == states.dtype and back.shape == states.shape and torch.equal(back, states)
 
 
 def test_empty_and_noncontiguous():
@@ -51,20 +60,35 @@ def test_payload_is_aligned_and_zero_copy():
     assert rec.ids.tolist() == [0, 1, 2]
 
 
+DECODERS = [codec.decode_record, codec.decode_record_rows]
+
+
+@pytest.mark.parametrize("decode", DECODERS)
 @pytest.mark.parametrize("pos", [0, 9, 20, -1, -5])
-def test_flipped_byte_is_detected(pos):
+def test_flipped_byte_is_detected(pos, decode):
     buf = bytearray(codec.encode_record(torch.arange(10), torch.randn(10, 4)))
     buf[pos] ^= 0x40
     with pytest.raises(CorruptRecordError):
-        codec.decode_record(bytes(buf))
+        decode(bytes(buf))
 
 
-def test_truncated_value_is_detected():
+@pytest.mark.parametrize("decode", DECODERS)
+def test_truncated_value_is_detected(decode):
     buf = codec.encode_record(torch.arange(10), torch.randn(10, 4))
     with pytest.raises(CorruptRecordError):
-        codec.decode_record(buf[:-8])
+        decode(buf[:-8])
     with pytest.raises(CorruptRecordError):
-        codec.decode_record(buf[:5])
+        decode(buf[:5])
+
+
+def test_the_read_paths_decoder_refuses_what_it_cannot_hold_as_rows():
+    """Checksummed but foreign: float ids, or states without one row per id."""
+    with pytest.raises(CorruptRecordError, match="ids of dtype float32"):
+        codec.decode_record_rows(codec.encode_record(torch.arange(4.0), torch.ones(4, 2)))
+    with pytest.raises(CorruptRecordError, match=r"states of shape \[3, 2\] for 4 ids"):
+        codec.decode_record_rows(codec.encode_record(torch.arange(4), torch.ones(3, 2)))
+    with pytest.raises(CorruptRecordError, match="states of shape"):
+        codec.decode_record_rows(codec.encode_record(torch.arange(1), torch.tensor(2.0)))
 
 
 def test_unknown_kind_raises():

@@ -267,8 +267,8 @@ for kv in sys.argv[1:]:
     os.environ[k] = v
 from persistent_delta import alloc
 from persistent_delta.log import DeltaLog
-d = tempfile.mkdtemp()
-DeltaLog(d, readonly=False).close()
+d = os.environ.get("PROBE_LOG") or tempfile.mkdtemp()
+DeltaLog(d, readonly=bool(os.environ.get("PROBE_LOG"))).close()  # PROBE_LOG: open an existing log read-only
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
 libc.malloc.argtypes, libc.sbrk.argtypes = [ctypes.c_size_t], [ctypes.c_ssize_t]
@@ -290,3 +290,14 @@ def test_opted_in_writer_keeps_large_buffers_in_the_heap(env, applied):
     assert out[0] == applied
     if applied == "True":
         assert out[1] == "True"  # an 8 MiB block came from the heap, not from its own mmap
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_opted_in_reader_keeps_large_buffers_in_the_heap(tmp_path, opt_in):
+    """A replica's polls page-fault their results in afresh without it (see README: opening a
+    log for reading applies the opt-in too)."""
+    d = str(tmp_path / "log")
+    DeltaLog(d).close()
+    env = [f"PROBE_LOG={d}"] + (["PERSISTENT_DELTA_TUNE_MALLOC=1"] if opt_in else [])
+    out = run_python(_MALLOC_PROBE, *env).stdout.split()
+    assert out == (["True", "True"] if opt_in else ["None", "False"])

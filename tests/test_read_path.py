@@ -357,6 +357,27 @@ def test_a_flipped_byte_in_a_data_file_copy_is_caught(tmp_path):
             reader.poll()
 
 
+def test_records_of_one_table_with_other_state_types_are_a_typed_error(tmp_path):
+    """Two publishes of one table whose rows differ in dtype or width (a foreign or damaged
+    log: a tracker keeps one row type per table) are refused by name, never mixed."""
+    for second in (torch.ones(4, 16, dtype=torch.float64), torch.ones(4, 8)):
+        root = str(tmp_path / f"job-{second.dtype}-{second.shape[1]}")
+        with DeltaLog(rank_dir(root, 0), update_mode="first") as log:
+            def build(w: WriteTxn) -> None:
+                w.set_meta(META_TRACKER, TrackerMeta("embedding", "first", ["a"], 0, 1).to_value())
+                entry = w.ensure_table("a")
+                w.stage_table(entry)
+                for stamp, vals in ((1, torch.ones(4, 16)), (2, second)):
+                    w.put_record(entry.table_id, stamp, codec.encode_record(torch.arange(4), vals, codec.KIND_SNAPSHOT),
+                                 channel=SNAPSHOTS)
+                w.set_meta(META_SNAPSHOT_END, 3)
+
+            log.write(build)
+        with DeltaReader(root, channel=SNAPSHOTS) as reader:
+            with pytest.raises(CorruptRecordError, match="table 'a': records of states"):
+                reader.poll()
+
+
 # ----------------------------------------------------------------------------- threads
 
 
