@@ -128,12 +128,12 @@ class ReadTxn:
         cur = self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]])
         return cur if cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)) else None
 
-    def iter_records(
-        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
-        channel: str = LOOKUPS,
-    ) -> Iterator[StoredRecord]:
-        """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open) in a
-        channel, in (batch_idx, seq) order, i.e. append order."""
+    def _walk(
+        self, table_id: int, start_idx: int, end_idx: Optional[int], channel: str
+    ) -> Iterator[Tuple[Union[bytes, memoryview], int, int, int, Union[bytes, memoryview]]]:
+        """``(key, table_id, batch_idx, seq, value)`` of the stored records of ``table_id`` with
+        ``start_idx <= batch_idx < end_idx`` in a channel, in (batch_idx, seq) order: the one
+        cursor walk behind every ``iter_record*``. ``value`` views the map."""
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None:
             return
@@ -144,6 +144,15 @@ class ReadTxn:
             t, b, s = codec.decode_record_key(key)
             if end_idx is not None and b >= end_idx:
                 break
+            yield key, t, b, s, value
+
+    def iter_records(
+        self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
+        channel: str = LOOKUPS,
+    ) -> Iterator[StoredRecord]:
+        """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open) in a
+        channel, in (batch_idx, seq) order, i.e. append order."""
+        for key, t, b, s, value in self._walk(table_id, start_idx, end_idx, channel):
             rec = codec.decode_record(value, verify=verify, key=bytes(key))
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end)
 
@@ -152,15 +161,7 @@ class ReadTxn:
     ) -> Iterator[codec.RecordRows]:
         """The records of :meth:`iter_records` (checked the same way) as numpy views
         (:func:`~persistent_delta.codec.decode_record_rows`): the read path's form."""
-        cur = self._cursor_at(table_id, start_idx, channel)
-        if cur is None:
-            return
-        prefix = codec.table_prefix(table_id)
-        for key, value in cur:
-            if key[:4] != prefix:
-                break
-            if end_idx is not None and codec.decode_record_key(key)[1] >= end_idx:
-                break
+        for key, _, _, _, value in self._walk(table_id, start_idx, end_idx, channel):
             yield codec.decode_record_rows(value, key=bytes(key))
 
     def iter_record_keys(
@@ -175,16 +176,7 @@ class ReadTxn:
     ) -> Iterator[Tuple[int, int, Union[bytes, memoryview]]]:
         """``(batch_idx, seq, value)`` of records in ``[start_idx, end_idx)``, undecoded; the
         value a view into the map (valid inside this transaction; nothing is copied)."""
-        cur = self._cursor_at(table_id, start_idx, channel)
-        if cur is None:
-            return
-        prefix = codec.table_prefix(table_id)
-        for key, value in cur:
-            if key[:4] != prefix:
-                break
-            _, b, s = codec.decode_record_key(key)
-            if end_idx is not None and b >= end_idx:
-                break
+        for _, _, b, s, value in self._walk(table_id, start_idx, end_idx, channel):
             yield b, s, value
 
     def first_record_at(
