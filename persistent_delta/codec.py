@@ -302,6 +302,7 @@ class _Layout(NamedTuple):
     ids_at: int
     states_dtype: Optional[str]  # None: no states
     states_shape: List[int]
+    states_count: int  # elements
     states_at: int
     header: Dict[str, Any]
 
@@ -332,7 +333,7 @@ def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
     ids_at = pos
     pos += ids_len
     if states_meta is None:
-        return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, None, [], pos, header)
+        return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, None, [], 0, pos, header)
     pos += _pad(pos)
     try:
         s_name, shape = states_meta[0], [int(d) for d in states_meta[1]]
@@ -343,7 +344,7 @@ def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
         count *= d
     if pos + count * dtype_from_name(s_name).itemsize > n:
         raise CorruptRecordError("record value shorter than its header says")
-    return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, s_name, shape, pos, header)
+    return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, s_name, shape, count, pos, header)
 
 
 def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> DecodedRecord:
@@ -358,23 +359,15 @@ def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True,
     ids = _view(mv, _DTYPES[lay.ids_dtype], lay.n_ids, lay.ids_at)
     states: Optional[torch.Tensor] = None
     if lay.states_dtype is not None:
-        count = 1
-        for d in lay.states_shape:
-            count *= d
-        states = _view(mv, _DTYPES[lay.states_dtype], count, lay.states_at).reshape(lay.states_shape)
+        states = _view(mv, _DTYPES[lay.states_dtype], lay.states_count, lay.states_at).reshape(lay.states_shape)
     w, e, t = lay.header.get("w"), lay.header.get("e"), lay.header.get("t")
     return DecodedRecord(kind=lay.kind, ids=ids, states=states, nbytes=len(mv),
                          window_start=None if w is None else int(w), covers_end=None if e is None else int(e),
                          publish_time=None if t is None else float(t))
 
 
-# numpy's own dtypes for the stored names it has (not bfloat16 or the float8 ones).
-_NP_DTYPES: Dict[str, np.dtype] = {}
-for _name in _DTYPES:
-    try:
-        _NP_DTYPES[_name] = np.dtype(_name)
-    except TypeError:
-        pass
+# The stored names of the integer dtypes (ids), as numpy's dtypes.
+_NP_ID_DTYPES: Dict[str, np.dtype] = {name: np.dtype(name) for name, dt in _DTYPES.items() if dt in INTEGER_ID_DTYPES}
 
 
 class RecordRows(NamedTuple):
@@ -401,9 +394,10 @@ def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = 
     """
     mv = memoryview(buf)
     lay = _layout(mv, verify, key)
-    if _DTYPES[lay.ids_dtype] not in INTEGER_ID_DTYPES:
+    id_dtype = _NP_ID_DTYPES.get(lay.ids_dtype)
+    if id_dtype is None:
         raise CorruptRecordError(f"record ids of dtype {lay.ids_dtype} (ids are integers)")
-    ids = np.frombuffer(mv, dtype=_NP_DTYPES[lay.ids_dtype], count=lay.n_ids, offset=lay.ids_at)
+    ids = np.frombuffer(mv, dtype=id_dtype, count=lay.n_ids, offset=lay.ids_at)
     if lay.states_dtype is None:
         return RecordRows(ids, None, None, ())
     shape = lay.states_shape
@@ -413,7 +407,7 @@ def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = 
     tail = tuple(shape[1:])
     row_bytes = dtype.itemsize
     for d in tail:
-        row_bytes *= d
+        row_bytes *= d  # (from the tail, not the count: a record of no ids keeps its row width)
     rows = np.frombuffer(mv, dtype=np.uint8, count=lay.n_ids * row_bytes, offset=lay.states_at)
     return RecordRows(ids, rows.reshape(lay.n_ids, row_bytes), dtype, tail)
 

@@ -271,13 +271,8 @@ class RemoteConsumer:
                                "`persistent-delta ship ROOT --server ... --job ...` on the trainer hosts, or pass wait=")
 
     def _refresh_meta(self) -> None:
-        for key in self.conn.kv_keys(self.job, "meta"):
-            if not key.startswith("tables."):
-                continue
-            got = self.conn.kv_get(self.job, "meta", key)
-            if got is None:
-                continue
-            rt = RankTables.decode(got[0], f"job {self.job} {key}")
+        for key, (value, _) in self.conn.kv_entries(self.job, "meta", transport.TABLES_KEYS).items():
+            rt = RankTables.decode(value, f"job {self.job} {key}")
             self._meta[rt.rank] = rt
             if rt.world_size is not None and self._expected is None:
                 self._expected = set(range(rt.world_size))

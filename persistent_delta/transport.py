@@ -544,33 +544,39 @@ class Connection:
 
         return self.call(f"read {what}/{key}", get)
 
-    def kv_keys(self, job: str, what: str) -> List[str]:
-        """The live keys of a bucket (sorted), complete while other processes write to it.
+    def kv_entries(self, job: str, what: str, prefix: str = "") -> Dict[str, Tuple[bytes, int]]:
+        """The live keys of a bucket that start with ``prefix``, sorted, each with its
+        ``(value, revision)``: complete while other processes write to the bucket.
 
         Not ``KeyValue.keys()``: nats-py's watcher decides it has seen every key from a
         consumer-info reply that can race the deliveries, and then returns a partial or empty
         list while keys are being updated (7 of 300 listings here, one key updated every
         millisecond). The stream's own per-subject state lists every key that has a message;
-        a key whose last message is a delete or purge marker is left out by ``get``."""
+        a key whose last message is a delete or purge marker is left out by its ``get``."""
         from nats.js.errors import KeyNotFoundError
 
         name = bucket(job, what)
-        prefix = f"$KV.{name}."
+        subjects = f"$KV.{name}."
 
-        async def keys() -> List[str]:
+        async def entries() -> Dict[str, Tuple[bytes, int]]:
             kv = await self.js.key_value(name)
-            info = await self.js.stream_info(f"KV_{name}", subjects_filter=prefix + ">")
-            out = []
+            info = await self.js.stream_info(f"KV_{name}", subjects_filter=f"{subjects}{prefix}>")
+            out: Dict[str, Tuple[bytes, int]] = {}
             for subject in sorted(info.state.subjects or {}):
-                key = subject[len(prefix):]
+                key = subject[len(subjects):]
                 try:
-                    await kv.get(key)
+                    e = await kv.get(key)
                 except KeyNotFoundError:  # deleted or purged (KeyDeletedError is one)
                     continue
-                out.append(key)
+                if e.value is not None:
+                    out[key] = (bytes(e.value), int(e.revision or 0))
             return out
 
-        return self.call(f"list {what}", keys)
+        return self.call(f"list {what}", entries)
+
+    def kv_keys(self, job: str, what: str) -> List[str]:
+        """The live keys of a bucket, sorted (:meth:`kv_entries`)."""
+        return list(self.kv_entries(job, what))
 
     def kv_put(self, job: str, what: str, key: str, value: bytes) -> int:
         async def put() -> int:
@@ -837,12 +843,17 @@ def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
     return int(d["stamp"]), out
 
 
+# Keys of the job's ``meta`` bucket: each rank's table metadata, and each shipper's state.
+TABLES_KEYS = "tables."
+SHIPPER_KEYS = "ship."
+
+
 def tables_key(rank: int) -> str:
-    return f"tables.{int(rank)}"
+    return f"{TABLES_KEYS}{int(rank)}"
 
 
 def shipper_key(rank: int, channel: str) -> str:
-    return f"ship.{int(rank)}.{channel}"
+    return f"{SHIPPER_KEYS}{int(rank)}.{channel}"
 
 
 __all__ = ["FORMAT_VERSION", "CHANNELS", "LOOKUPS", "SNAPSHOTS", "Connection", "ConnectOptions", "StreamOptions",

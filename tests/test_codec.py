@@ -48,6 +48,8 @@ def test_empty_and_noncontiguous():
     assert torch.equal(rec.ids, ids) and torch.equal(rec.states, states)
     empty = codec.decode_record(codec.encode_record(torch.empty(0, dtype=torch.int64), torch.empty(0, 8)))
     assert empty.ids.numel() == 0 and empty.states.shape == (0, 8)
+    # the read path's form keeps the row width of a record of no ids (it joins others' rows)
+    assert codec.decode_record_rows(codec.encode_record(torch.empty(0, dtype=torch.int64), torch.empty(0, 8))).rows.shape == (0, 32)
 
 
 def test_payload_is_aligned_and_zero_copy():

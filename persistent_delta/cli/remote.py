@@ -65,12 +65,10 @@ def _ends(conn: Connection, job: str, channel: str, ranks: Sequence[int]) -> Dic
 
 def _offsets(conn: Connection, job: str) -> List[Dict[str, Any]]:
     out = []
-    for key in conn.kv_keys(job, "offsets"):
-        got = conn.kv_get(job, "offsets", key)
-        if got is not None:
-            d = codec.unpack(got[0], f"remote offsets {key}")
-            if isinstance(d, dict):
-                out.append(d)
+    for key, (value, _) in conn.kv_entries(job, "offsets").items():
+        d = codec.unpack(value, f"remote offsets {key}")
+        if isinstance(d, dict):
+            out.append(d)
     return out
 
 
@@ -91,13 +89,8 @@ def describe_remote(server: Union[str, Sequence[str]], job: str, options: Option
                                                    None if pos is None else max(0, ends[r] - pos), d.get("time"),
                                                    lock_key(str(d["name"])) in locks))
         shippers: List[ShipperRow] = []
-        for key in conn.kv_keys(job, "meta"):
-            if not key.startswith("ship."):
-                continue
-            got = conn.kv_get(job, "meta", key)
-            if got is None:
-                continue
-            s = codec.unpack(got[0], f"shipper state {key}")
+        for key, (value, _) in conn.kv_entries(job, "meta", transport.SHIPPER_KEYS).items():
+            s = codec.unpack(value, f"shipper state {key}")
             if not isinstance(s, dict):
                 continue
             st = s.get("stats", {})
