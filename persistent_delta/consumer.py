@@ -53,7 +53,7 @@ from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.records import batch_bytes
-from persistent_delta.results import DeltaPoll, RankDelta, read_range
+from persistent_delta.results import DeltaPoll, RankDelta, finish_ranks, plan_range
 from persistent_delta.rows import IdMemo
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.watch import FileWatch
@@ -329,16 +329,24 @@ class DeltaReader:
         if max_bytes is not None:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
-        ranks: Dict[int, RankDelta] = {}
-        memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
-        for rank, log in self._logs.items():
-            pos, stop = positions[rank], stops[rank]
+        logs = sorted(self._logs.items())
 
-            def read(r: ReadTxn, rank: int = rank, path: str = log.path, pos: int = pos, stop: int = stop) -> RankDelta:
-                return read_range(r, rank, path, pos, stop, self.channel, self._tables, memo)
+        def read(txns: Dict[int, ReadTxn]) -> Dict[int, RankDelta]:
+            memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
+            plans = {rank: plan_range(txns[rank], rank, log.path, positions[rank], stops[rank], self.channel,
+                                      self._tables, memo) for rank, log in logs}
+            return finish_ranks(plans)
 
-            delta = log.read(read)
-            ranks[rank] = delta
+        def nest(i: int, txns: Dict[int, ReadTxn]) -> Dict[int, RankDelta]:
+            # every rank's read transaction open at once: the poll's rows are copied out of all
+            # the maps into one buffer (results.finish_ranks)
+            if i == len(logs):
+                return read(txns)
+            rank, log = logs[i]
+            return log.read(lambda r: nest(i + 1, {**txns, rank: r}))
+
+        ranks = nest(0, {})
+        for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,
                          world_size=None if self._expected is None else len(self._expected),

@@ -25,7 +25,7 @@ from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, 
 from persistent_delta import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.rows import IdMemo, compute_unique_rows
+from persistent_delta.rows import IdMemo, RowPlan, compute_unique_rows, plan_unique_rows
 from persistent_delta.schema import (
     LOOKUPS,
     META_LOG_START,
@@ -155,7 +155,49 @@ def empty_rows(entry: TableEntry, mode: UpdateMode, channel: str = LOOKUPS) -> U
     return UniqueRows(ids=entry.empty_ids(), states=None if mode == UpdateMode.NONE else entry.empty_states(channel))
 
 
-def read_unique(
+@dataclass
+class TablePlan:
+    """One table's unique rows over a range, planned inside a read transaction (the rule
+    applied to the ids, :class:`~persistent_delta.rows.RowPlan`) and not yet copied out of the
+    map: :meth:`finish` copies them, into a place of the caller's choosing, before the
+    transaction ends. ``typed``: the states' dtype and trailing shape (None: ids only);
+    ``empty``: the result of a table with nothing in range."""
+
+    rows: Optional[RowPlan]
+    typed: Optional[Tuple[torch.dtype, Tuple[int, ...]]] = None
+    empty: Optional[UniqueRows] = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the result holds."""
+        return int(self.rows.ids.numel()) if self.rows is not None else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of states (0 for ids only)."""
+        if self.rows is None or self.rows.parts is None or self.typed is None:
+            return 0
+        return int(self.rows.parts[0].shape[1])
+
+    def finish(self, out: Optional[torch.Tensor] = None) -> UniqueRows:
+        """The unique rows, states copied into ``out`` when given (``uint8``,
+        ``(num_rows, row_bytes)``, each row contiguous, rows at any stride: the result's
+        states are a typed view of it) or into memory of their own."""
+        if self.rows is None:
+            assert self.empty is not None
+            return self.empty
+        if self.rows.parts is None or self.typed is None:
+            return UniqueRows(ids=self.rows.ids, states=None)
+        if out is None:
+            got = self.rows.new_rows()
+            assert got is not None
+        else:
+            self.rows.gather_into(out)
+            got = out
+        return UniqueRows(ids=self.rows.ids, states=codec.rows_as_states(got, *self.typed))
+
+
+def plan_unique(
     r: ReadTxn,
     mode: UpdateMode,
     from_idx: int = 0,
@@ -164,13 +206,10 @@ def read_unique(
     listed_only: bool = True,
     channel: str = LOOKUPS,
     memo: Optional[IdMemo] = None,
-) -> Dict[str, UniqueRows]:
-    """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
-
-    A table with no records in range gets :func:`empty_rows`. Results own their memory.
-    ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
-    """
-    out: Dict[str, UniqueRows] = {}
+) -> Dict[str, TablePlan]:
+    """:func:`read_unique` up to the copy of the rows: per table, a :class:`TablePlan` whose
+    rows view the map (finish it inside ``r``)."""
+    out: Dict[str, TablePlan] = {}
     for fqn, entry in r.tables().items():
         if listed_only and not entry.listed:
             continue
@@ -191,13 +230,30 @@ def read_unique(
                         f"table {fqn!r}: records of states {typed} and {(rec.states_dtype, rec.states_tail)}")
                 rows.append(codec.from_view(rec.rows))
         if not ids:
-            out[fqn] = empty_rows(entry, mode, channel)
+            out[fqn] = TablePlan(None, empty=empty_rows(entry, mode, channel))
             continue
-        u = compute_unique_rows(ids, rows if len(rows) == len(ids) else None, mode, memo, fqn)
-        if u.states is not None and typed is not None:
-            u = UniqueRows(ids=u.ids, states=codec.rows_as_states(u.states, *typed))
-        out[fqn] = u
+        states = rows if len(rows) == len(ids) else None
+        out[fqn] = TablePlan(plan_unique_rows(ids, states, mode, memo, fqn), typed if states is not None else None)
     return out
+
+
+def read_unique(
+    r: ReadTxn,
+    mode: UpdateMode,
+    from_idx: int = 0,
+    end_idx: Optional[int] = None,
+    tables: Optional[Sequence[str]] = None,
+    listed_only: bool = True,
+    channel: str = LOOKUPS,
+    memo: Optional[IdMemo] = None,
+) -> Dict[str, UniqueRows]:
+    """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
+
+    A table with no records in range gets :func:`empty_rows`. Results own their memory.
+    ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
+    """
+    plans = plan_unique(r, mode, from_idx, end_idx, tables, listed_only, channel, memo)
+    return {fqn: p.finish() for fqn, p in plans.items()}
 
 
 def read_lookups(r: ReadTxn, start_idx: int, end_idx: Optional[int]) -> Dict[str, List[IndexedLookup]]:

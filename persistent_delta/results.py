@@ -19,8 +19,8 @@ from persistent_delta import delivery
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn
-from persistent_delta.records import last_stamps, publish_times, read_unique
-from persistent_delta.rows import IdMemo, compute_unique_rows, is_ascending, unique_ids
+from persistent_delta.records import TablePlan, last_stamps, plan_unique, publish_times
+from persistent_delta.rows import IdMemo, compute_unique_rows, is_ascending, ordered_runs, unique_ids
 from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.zchlog import ZchDelta, merge_side, read_side
@@ -125,6 +125,11 @@ def _cat_rows(parts: Sequence[UniqueRows], stamps: Optional[Sequence[Optional[to
     if all(p.states is not None for p in nonempty):
         if stamps is not None and all(stamps[i] is not None for i in keep):
             return _newest_rows(nonempty, [stamps[i] for i in keep])  # type: ignore[misc]
+        runs = ordered_runs([p.ids for p in nonempty])
+        if runs:
+            joined = _joined([nonempty[i].states for i in runs], 0)  # type: ignore[misc]
+            if joined is not None:  # laid out one after another by finish_ranks: a view
+                return UniqueRows(ids=torch.cat([nonempty[i].ids for i in runs]), states=joined)
         return compute_unique_rows([p.ids for p in nonempty], [p.states for p in nonempty], UpdateMode.FIRST)
     return compute_unique_rows([p.ids for p in nonempty], None, UpdateMode.NONE)
 
@@ -206,7 +211,30 @@ def _assemble_columns(
         pos += width
     if global_cols is None or pos != global_cols:
         return None
-    return torch.cat([p.states for p in column_parts.values()], dim=1)  # type: ignore[misc]
+    slices: List[torch.Tensor] = [p.states for p in column_parts.values()]  # type: ignore[misc]
+    joined = _joined(slices, 1)  # laid out side by side by finish_ranks: a view
+    return joined if joined is not None else torch.cat(slices, dim=1)
+
+
+def _joined(parts: Sequence[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
+    """``torch.cat(parts, dim)`` as a view, when the parts already lie next to each other
+    along ``dim`` in one block of memory (as :func:`finish_ranks` places them); else None.
+    Only 2-D parts (or 1-D along dim 0) of one dtype and strides are joined."""
+    first = parts[0]
+    if first.dim() not in (1, 2) or dim >= first.dim():
+        return None
+    base = first.untyped_storage().data_ptr()
+    step = first.stride(dim) * first.element_size()
+    size = list(first.shape)
+    for prev, p in zip(parts, parts[1:]):
+        if p.dtype != first.dtype or p.stride() != first.stride() or p.untyped_storage().data_ptr() != base:
+            return None
+        if p.dim() != first.dim() or any(p.shape[d] != first.shape[d] for d in range(first.dim()) if d != dim):
+            return None
+        if p.data_ptr() != prev.data_ptr() + prev.shape[dim] * step:
+            return None
+        size[dim] += p.shape[dim]
+    return first.as_strided(size, first.stride())
 
 
 @dataclass
@@ -314,6 +342,60 @@ class DeltaPoll:
             yield from parts
 
 
+@dataclass
+class RankPlan:
+    """One rank's read of a range, planned inside its read transaction (:func:`plan_range`):
+    per table, the rows decided and not yet copied out of the map, with what the table's
+    :class:`TableDelta` needs besides (shard, stamps, managed-collision side records)."""
+
+    rank: int
+    path: str
+    start_idx: int
+    end_idx: int
+    tables: Dict[str, Tuple[TablePlan, Optional[ShardInfo], Optional[torch.Tensor], Optional[ZchDelta]]]
+    publishes: Dict[int, float] = field(default_factory=dict)
+
+    def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
+        """The :class:`RankDelta`: the tables' rows copied out of the map (inside the
+        transaction the plan was made in), or taken from ``rows`` where it has them."""
+        out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
+                        publishes=self.publishes)
+        for fqn, (tp, shard, stamps, side) in self.tables.items():
+            u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
+            out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side)
+        return out
+
+
+def plan_range(
+    r: ReadTxn,
+    rank: int,
+    path: str,
+    start_idx: int,
+    end_idx: int,
+    channel: str = LOOKUPS,
+    tables: Optional[Sequence[str]] = None,
+    memo: Optional[IdMemo] = None,
+) -> RankPlan:
+    """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``)."""
+    mode = delivery.update_mode(r, channel)
+    start_idx = delivery.read_start(r, start_idx, channel)
+    end_idx = max(end_idx, start_idx)
+    plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
+    entries = r.tables()
+    out = RankPlan(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx, tables={})
+    if channel == SNAPSHOTS:
+        out.publishes = publish_times(r, start_idx, end_idx)
+    for fqn, tp in sorted(plans.items()):
+        shard = ShardInfo.from_entry(entries[fqn])
+        stamps = None
+        if channel == SNAPSHOTS and shard is not None and shard.replicated and tp.num_rows:
+            stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
+        side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
+            else None
+        out.tables[fqn] = (tp, shard, stamps, side)
+    return out
+
+
 def read_range(
     r: ReadTxn,
     rank: int,
@@ -329,23 +411,100 @@ def read_range(
     :func:`~persistent_delta.delivery.read_start` (the start of a filtered window the position
     lies inside). Results own their memory (safe to keep after the transaction). ``memo``:
     the poll's :class:`~persistent_delta.rows.IdMemo`, shared by its ranks."""
-    mode = delivery.update_mode(r, channel)
-    start_idx = delivery.read_start(r, start_idx, channel)
-    end_idx = max(end_idx, start_idx)
-    rows = read_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
-    entries = r.tables()
-    out = RankDelta(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx)
-    if channel == SNAPSHOTS:
-        out.publishes = publish_times(r, start_idx, end_idx)
-    for fqn, u in sorted(rows.items()):
-        shard = ShardInfo.from_entry(entries[fqn])
-        stamps = None
-        if channel == SNAPSHOTS and shard is not None and shard.replicated and u.ids.numel():
-            stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
-        side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
-            else None
-        out.tables[fqn] = table_delta(fqn, rank, start_idx, end_idx, u, shard, stamps, side)
-    return out
+    return plan_range(r, rank, path, start_idx, end_idx, channel, tables, memo).finish()
+
+
+# Regions of a poll's buffer start at multiples of this many bytes (a cache line; any dtype's
+# alignment).
+_ALIGN = 64
+
+
+def finish_ranks(plans: Dict[int, RankPlan]) -> Dict[int, RankDelta]:
+    """Every rank's :class:`RankDelta` of one poll (inside every rank's transaction), the rows
+    of all ranks and tables copied once, into one buffer laid out the way
+    :func:`merge_table` joins them: per table, row-wise shards' rows one after another in id
+    order, column-wise shards' rows side by side as full rows (when every shard holds the
+    same ids and the slices tile the row). :meth:`DeltaPoll.merged` is then views of the
+    buffer, not copies; anything else is laid out one rank after another and merged by copy
+    as before.
+
+    One allocation a poll also lets glibc keep the memory for the next poll (a freed block
+    raises its mmap threshold, up to 32 MiB): fresh pages cost ~0.45 ms/MB to fault in on
+    this class of VM, which was most of ``merged()`` when each table had its own result.
+    """
+    regions: List[Tuple[int, int, List[Tuple[int, str, int, int]]]] = []  # (rows, row bytes, places)
+    by_table: Dict[str, List[int]] = {}
+    for rank in sorted(plans):
+        for fqn, (tp, _, _, _) in plans[rank].tables.items():
+            if tp.num_rows and tp.row_bytes:
+                by_table.setdefault(fqn, []).append(rank)
+    for fqn, ranks in sorted(by_table.items()):
+        cols = _column_layout(fqn, [(plans[k].rank, plans[k].tables[fqn]) for k in ranks])
+        if cols is not None:
+            m, row_bytes, offsets = cols
+            regions.append((m, row_bytes, [(k, fqn, 0, off) for k, off in zip(ranks, offsets)]))
+            continue
+
+        def first_gid(k: int) -> int:
+            tp, shard, _, _ = plans[k].tables[fqn]
+            assert tp.rows is not None
+            return int(tp.rows.ids[0]) + (shard.row_offset if shard is not None else 0)
+
+        widths = {plans[k].tables[fqn][0].row_bytes for k in ranks}
+        if len(widths) != 1:
+            for k in ranks:  # rows of different widths (not one table's shards): one region each
+                regions.append((plans[k].tables[fqn][0].num_rows, plans[k].tables[fqn][0].row_bytes, [(k, fqn, 0, 0)]))
+            continue
+        placed, at = [], 0
+        for k in sorted(ranks, key=lambda k: (first_gid(k), k)):
+            placed.append((k, fqn, at, 0))
+            at += plans[k].tables[fqn][0].num_rows
+        regions.append((at, widths.pop(), placed))
+    total = sum(-(-m * w // _ALIGN) * _ALIGN for m, w, _ in regions)
+    buf = torch.empty(total, dtype=torch.uint8)
+    rows: Dict[int, Dict[str, UniqueRows]] = {k: {} for k in plans}
+    at = 0
+    for m, w, placed in regions:  # table by table: a table's region stays in the CPU's cache over its ranks
+        region = buf[at:at + m * w].view(m, w)
+        at += -(-m * w // _ALIGN) * _ALIGN
+        for k, fqn, row, col in placed:
+            tp = plans[k].tables[fqn][0]
+            rows[k][fqn] = tp.finish(region[row:row + tp.num_rows, col:col + tp.row_bytes])
+    return {k: plans[k].finish(rows[k]) for k in plans}
+
+
+def _column_layout(
+    fqn: str, parts: List[Tuple[int, Tuple[TablePlan, Optional[ShardInfo], Optional[torch.Tensor], Optional[ZchDelta]]]]
+) -> Optional[Tuple[int, int, List[int]]]:
+    """For column-wise shards that hold the same ids and whose 2-D state slices tile the full
+    row (one shard per slice, one dtype): ``(rows, full row bytes, each shard's byte offset in
+    the row)``; else None."""
+    if len(parts) < 2:
+        return None
+    first_tp, first_shard, _, _ = parts[0][1]
+    if first_shard is None or first_shard.global_cols is None or first_tp.typed is None:
+        return None
+    dtype = first_tp.typed[0]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert first_tp.rows is not None
+    slices = []
+    for _, (tp, shard, _, _) in parts:
+        if shard is None or tp.typed is None or tp.typed[0] != dtype or len(tp.typed[1]) != 1:
+            return None
+        if tp.typed[1][0] != shard.local_cols or shard.row_offset != first_shard.row_offset:
+            return None
+        assert tp.rows is not None
+        if not torch.equal(tp.rows.ids, first_tp.rows.ids):
+            return None
+        slices.append((shard.col_offset, int(tp.typed[1][0])))
+    pos = 0
+    for off, width in sorted(slices):
+        if off != pos:
+            return None
+        pos += width
+    if pos != first_shard.global_cols:
+        return None
+    return first_tp.num_rows, pos * itemsize, [off * itemsize for off, _ in slices]
 
 
 def table_delta(

@@ -34,6 +34,7 @@ The result is ascending by id, which is what ``get_unique`` promises.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -208,6 +209,82 @@ class IdMemo:
         return uniq, picked
 
 
+@dataclass
+class RowPlan:
+    """Unique rows of some records, decided but not yet copied (:func:`plan_unique_rows`).
+
+    ``ids``: the ascending unique ids (owned). The rows are the records' rows ``parts`` (may be
+    views into LMDB's map: copy them while its transaction is open), taken whole in the order
+    ``runs`` (no id repeats), or at the positions ``picked`` of their concatenation. ``parts``
+    None: ids only (``UpdateMode.NONE``). A reader that knows where the rows should land (a
+    slice of a poll's buffer) copies them there once with :meth:`gather_into`.
+    """
+
+    ids: torch.Tensor
+    parts: Optional[List[torch.Tensor]] = None
+    runs: Optional[List[int]] = None
+    picked: Optional[torch.Tensor] = None
+
+    @property
+    def row_shape(self) -> Tuple[int, ...]:
+        """The shape of one row (the parts' trailing shape)."""
+        assert self.parts is not None
+        return tuple(self.parts[0].shape[1:])
+
+    def new_rows(self) -> Optional[torch.Tensor]:
+        """The rows in memory of their own (None for ids only)."""
+        if self.parts is None:
+            return None
+        if self.runs is not None and len(self.runs) == 1:
+            return self.parts[self.runs[0]].clone()
+        if self.runs is not None:
+            return torch.cat([self.parts[i] for i in self.runs])
+        out = torch.empty((self.ids.numel(), *self.row_shape), dtype=self.parts[0].dtype)
+        self.gather_into(out)
+        return out
+
+    def gather_into(self, out: torch.Tensor) -> None:
+        """Copy the rows into ``out``: ``(len(ids), *row_shape)`` of the parts' dtype, each row
+        contiguous, rows at any stride (e.g. a column slice of a wider buffer)."""
+        assert self.parts is not None
+        if self.runs is not None:
+            a = 0
+            for i in self.runs:
+                n = self.parts[i].shape[0]
+                out[a:a + n].copy_(self.parts[i])
+                a += n
+            return
+        assert self.picked is not None
+        gather_rows(self.parts, self.picked, out)
+
+
+def plan_unique_rows(
+    ids: Sequence[torch.Tensor],
+    states: Optional[Sequence[torch.Tensor]],
+    mode: UpdateMode,
+    memo: Optional[IdMemo] = None,
+    key: object = None,
+) -> RowPlan:
+    """The unique rows of the given records, in ascending id order, as a :class:`RowPlan`
+    (the rule applied to the ids; no row copied). Arguments as :func:`compute_unique_rows`."""
+    if len(ids) == 0:
+        raise ValueError("compute_unique_rows needs at least one record")
+    parts = None if mode == UpdateMode.NONE or states is None else list(states)
+    runs = ordered_runs(ids)
+    if runs is not None and len(runs) > 0:
+        # No id repeats: the rule cannot matter; each row is copied once, in id order.
+        out_ids = ids[runs[0]].clone() if len(runs) == 1 else torch.cat([ids[i] for i in runs])
+        return RowPlan(out_ids, parts, runs=runs)
+    if parts is None:
+        return RowPlan(unique_ids(_cat(ids)))
+    cat_ids = _cat(ids)
+    if cat_ids.numel() == 0:
+        return RowPlan(cat_ids.clone(), parts, picked=torch.empty(0, dtype=torch.int64))
+    uniq, picked = first_or_last(cat_ids, mode) if memo is None else \
+        memo.first_or_last(key, cat_ids, mode, owned=cat_ids is not ids[0])
+    return RowPlan(uniq, parts, picked=picked)
+
+
 def compute_unique_rows(
     ids: Sequence[torch.Tensor],
     states: Optional[Sequence[torch.Tensor]],
@@ -227,25 +304,8 @@ def compute_unique_rows(
     Returns:
         ``UniqueRows`` owning its memory (never a view of the inputs).
     """
-    if len(ids) == 0:
-        raise ValueError("compute_unique_rows needs at least one record")
-    parts = None if mode == UpdateMode.NONE or states is None else list(states)
-    runs = ordered_runs(ids)
-    if runs is not None and len(runs) > 0:
-        # No id repeats: the rule cannot matter; each row is copied once, in id order.
-        out_ids = ids[runs[0]].clone() if len(runs) == 1 else torch.cat([ids[i] for i in runs])
-        if parts is None:
-            return UniqueRows(ids=out_ids, states=None)
-        ordered = [parts[i] for i in runs]
-        return UniqueRows(ids=out_ids, states=ordered[0].clone() if len(ordered) == 1 else torch.cat(ordered))
-    if parts is None:
-        return UniqueRows(ids=unique_ids(_cat(ids)), states=None)
-    cat_ids = _cat(ids)
-    if cat_ids.numel() == 0:
-        return UniqueRows(ids=cat_ids.clone(), states=torch.cat(parts).clone())
-    uniq, picked = first_or_last(cat_ids, mode) if memo is None else \
-        memo.first_or_last(key, cat_ids, mode, owned=cat_ids is not ids[0])
-    return UniqueRows(ids=uniq, states=gather_rows(parts, picked))
+    plan = plan_unique_rows(ids, states, mode, memo, key)
+    return UniqueRows(ids=plan.ids, states=plan.new_rows())
 
 
 # Records holding at most this many bytes together are concatenated (a sequential copy, which
@@ -261,17 +321,27 @@ _CHUNK_BYTES = 512 << 10
 
 
 def _row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
-    """A contiguous tensor's rows (of ``row_bytes`` > 0 bytes) as a 1-D numpy array of opaque
-    row-sized cells over its memory, whatever the dtype. numpy copies such a cell with one
+    """A tensor's rows (of ``row_bytes`` > 0 bytes, each contiguous, at any stride) as a 1-D
+    numpy array of opaque row-sized cells over its memory, whatever the dtype. numpy copies such a cell with one
     ``memcpy``: ``cells[dest] = other_cells`` scatters rows 3.5x faster than
     ``torch.index_copy_`` (measured: 123 vs 434 us for 15k rows of 256 bytes)."""
     raw = t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, row_bytes))).reshape(t.shape[0])
 
 
-def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Tensor:
+def _take(src: torch.Tensor, picked: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``src[picked]`` (rows), into ``out`` when given (any row stride: ``index_select`` writes
+    a column slice in place, 2.5-4x faster measured than a contiguous gather and a copy, or
+    numpy's row cells, for 15k rows of 32 bytes)."""
+    if out is None:
+        return src.index_select(0, picked)  # (row copies; advanced indexing is several x slower)
+    return torch.index_select(src, 0, picked, out=out)
+
+
+def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch.cat(parts)[picked]`` for distinct positions ``picked`` (the parts may be views
-    into LMDB's map).
+    into LMDB's map), into ``out`` when given: ``(len(picked), *row shape)``, each row
+    contiguous, rows at any stride (a column slice of a wider buffer); returns the result.
 
     One part: one ``index_select``. Several parts holding at most ``_CONCAT_BYTES`` together:
     concatenated (a sequential copy that stays in the CPU cache), then one ``index_select``.
@@ -280,9 +350,9 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Te
     part once, never the rows left out, and the only allocation of the result's size is the
     result. A bitmap over the positions orders them, not a sort."""
     if len(parts) == 1:
-        return parts[0].index_select(0, picked)  # (row copies; advanced indexing is several x slower)
+        return _take(parts[0], picked, out)
     if sum(p.nbytes for p in parts) <= _CONCAT_BYTES:
-        return torch.cat(list(parts)).index_select(0, picked)
+        return _take(torch.cat(list(parts)), picked, out)
     sizes = [p.shape[0] for p in parts]
     total, m = sum(sizes), picked.numel()
     where = picked.numpy()
@@ -295,7 +365,8 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor) -> torch.Te
     starts = np.cumsum([0] + sizes)
     bounds = np.searchsorted(by_pos, starts).tolist()
     tail = parts[0].shape[1:]
-    out = torch.empty((m, *tail), dtype=parts[0].dtype)
+    if out is None:
+        out = torch.empty((m, *tail), dtype=parts[0].dtype)
     row_bytes = out[:1].nbytes
     if row_bytes == 0:
         return out  # no rows, or rows of no bytes: nothing to copy

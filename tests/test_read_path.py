@@ -128,6 +128,12 @@ def test_gather_rows_is_cat_then_index(monkeypatch, n_parts, rows_per_part, dim,
     # other dtypes and row shapes are copied as bytes
     b = [p.to(torch.bfloat16).reshape(p.shape[0], dim, 1) for p in parts]
     assert torch.equal(gather_rows(b, picked), torch.cat(b)[picked])
+    # into a destination whose rows lie at a stride (a column slice of a wider buffer), in place
+    wide = torch.zeros(picked.numel(), dim + 5)
+    got = gather_rows(parts, picked, wide[:, 2:2 + dim])
+    assert got.data_ptr() == wide[:, 2:].data_ptr()
+    assert torch.equal(wide[:, 2:2 + dim], torch.cat(parts)[picked])
+    assert not wide[:, :2].any() and not wide[:, 2 + dim:].any()  # nothing beside the slice written
 
 
 def test_ordered_runs():
@@ -262,6 +268,12 @@ def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world,
         assert merged["a"].states is None and layout == "col"
     else:
         assert torch.equal(merged["a"].states, states)
+    if states is not None and world > 1 and layout in ("row", "col_same") and rule != UpdateMode.NONE:
+        # one buffer for the poll, laid out as merged() joins it: merged states are a view of
+        # the ranks' states, not a copy (results.finish_ranks, results._joined)
+        assert merged["a"].states.untyped_storage().data_ptr() == \
+            poll.ranks[0].tables["a"].states.untyped_storage().data_ptr()
+        assert merged["a"].states.is_contiguous()
 
 
 def _part(rank: int, ids: List[int], col: int = 0, width: int = 2, row_offset: int = 0,
@@ -290,6 +302,38 @@ def test_merge_table_fast_paths_keep_the_old_rule():
     # a part without states: ids only
     m = merge_table("t", [_part(0, [1, 2]), _part(1, [3], row_offset=0, states=False)])
     assert m.global_ids.tolist() == [1, 2, 3] and m.states is None
+
+
+def test_merge_joins_parts_that_lie_side_by_side_without_a_copy():
+    """Parts that already lie next to each other in one buffer (as a poll lays them out) are
+    joined as a view; anything else (a gap, another buffer, rows in another order, a column
+    slice that does not tile the row) is copied as before, to the same values."""
+    buf = torch.randn(10, 4)
+    a, b = _part(0, [0, 1, 2]), _part(1, [0, 1], row_offset=50)
+    a.rows.states, b.rows.states = buf[0:3], buf[3:5]
+    m = merge_table("t", [b, a])
+    assert m.states.data_ptr() == buf.data_ptr() and torch.equal(m.states, buf[:5])
+    a.rows.states, b.rows.states = buf[0:3], buf[4:6]  # a gap
+    m = merge_table("t", [a, b])
+    assert m.states.data_ptr() != buf.data_ptr() and torch.equal(m.states, torch.cat([buf[0:3], buf[4:6]]))
+    a.rows.states, b.rows.states = buf[2:5], buf[0:2]  # adjacent, but the rows' order is the other one
+    m = merge_table("t", [a, b])
+    assert m.states.data_ptr() != buf.data_ptr() and torch.equal(m.states, torch.cat([buf[2:5], buf[0:2]]))
+    a.rows.states, b.rows.states = buf[0:3], torch.randn(2, 4)  # another buffer
+    m = merge_table("t", [a, b])
+    assert torch.equal(m.states, torch.cat([a.states, b.states]))
+    # column slices of one buffer's rows, tiling the row: the full rows as a view
+    rows = torch.randn(3, 6)
+    left, right = _part(0, [1, 2, 3], col=0, width=2), _part(1, [1, 2, 3], col=2, width=4)
+    for p in (left, right):
+        p.shard = ShardInfo(col_offset=p.shard.col_offset, local_cols=p.shard.local_cols, global_rows=100,
+                            global_cols=6)
+    left.rows.states, right.rows.states = rows[:, 0:2], rows[:, 2:6]
+    m = merge_table("t", [right, left])
+    assert m.states.data_ptr() == rows.data_ptr() and torch.equal(m.states, rows)
+    left.rows.states, right.rows.states = rows[:, 0:2].clone(), rows[:, 2:6]  # another buffer: a copy
+    m = merge_table("t", [left, right])
+    assert m.states.data_ptr() != rows.data_ptr() and torch.equal(m.states, rows)
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -405,7 +449,7 @@ def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, o
             return real(*a, **k)
         monkeypatch.setattr(module, name, wrapped)
 
-    spy(consumer_mod, "read_range", "poll")
+    spy(consumer_mod, "plan_range", "poll")
     spy(results_mod, "merge_table", "merge")
     spy(apply_mod, "_target", "apply")
     before = torch.get_num_threads()
