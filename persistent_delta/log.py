@@ -130,21 +130,28 @@ class ReadTxn:
 
     def _walk(
         self, table_id: int, start_idx: int, end_idx: Optional[int], channel: str
-    ) -> Iterator[Tuple[Union[bytes, memoryview], int, int, int, Union[bytes, memoryview]]]:
-        """``(key, table_id, batch_idx, seq, value)`` of the stored records of ``table_id`` with
-        ``start_idx <= batch_idx < end_idx`` in a channel, in (batch_idx, seq) order: the one
-        cursor walk behind every ``iter_record*``. ``value`` views the map."""
+    ) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
+        """``(key, value)`` of the stored records of ``table_id`` with ``start_idx <= batch_idx
+        < end_idx`` in a channel, in (batch_idx, seq) order: the one cursor walk behind every
+        ``iter_record*``. ``value`` views the map. Keys are big-endian ``(table_id, batch_idx,
+        seq)``, so the walk stops at the first key not below the range's end key (bytes order
+        is key order), decoding none."""
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None:
             return
-        prefix = codec.table_prefix(table_id)
+        if end_idx is not None and end_idx < 1 << 64:
+            stop = codec.record_key(table_id, max(0, end_idx), 0)
+        elif table_id + 1 < 1 << 32:
+            stop = codec.table_prefix(table_id + 1)
+        else:  # the last table id: stop where the prefix ends
+            stop = codec.table_prefix(table_id) + b"\xff" * (codec.KEY_SIZE - 4) + b"\xff"
         for key, value in cur:
-            if key[:4] != prefix:
+            kb = bytes(key)
+            if kb >= stop:
                 break
-            t, b, s = codec.decode_record_key(key)
-            if end_idx is not None and b >= end_idx:
-                break
-            yield key, t, b, s, value
+            if len(kb) != codec.KEY_SIZE:
+                codec.decode_record_key(kb)  # (raises: a foreign key)
+            yield kb, value
 
     def iter_records(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
@@ -152,8 +159,9 @@ class ReadTxn:
     ) -> Iterator[StoredRecord]:
         """Records of ``table_id`` with ``start_idx <= batch_idx < end_idx`` (half-open) in a
         channel, in (batch_idx, seq) order, i.e. append order."""
-        for key, t, b, s, value in self._walk(table_id, start_idx, end_idx, channel):
-            rec = codec.decode_record(value, verify=verify, key=bytes(key))
+        for key, value in self._walk(table_id, start_idx, end_idx, channel):
+            t, b, s = codec.decode_record_key(key)
+            rec = codec.decode_record(value, verify=verify, key=key)
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end)
 
     def iter_record_rows(
@@ -161,8 +169,8 @@ class ReadTxn:
     ) -> Iterator[codec.RecordRows]:
         """The records of :meth:`iter_records` (checked the same way) as numpy views
         (:func:`~persistent_delta.codec.decode_record_rows`): the read path's form."""
-        for key, _, _, _, value in self._walk(table_id, start_idx, end_idx, channel):
-            yield codec.decode_record_rows(value, key=bytes(key))
+        for key, value in self._walk(table_id, start_idx, end_idx, channel):
+            yield codec.decode_record_rows(value, key=key)
 
     def iter_record_keys(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
@@ -176,7 +184,8 @@ class ReadTxn:
     ) -> Iterator[Tuple[int, int, Union[bytes, memoryview]]]:
         """``(batch_idx, seq, value)`` of records in ``[start_idx, end_idx)``, undecoded; the
         value a view into the map (valid inside this transaction; nothing is copied)."""
-        for _, _, b, s, value in self._walk(table_id, start_idx, end_idx, channel):
+        for key, value in self._walk(table_id, start_idx, end_idx, channel):
+            _, b, s = codec.decode_record_key(key)
             yield b, s, value
 
     def first_record_at(

@@ -36,6 +36,12 @@ class TableDelta:
     ``rows`` holds shard-local ids (ascending, unique) and the states per the update mode
     (snapshots: the current row values of the shard's columns); ``global_ids`` are the same rows
     as int64 global row ids.
+
+    In a :class:`DeltaPoll` the tensors share memory: every rank's and table's states are
+    views of one buffer (a column-wise shard's states a column slice of the full rows, so not
+    contiguous), and column-wise shards with the same ids hold one ids tensor. Treat them as
+    read-only, or clone what you change or keep apart from the rest: a kept view keeps the
+    whole poll's buffer alive.
     """
 
     fqn: str
@@ -92,8 +98,10 @@ class MergedDelta:
 
     Where one shard holds all of a table's rows (one rank, or one column slice), these tensors
     are that shard's :class:`TableDelta` tensors, not copies: the poll already copied them out
-    of the log once. Copy them before changing them in place if the poll's per-rank deltas must
-    stay as read.
+    of the log once. Where a poll laid its shards' rows out side by side (row-wise shards one
+    after another, column slices as full rows: see :func:`finish_ranks`), ``states`` is a view
+    over them, not a copy either. Copy them before changing them in place if the poll's
+    per-rank deltas must stay as read.
     """
 
     fqn: str
@@ -148,14 +156,14 @@ def _newest_rows(parts: Sequence[UniqueRows], stamps: Sequence[torch.Tensor]) ->
     return UniqueRows(ids=torch.cat([p.ids for p in parts])[picked], states=states[picked])
 
 
-def _union_ids(column_parts: Dict[int, UniqueRows]) -> torch.Tensor:
-    """Ascending unique ids over the column groups (the first group's ids when they all hold
-    the same ids, the usual case)."""
+def _union_ids(column_parts: Dict[int, UniqueRows]) -> Tuple[torch.Tensor, bool]:
+    """Ascending unique ids over the column groups, and whether every group holds exactly
+    them (then they are the first group's ids: the usual case)."""
     groups: List[torch.Tensor] = [c.ids for c in column_parts.values()]
     first = groups[0]
-    if all(torch.equal(first, g) for g in groups[1:]):
-        return first
-    return unique_ids(torch.cat(groups))
+    if all(g is first or torch.equal(first, g) for g in groups[1:]):
+        return first, True
+    return unique_ids(torch.cat(groups)), False
 
 
 def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
@@ -180,9 +188,9 @@ def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
         only = next(iter(column_parts.values()))
         ids, states = only.ids, only.states
     else:
-        ids = _union_ids(column_parts)
+        ids, same = _union_ids(column_parts)
         widths = {off: ps[0].shard.local_cols if ps[0].shard is not None else None for off, ps in groups.items()}
-        states = _assemble_columns(column_parts, widths, global_cols, ids)
+        states = _assemble_columns(column_parts, widths, global_cols) if same else None
     return MergedDelta(
         fqn=fqn,
         global_ids=ids,
@@ -196,17 +204,15 @@ def merge_table(fqn: str, parts: Sequence[TableDelta]) -> MergedDelta:
 
 
 def _assemble_columns(
-    column_parts: Dict[int, UniqueRows], widths: Dict[int, Optional[int]], global_cols: Optional[int], ids: torch.Tensor
+    column_parts: Dict[int, UniqueRows], widths: Dict[int, Optional[int]], global_cols: Optional[int]
 ) -> Optional[torch.Tensor]:
-    """Full rows from column slices, or None unless the slices tile ``[0, global_cols)`` and
-    every slice holds exactly ``ids`` with 2-D states of its width."""
+    """Full rows from column slices that hold the same ids, or None unless the slices tile
+    ``[0, global_cols)`` with 2-D states of their widths."""
     pos = 0
     for off, part in column_parts.items():  # ascending col_offset
         width = widths.get(off)
         st = part.states
         if off != pos or width is None or st is None or st.dim() != 2 or st.shape[1] != width:
-            return None
-        if not torch.equal(part.ids, ids):
             return None
         pos += width
     if global_cols is None or pos != global_cols:
@@ -494,7 +500,7 @@ def _column_layout(
         if tp.typed[1][0] != shard.local_cols or shard.row_offset != first_shard.row_offset:
             return None
         assert tp.rows is not None
-        if not torch.equal(tp.rows.ids, first_tp.rows.ids):
+        if tp.rows.ids is not first_tp.rows.ids and not torch.equal(tp.rows.ids, first_tp.rows.ids):
             return None
         slices.append((shard.col_offset, int(tp.typed[1][0])))
     pos = 0

@@ -20,7 +20,7 @@ from the cheapest case to the most general one, none of them sorting rows:
   order, each row copied once, straight from the record (for one record, a copy of it).
 * **Direct address.** Shard-local ids are usually dense: a table over ``[min_id, max_id]``
   gives the ascending unique ids and each one's first (FIRST) or last (LAST) position in log
-  order in linear time (``scatter_reduce``). Sparse ids use one stable sort instead, which
+  order in linear time (numpy's ``minimum.at``/``maximum.at``). Sparse ids use one stable sort instead, which
   for records of ascending ids (a few publishes) only merges the records' runs.
 * **Once per poll.** Column-wise shards hold the same ids on every rank: a poll's
   :class:`IdMemo` reuses the first rank's unique ids and picked positions for every rank whose
@@ -163,17 +163,20 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
     n = ids.numel()
     dense = _dense(ids)
     if dense is not None:
+        # numpy's unbuffered ufunc.at (numpy >= 1.25): one thread, 1.2-2.3x faster measured than
+        # torch's scatter_reduce at 3k-650k ids (32 vs 64-75 us for a poll's 3.2k)
         base, span = dense
-        positions = torch.arange(n)
+        slots = _slots(ids, base).numpy()
+        positions = np.arange(n, dtype=np.int64)
         if mode == UpdateMode.FIRST:
-            slot = torch.full((span,), n, dtype=torch.int64)
-            slot.scatter_reduce_(0, _slots(ids, base), positions, reduce="amin", include_self=True)
-            found = _flatnonzero(slot.numpy() != n)
+            slot = np.full(span, n, dtype=np.int64)
+            np.minimum.at(slot, slots, positions)
+            found = np.flatnonzero(slot != n)
         else:
-            slot = torch.full((span,), -1, dtype=torch.int64)
-            slot.scatter_reduce_(0, _slots(ids, base), positions, reduce="amax", include_self=True)
-            found = _flatnonzero(slot.numpy() >= 0)
-        return _present(found, base, ids.dtype), slot.index_select(0, found)
+            slot = np.full(span, -1, dtype=np.int64)
+            np.maximum.at(slot, slots, positions)
+            found = np.flatnonzero(slot >= 0)
+        return _present(torch.from_numpy(found), base, ids.dtype), torch.from_numpy(slot[found])
     sorted_ids, order = _stable_sort(ids)
     keep = torch.empty(n, dtype=torch.bool)
     if mode == UpdateMode.FIRST:
@@ -202,7 +205,7 @@ class IdMemo:
         (else a view, maybe into a map whose transaction ends: the memo keeps a copy)."""
         hit = self._kept.get((key, mode))
         if hit is not None and hit[0].dtype == ids.dtype and torch.equal(hit[0], ids):
-            return hit[1].clone(), hit[2]  # the ids are the caller's to keep: a copy of their own
+            return hit[1], hit[2]  # (the same tensors for every rank: a poll's results are read-only)
         uniq, picked = first_or_last(ids, mode)
         if hit is None:  # the first rank's work is kept (row-wise shards: never hit, one kept)
             self._kept[(key, mode)] = (ids if owned else ids.clone(), uniq, picked)
