@@ -476,3 +476,110 @@ def test_read_threads_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidInputError, match="read_threads"):
             LogOptions(read_threads=bad)
+
+
+# ----------------------------------------------------------------------------- one buffer a poll
+
+
+def _mixed_job(root: str, world: int, seed: int) -> None:
+    """Rank logs of tables of every layout at once, with rows of several types and widths
+    (odd fp16 widths, 1-D row-wise optimizer states), lookups and snapshots: row-wise "r",
+    column-wise "c" (uneven slices), table-wise "t" (on rank 1 only), replicated "d", "h"
+    (fp16, 3 columns, row-wise) and "m" (1-D states, row-wise)."""
+    g = random.Random(seed)
+    rows_of, dim = 600, 7
+    for rank in range(world):
+        tables = {}  # fqn -> (shard dict, states dtype, tail, ids factory)
+        lo, hi = rank * rows_of // world, (rank + 1) * rows_of // world
+        cuts = [0, 2, 3, 7][: world] + [dim] if world < 4 else [0, 2, 3, 5, 7]
+        c0, c1 = cuts[rank], cuts[rank + 1]
+        tables["r"] = (dict(sharding_type="row_wise", row_offset=lo, col_offset=0, local_rows=hi - lo, local_cols=dim),
+                       torch.float32, [dim], hi - lo)
+        tables["c"] = (dict(sharding_type="column_wise", row_offset=0, col_offset=c0, local_rows=rows_of,
+                            local_cols=c1 - c0), torch.float32, [c1 - c0], rows_of)
+        if rank == 1:
+            tables["t"] = (dict(sharding_type="table_wise", row_offset=0, col_offset=0, local_rows=rows_of,
+                                local_cols=dim), torch.float32, [dim], rows_of)
+        tables["d"] = (dict(sharding_type="data_parallel", row_offset=0, col_offset=0, local_rows=rows_of,
+                            local_cols=dim), torch.float32, [dim], rows_of)
+        tables["h"] = (dict(sharding_type="row_wise", row_offset=lo, col_offset=0, local_rows=hi - lo, local_cols=3),
+                       torch.float16, [3], hi - lo)
+        tables["m"] = (dict(sharding_type="row_wise", row_offset=lo, col_offset=0, local_rows=hi - lo, local_cols=1),
+                       torch.float32, [], hi - lo)
+        lookups, snaps = [], []
+        col_ids = random.Random(seed + 99)  # column-wise shards see the same ids on every rank
+        for b in range(5):
+            same = [random_ids(col_ids, "sorted", col_ids.randrange(1, 200), rows_of) for _ in range(2)]
+            for fqn, (_, dtype, tail, local) in tables.items():
+                ids = same[b % 2] if fqn == "c" else random_ids(g, "sorted", g.randrange(0, 150), local)
+                lookups.append(AppendRecord(b, fqn, ids, torch.randn(ids.numel(), *tail).to(dtype)))
+        for stamp in (5, 6):
+            for fqn, (_, dtype, tail, local) in tables.items():
+                ids = random_ids(g, "sorted", g.randrange(1, 200), local)
+                snaps.append((stamp, fqn, ids, torch.randn(ids.numel(), *tail).to(dtype)))
+
+        def build(w: WriteTxn, rank: int = rank, tables: dict = tables, lookups: list = lookups, snaps: list = snaps
+                  ) -> None:
+            w.set_meta(META_TRACKER, TrackerMeta("embedding", "first", sorted(tables), rank, world).to_value())
+            for fqn, (shard, dtype, tail, _) in tables.items():
+                entry = w.ensure_table(fqn)
+                entry.meta["shard"] = dict(shard, table_name=fqn, global_rows=rows_of,
+                                           global_cols=3 if fqn == "h" else 1 if fqn == "m" else dim)
+                entry.values_dtype = entry.states_dtype = codec.dtype_name(dtype)
+                entry.values_tail = entry.states_tail = list(tail)
+                w.stage_table(entry)
+            write_records(w, encode_records(lookups, UpdateMode.FIRST))
+            for stamp, fqn, ids, vals in snaps:
+                w.put_record(w.tables()[fqn].table_id, stamp, codec.encode_record(ids, vals, codec.KIND_SNAPSHOT),
+                             channel=SNAPSHOTS)
+            w.set_meta(META_CURR_BATCH, 5)
+            w.set_meta(META_SNAPSHOT_END, 7)
+
+        with DeltaLog(rank_dir(root, rank), update_mode="first") as log:
+            log.write(build)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("channel", [LOOKUPS, SNAPSHOTS])
+def test_a_poll_laid_out_in_one_buffer_equals_each_rank_read_on_its_own(tmp_path, world, channel):
+    """Differential: a poll (every rank's rows copied into one buffer, results.finish_ranks)
+    against each rank's log read on its own (results.read_range, memory of its own), and
+    merged() against merge_table over those: the same ids, states, dtypes and shapes for
+    every layout, dtype and width in one poll."""
+    from persistent_delta.results import read_range
+
+    root = str(tmp_path)
+    _mixed_job(root, world, seed=world)
+    start = 5 if channel == SNAPSHOTS else 0
+    with DeltaReader(root, channel=channel, start=start) as reader:
+        poll = reader.poll()
+    alone = {}
+    for rank in range(world):
+        with DeltaLog(rank_dir(root, rank)) as log:
+            end = poll.ranks[rank].end_idx
+            alone[rank] = log.read(lambda r, rank=rank, end=end: read_range(r, rank, log.path, start, end, channel))
+    buffers = set()
+    for rank in range(world):
+        got, want = poll.ranks[rank], alone[rank]
+        assert (got.start_idx, got.end_idx) == (want.start_idx, want.end_idx)
+        assert sorted(got.tables) == sorted(want.tables)
+        for fqn, w in want.tables.items():
+            d = got.tables[fqn]
+            assert torch.equal(d.ids, w.ids) and torch.equal(d.global_ids, w.global_ids)
+            assert d.states.dtype == w.states.dtype and d.states.shape == w.states.shape
+            assert torch.equal(d.states, w.states), (rank, fqn)
+            if d.states.numel():
+                buffers.add(d.states.untyped_storage().data_ptr())
+    assert len(buffers) == 1  # one allocation for the poll's rows
+    merged = poll.merged()
+    for fqn in merged:
+        ref = merge_table(fqn, [alone[k].tables[fqn] for k in range(world) if fqn in alone[k].tables])
+        m = merged[fqn]
+        assert torch.equal(m.global_ids, ref.global_ids), fqn
+        assert (m.states is None) == (ref.states is None), fqn
+        if m.states is not None:
+            assert torch.equal(m.states, ref.states), fqn
+    # the layouts joined without a copy: row-wise shards and column slices tiling the row
+    for fqn in ("r", "c", "h", "m"):
+        if merged[fqn].states is not None and merged[fqn].states.numel():
+            assert merged[fqn].states.untyped_storage().data_ptr() in buffers, fqn
