@@ -51,7 +51,7 @@ from persistent_delta.errors import (
 from persistent_delta.layout import DATA_FILE, FileState, PathLike, file_state, rank_dir, rank_paths
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
-from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.log import DeltaLog, ReadTxn, WriteTxn, read_all
 from persistent_delta.records import batch_bytes
 from persistent_delta.results import DeltaPoll, RankDelta, finish_ranks, plan_range
 from persistent_delta.rows import IdMemo
@@ -331,21 +331,15 @@ class DeltaReader:
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
         logs = sorted(self._logs.items())
 
-        def read(txns: Dict[int, ReadTxn]) -> Dict[int, RankDelta]:
+        def read(txns: List[ReadTxn]) -> Dict[int, RankDelta]:
             memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
-            plans = {rank: plan_range(txns[rank], rank, log.path, positions[rank], stops[rank], self.channel,
-                                      self._tables, memo) for rank, log in logs}
+            plans = {rank: plan_range(r, rank, log.path, positions[rank], stops[rank], self.channel, self._tables, memo)
+                     for (rank, log), r in zip(logs, txns)}
             return finish_ranks(plans)
 
-        def nest(i: int, txns: Dict[int, ReadTxn]) -> Dict[int, RankDelta]:
-            # every rank's read transaction open at once: the poll's rows are copied out of all
-            # the maps into one buffer (results.finish_ranks)
-            if i == len(logs):
-                return read(txns)
-            rank, log = logs[i]
-            return log.read(lambda r: nest(i + 1, {**txns, rank: r}))
-
-        ranks = nest(0, {})
+        # every rank's read transaction open at once: the poll's rows are copied out of all the
+        # maps into one buffer (results.finish_ranks)
+        ranks = read_all([log for _, log in logs], read)
         for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,

@@ -26,6 +26,7 @@ What a directory is (one definition, used by every opener):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -566,22 +567,37 @@ class DeltaLog:
 
         ``fn`` must not keep tensors it read past its return (they may view the map).
         """
+        for _ in range(8):
+            try:
+                with self._reading(refresh_tables) as r:
+                    return fn(r)
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+        raise PersistentDeltaError(f"{self.path}: the map kept being resized under a reader")
+
+    @contextlib.contextmanager
+    def _reading(self, refresh_tables: bool = True) -> Iterator[ReadTxn]:
+        """One read transaction as a context (:meth:`read`, :func:`read_all`). Raises
+        ``lmdb.MapResizedError`` (untranslated) when another process grew the map: adopt its
+        size (:meth:`_adopt_map_size`) and read again."""
         self._check()
         shared = self._shared
-        for _ in range(8):
-            with shared.lock:
-                if shared.broken:
-                    self._recover()
-                try:
-                    with shared.env.begin(write=False, buffers=True) as txn:
-                        if refresh_tables and not self.owns_tables:
-                            self._reload_tables(txn)
-                        return fn(ReadTxn(self, txn))
-                except lmdb.MapResizedError:
-                    shared.env.set_mapsize(0)  # another process grew the map: adopt its size, retry
-                except lmdb.Error as exc:
-                    raise lmdbenv.translate(exc, self.path) from exc
-        raise PersistentDeltaError(f"{self.path}: the map kept being resized under a reader")
+        with shared.lock:
+            if shared.broken:
+                self._recover()
+            try:
+                with shared.env.begin(write=False, buffers=True) as txn:
+                    if refresh_tables and not self.owns_tables:
+                        self._reload_tables(txn)
+                    yield ReadTxn(self, txn)
+            except lmdb.MapResizedError:
+                raise
+            except lmdb.Error as exc:
+                raise lmdbenv.translate(exc, self.path) from exc
+
+    def _adopt_map_size(self) -> None:
+        with self._shared.lock:
+            self._shared.env.set_mapsize(0)  # another process grew the map: adopt its size
 
     def write(self, fn: Callable[[WriteTxn], T]) -> T:
         """Run ``fn`` in one write transaction, commit, and return its result.
@@ -709,3 +725,26 @@ class DeltaLog:
         self._check()
         with self._shared.lock:
             self._shared.env.copy(dest, compact=True)
+
+
+def read_all(logs: List[DeltaLog], fn: Callable[[List[ReadTxn]], T]) -> T:
+    """Run ``fn`` with a read transaction open on each of ``logs`` at once (a poll over every
+    rank's log, copying their rows into one buffer) and return its result; as
+    :meth:`DeltaLog.read` for each log, without nesting calls (any number of logs).
+
+    ``fn`` must not keep tensors it read past its return (they may view the maps).
+    """
+    for _ in range(8):
+        resized: Optional[DeltaLog] = None
+        with contextlib.ExitStack() as stack:
+            txns: List[ReadTxn] = []
+            for log in logs:
+                try:
+                    txns.append(stack.enter_context(log._reading()))
+                except lmdb.MapResizedError:
+                    resized = log
+                    break
+            if resized is None:
+                return fn(txns)
+        resized._adopt_map_size()  # (every transaction closed first)
+    raise PersistentDeltaError(f"{[log.path for log in logs]}: the maps kept being resized under a reader")

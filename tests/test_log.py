@@ -168,6 +168,48 @@ def test_reader_process_follows_map_growth(log_dir):
         assert out.split() == ["SEEN", str(expected)]
 
 
+def test_reader_of_several_logs_at_once_follows_map_growth(tmp_path):
+    """read_all (a poll's transactions on every rank log at once) adopts a map another process
+    grew, as DeltaLog.read does, and reads every log again."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    opts = LogOptions(map_size=256 << 10)
+    expected = 1 + 59 * 2000
+    with LmdbDeltaStore(a, options=opts) as grown, LmdbDeltaStore(b, options=opts) as other:
+        grown.append(0, "t", torch.tensor([0]))
+        other.append(0, "t", torch.tensor([7, 8]))
+        reader = popen_python(
+            """
+            import sys, time
+            from torchrec.distributed.model_tracker.types import UpdateMode
+            from persistent_delta.log import DeltaLog, read_all
+            from persistent_delta.records import read_unique
+
+            def count(txns):
+                return [len(read_unique(r, UpdateMode.NONE)["t"].ids) for r in txns]
+
+            from persistent_delta.config import LogOptions
+            small = LogOptions(map_size=256 << 10)  # (so that the writer's growth passes this reader's map)
+            with DeltaLog(sys.argv[1], readonly=True, options=small) as la, \\
+                    DeltaLog(sys.argv[2], readonly=True, options=small) as lb:
+                print("OPEN", *read_all([la, lb], count), flush=True)
+                deadline = time.time() + 60
+                n = [0, 0]
+                while n[0] < int(sys.argv[3]) and time.time() < deadline:
+                    n = read_all([lb, la], count)[::-1]
+                    time.sleep(0.02)
+                print("SEEN", *n, flush=True)
+            """,
+            a, b, str(expected),
+        )
+        assert reader.stdout.readline().split() == ["OPEN", "1", "2"]
+        for k in range(1, 60):
+            grown.append(k, "t", torch.arange(2000) + k * 2000)
+        assert grown.log.stat()["map_size"] > 256 << 10
+        out, err = reader.communicate(timeout=90)
+        assert reader.returncode == 0, err
+        assert out.split() == ["SEEN", str(expected), "2"]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_cannot_use_parent_handle(log_dir):
     with DeltaLog(log_dir) as log:

@@ -583,3 +583,28 @@ def test_a_poll_laid_out_in_one_buffer_equals_each_rank_read_on_its_own(tmp_path
     for fqn in ("r", "c", "h", "m"):
         if merged[fqn].states is not None and merged[fqn].states.numel():
             assert merged[fqn].states.untyped_storage().data_ptr() in buffers, fqn
+
+
+def test_a_poll_holds_every_rank_transaction_without_nesting_calls(tmp_path):
+    """A poll opens every rank's read transaction at once (log.read_all); it must not take a
+    stack frame per rank, or a job of a few hundred ranks would hit Python's recursion limit.
+    Here: 24 ranks under a limit a few dozen frames above the caller's depth."""
+    import inspect
+    import sys
+
+    root = str(tmp_path)
+    written = _job(root, 24, "row", UpdateMode.FIRST, seed=3)
+    with DeltaReader(root, channel=LOOKUPS) as reader:
+        reader.poll(timeout=0)  # opens every log (outside the limit below)
+        reader.seek(0)
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(len(inspect.stack()) + 60)
+        try:
+            poll = reader.poll()
+        finally:
+            sys.setrecursionlimit(limit)
+    assert sorted(poll.ranks) == list(range(24))
+    for rank in range(24):
+        recs = written[(rank, LOOKUPS)]["a"]
+        check_rows(poll.ranks[rank].tables["a"].rows, ref_rule([i for i, _ in recs], [s for _, s in recs],
+                                                                UpdateMode.FIRST), UpdateMode.FIRST)
