@@ -3,7 +3,9 @@
 Owns: the result types every reader returns (:class:`TableDelta`, :class:`RankDelta`,
 :class:`MergedDelta`, :class:`DeltaPoll`), the mapping of shard-local ids to global row ids,
 and the assembly of one table's shards over ranks (row-wise shards concatenated, column-wise
-shards put side by side). Each result carries the half-open range it actually read.
+shards put side by side): at read time, a poll's rows copied into one buffer in that layout
+(:func:`finish_ranks`), and at merge time, joined as views where they lie so (:func:`_joined`)
+or copied. Each result carries the half-open range it actually read.
 """
 
 from __future__ import annotations
