@@ -40,8 +40,9 @@ read below the log start raises :class:`OffsetOutOfRangeError` or applies its re
 
 **Compaction** merges records of a range into one record stamped at the range start, which
 changes what a read starting strictly inside the range returns. :func:`safe_compact` therefore
-splits a range at every committed position, at the checkpoint floor and at the log start, never
-reaches into the open batch, and leaves alone everything at or above the lowest position
+splits a range at every committed position, at the checkpoint floor, at the log start and at
+every filtered window's start (where the reads of positions above it begin), never reaches
+into the open batch, and leaves alone everything at or above the lowest position
 of a ``POLL_COMMIT`` lookups consumer (its uncommitted position may be anywhere up to the end).
 The merged record says which batches it covers, so a position that later lands inside them
 (a reset, a seek) reads from the merged record: at-least-once, never a lost row.
@@ -340,8 +341,23 @@ def safe_pieces(r: ReadTxn, start: int, end: int) -> List[Tuple[int, int]]:
     cp = checkpoint_floor(r)
     if cp is not None:
         cuts.add(cp)
+    if start < end:
+        cuts.update(_window_starts(r, start, end))
     points = [start] + sorted(c for c in cuts if start < c < end) + [end]
     return [(a, b) for a, b in zip(points, points[1:]) if b > a]
+
+
+def _window_starts(r: ReadTxn, start: int, end: int) -> Collection[int]:
+    """The filtered windows' starts inside ``(start, end)``: a position at or above one of them
+    reads from it (:func:`read_start`), so no piece may merge records across it (that would move
+    the read start down to the piece's start, and change the read)."""
+    found = set()
+    for entry in r.tables().values():
+        for _, _, value in r.iter_record_views(entry.table_id, start, end):
+            w, _ = codec.record_bounds(value)
+            if w is not None and start < w < end:
+                found.add(w)
+    return found
 
 
 def safe_compact(w: WriteTxn, mode: UpdateMode, start: int, end: int) -> Dict[str, int]:

@@ -621,7 +621,7 @@ def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     assert _register(log, "late", ITX, latest=True) == 3  # on the open batch 3, inside the window
     assert log.read(lambda r: delivery.read_start(r, 3)) == 2  # reads from the window start
     _consume(log, mode, window, "default", 4)  # positions {late: 3, default: 4}
-    assert log.read(lambda r: delivery.safe_pieces(r, 1, 3)) == [(1, 3)]  # 2 is no position: no cut
+    assert log.read(lambda r: delivery.safe_pieces(r, 1, 3)) == [(1, 2), (2, 3)]  # 2: no position, a window start
     log.write(lambda w: delivery.safe_compact(w, mode, 1, 3))  # batch 2 now lives in a record at 1
     # BUG A: id 0, touched in batch 3 (>= late's position), is never delivered: late reads from
     # 2, and the only record holding 0 was merged into batch 1's.
@@ -695,3 +695,26 @@ def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     assert _register(log, "new", ITX, latest=False) == 2  # at the log start
     # BUG E: batches 2 and 3 now live in a record stamped 0, below the log start 2.
     assert _consume(log, mode, window, "new", 4) == [2, 3]
+
+
+def test_compaction_does_not_merge_across_a_filtered_window_start(tmp_path):
+    """Found by the machine (a CI run, 2026-12-02): a consumer registered inside a filtered
+    window reads from the window start; a compaction whose range held that start merged the
+    window's first record into the one before, moved the read start down and changed the
+    answer (FIRST: the state from before the window). safe_pieces now cuts at window starts."""
+    mode = UpdateMode.FIRST
+    log, window = _tracker_log(tmp_path, mode)
+    _append(log, mode, window, 1, [5])
+    _append(log, mode, window, 2, [7])
+    _consume(log, mode, window, "default", 3)  # the window restarts at 3
+    _append(log, mode, window, 3, [7])  # 7 again, in the new window: its state at batch 3
+    _append(log, mode, window, 4, [])
+    assert _register(log, "late", ITX, latest=True) == 4  # inside the window that started at 3
+    assert log.read(lambda r: delivery.read_start(r, 4)) == 3
+    _consume(log, mode, window, "default", 5)
+    assert log.read(lambda r: delivery.safe_pieces(r, 2, 4)) == [(2, 3), (3, 4)]
+    log.write(lambda w: delivery.safe_compact(w, mode, 2, 4))
+    assert log.read(lambda r: delivery.read_start(r, 4)) == 3
+    rows = log.write(lambda w: delivery.consume(w, "late", 5, mode, compact=False, delete_on_read=False))
+    assert rows["t"].ids.tolist() == [7]
+    assert rows["t"].states.tolist() == [[3.0, 7.0]]  # batch 3's state, not batch 2's
