@@ -5,10 +5,10 @@ Owns: the process-wide malloc tuning a writer or a reader may opt into.
 Without ``writemap`` LMDB copies every value into page buffers it ``malloc``\\ s per commit and
 frees afterwards. glibc serves large buffers with ``mmap`` and returns freed heap tops to the OS,
 so each commit page-faults its buffers in afresh: transactions with large values were 2.5-4x
-slower here (see ``benchmarks/append_throughput.py``). A reader meets the same on the way out:
-a poll's results and ``merged()``'s rows are fresh megabytes each time, which glibc returned to
-the OS after the previous poll (``merged()`` of a 15.7 MB poll took 10-14 ms when it faulted its
-3,845 pages in, 1.7-1.9 ms when it did not; this VM's page faults cost ~3 us). Raising
+slower here (see ``benchmarks/append_throughput.py``). A reader meets the same with results
+glibc returned to the OS after the previous poll (fresh pages cost ~0.45 ms per MB to fault in
+on this VM). A poll's rows are one allocation (``results.finish_ranks``), which glibc keeps by
+itself while it is under 32 MiB; larger polls, and other readers' results, need this. Raising
 ``M_MMAP_THRESHOLD`` (to 32 MiB, glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps
 those buffers in the heap.
 

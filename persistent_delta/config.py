@@ -88,7 +88,7 @@ class LogOptions:
         tune_malloc: opt in to raising glibc's malloc thresholds once per process when a log
             is opened (writing or reading), so LMDB's write buffers and a reader's poll results
             are reused instead of page-faulted in afresh (appends of large values ~2x faster;
-            a replica's ``merged()`` several x when it faulted). Off by default because it is
+            a poll's one buffer is kept by glibc itself up to 32 MiB). Off by default because it is
             process-wide (see :mod:`persistent_delta.alloc`).
         read_threads: torch intra-op threads a reader's polls, ``merged()`` and
             :func:`~persistent_delta.apply.apply_poll` run with (default 1; 0: the process's

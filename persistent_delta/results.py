@@ -11,7 +11,7 @@ or copied. Each result carries the half-open range it actually read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -210,18 +210,25 @@ def _assemble_columns(
 ) -> Optional[torch.Tensor]:
     """Full rows from column slices that hold the same ids, or None unless the slices tile
     ``[0, global_cols)`` with 2-D states of their widths."""
-    pos = 0
-    for off, part in column_parts.items():  # ascending col_offset
-        width = widths.get(off)
-        st = part.states
-        if off != pos or width is None or st is None or st.dim() != 2 or st.shape[1] != width:
+    for off, part in column_parts.items():
+        width, st = widths.get(off), part.states
+        if width is None or st is None or st.dim() != 2 or st.shape[1] != width:
             return None
-        pos += width
-    if global_cols is None or pos != global_cols:
+    if not _tile_the_row([(off, widths[off]) for off in column_parts], global_cols):  # type: ignore[misc]
         return None
     slices: List[torch.Tensor] = [p.states for p in column_parts.values()]  # type: ignore[misc]
     joined = _joined(slices, 1)  # laid out side by side by finish_ranks: a view
     return joined if joined is not None else torch.cat(slices, dim=1)
+
+
+def _tile_the_row(slices: Sequence[Tuple[int, int]], global_cols: Optional[int]) -> bool:
+    """Whether column slices ``(col_offset, width)`` tile ``[0, global_cols)`` exactly."""
+    pos = 0
+    for off, width in sorted(slices):
+        if off != pos:
+            return False
+        pos += width
+    return global_cols is not None and pos == global_cols
 
 
 def _joined(parts: Sequence[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
@@ -350,6 +357,16 @@ class DeltaPoll:
             yield from parts
 
 
+class PlannedTable(NamedTuple):
+    """One table of a :class:`RankPlan`: its rows decided (:class:`~persistent_delta.records.
+    TablePlan`) and what its :class:`TableDelta` needs besides."""
+
+    plan: TablePlan
+    shard: Optional[ShardInfo]
+    stamps: Optional[torch.Tensor]  # see TableDelta
+    side: Optional[ZchDelta]
+
+
 @dataclass
 class RankPlan:
     """One rank's read of a range, planned inside its read transaction (:func:`plan_range`):
@@ -360,7 +377,7 @@ class RankPlan:
     path: str
     start_idx: int
     end_idx: int
-    tables: Dict[str, Tuple[TablePlan, Optional[ShardInfo], Optional[torch.Tensor], Optional[ZchDelta]]]
+    tables: Dict[str, PlannedTable]
     publishes: Dict[int, float] = field(default_factory=dict)
 
     def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
@@ -400,7 +417,7 @@ def plan_range(
             stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
         side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
             else None
-        out.tables[fqn] = (tp, shard, stamps, side)
+        out.tables[fqn] = PlannedTable(tp, shard, stamps, side)
     return out
 
 
@@ -443,76 +460,69 @@ def finish_ranks(plans: Dict[int, RankPlan]) -> Dict[int, RankDelta]:
     regions: List[Tuple[int, int, List[Tuple[int, str, int, int]]]] = []  # (rows, row bytes, places)
     by_table: Dict[str, List[int]] = {}
     for rank in sorted(plans):
-        for fqn, (tp, _, _, _) in plans[rank].tables.items():
-            if tp.num_rows and tp.row_bytes:
+        for fqn, t in plans[rank].tables.items():
+            if t.plan.num_rows and t.plan.row_bytes:
                 by_table.setdefault(fqn, []).append(rank)
     for fqn, ranks in sorted(by_table.items()):
-        cols = _column_layout(fqn, [(plans[k].rank, plans[k].tables[fqn]) for k in ranks])
+        parts = {k: plans[k].tables[fqn] for k in ranks}
+        cols = _column_layout(list(parts.values()))
         if cols is not None:
             m, row_bytes, offsets = cols
             regions.append((m, row_bytes, [(k, fqn, 0, off) for k, off in zip(ranks, offsets)]))
             continue
+        widths = {t.plan.row_bytes for t in parts.values()}
+        if len(widths) != 1:
+            for k, t in parts.items():  # rows of different widths (not one table's shards): one region each
+                regions.append((t.plan.num_rows, t.plan.row_bytes, [(k, fqn, 0, 0)]))
+            continue
 
         def first_gid(k: int) -> int:
-            tp, shard, _, _ = plans[k].tables[fqn]
-            assert tp.rows is not None
-            return int(tp.rows.ids[0]) + (shard.row_offset if shard is not None else 0)
+            t = parts[k]
+            assert t.plan.rows is not None
+            return int(t.plan.rows.ids[0]) + (t.shard.row_offset if t.shard is not None else 0)
 
-        widths = {plans[k].tables[fqn][0].row_bytes for k in ranks}
-        if len(widths) != 1:
-            for k in ranks:  # rows of different widths (not one table's shards): one region each
-                regions.append((plans[k].tables[fqn][0].num_rows, plans[k].tables[fqn][0].row_bytes, [(k, fqn, 0, 0)]))
-            continue
         placed, at = [], 0
         for k in sorted(ranks, key=lambda k: (first_gid(k), k)):
             placed.append((k, fqn, at, 0))
-            at += plans[k].tables[fqn][0].num_rows
+            at += parts[k].plan.num_rows
         regions.append((at, widths.pop(), placed))
     total = sum(-(-m * w // _ALIGN) * _ALIGN for m, w, _ in regions)
     buf = torch.empty(total, dtype=torch.uint8)
     rows: Dict[int, Dict[str, UniqueRows]] = {k: {} for k in plans}
     at = 0
-    for m, w, placed in regions:  # table by table: a table's region stays in the CPU's cache over its ranks
+    for m, w, placed in regions:
         region = buf[at:at + m * w].view(m, w)
         at += -(-m * w // _ALIGN) * _ALIGN
         for k, fqn, row, col in placed:
-            tp = plans[k].tables[fqn][0]
+            tp = plans[k].tables[fqn].plan
             rows[k][fqn] = tp.finish(region[row:row + tp.num_rows, col:col + tp.row_bytes])
     return {k: plans[k].finish(rows[k]) for k in plans}
 
 
-def _column_layout(
-    fqn: str, parts: List[Tuple[int, Tuple[TablePlan, Optional[ShardInfo], Optional[torch.Tensor], Optional[ZchDelta]]]]
-) -> Optional[Tuple[int, int, List[int]]]:
+def _column_layout(parts: List[PlannedTable]) -> Optional[Tuple[int, int, List[int]]]:
     """For column-wise shards that hold the same ids and whose 2-D state slices tile the full
     row (one shard per slice, one dtype): ``(rows, full row bytes, each shard's byte offset in
     the row)``; else None."""
     if len(parts) < 2:
         return None
-    first_tp, first_shard, _, _ = parts[0][1]
-    if first_shard is None or first_shard.global_cols is None or first_tp.typed is None:
+    first = parts[0]
+    if first.shard is None or first.plan.typed is None or first.plan.rows is None:
         return None
-    dtype = first_tp.typed[0]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    assert first_tp.rows is not None
+    dtype = first.plan.typed[0]
     slices = []
-    for _, (tp, shard, _, _) in parts:
-        if shard is None or tp.typed is None or tp.typed[0] != dtype or len(tp.typed[1]) != 1:
+    for t in parts:
+        typed, shard = t.plan.typed, t.shard
+        if shard is None or typed is None or typed[0] != dtype or len(typed[1]) != 1 or t.plan.rows is None:
             return None
-        if tp.typed[1][0] != shard.local_cols or shard.row_offset != first_shard.row_offset:
+        if typed[1][0] != shard.local_cols or shard.row_offset != first.shard.row_offset:
             return None
-        assert tp.rows is not None
-        if tp.rows.ids is not first_tp.rows.ids and not torch.equal(tp.rows.ids, first_tp.rows.ids):
+        if t.plan.rows.ids is not first.plan.rows.ids and not torch.equal(t.plan.rows.ids, first.plan.rows.ids):
             return None
-        slices.append((shard.col_offset, int(tp.typed[1][0])))
-    pos = 0
-    for off, width in sorted(slices):
-        if off != pos:
-            return None
-        pos += width
-    if pos != first_shard.global_cols:
+        slices.append((shard.col_offset, int(typed[1][0])))
+    if not _tile_the_row(slices, first.shard.global_cols):
         return None
-    return first_tp.num_rows, pos * itemsize, [off * itemsize for off, _ in slices]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return first.plan.num_rows, sum(w for _, w in slices) * itemsize, [off * itemsize for off, _ in slices]
 
 
 def table_delta(

@@ -240,10 +240,6 @@ class RowPlan:
         """The rows in memory of their own (None for ids only)."""
         if self.parts is None:
             return None
-        if self.runs is not None and len(self.runs) == 1:
-            return self.parts[self.runs[0]].clone()
-        if self.runs is not None:
-            return torch.cat([self.parts[i] for i in self.runs])
         out = torch.empty((self.ids.numel(), *self.row_shape), dtype=self.parts[0].dtype)
         self.gather_into(out)
         return out
