@@ -17,12 +17,17 @@ for it: 0 is torch's default count).
 Phases, each printing one JSON line:
 
 * ``cost``: four tracked models in this process, trained in interleaved blocks of
-  ``--block`` steps (the order rotates every round): ``publish`` publishes every 10 steps (its
+  ``--block`` steps (in a shuffled order every round): ``publish`` publishes every 10 steps (its
   replica running), ``read`` reads its consumer's ids every 10 steps (``get_unique_ids``: the
   same consume, no snapshot), ``a`` and ``b`` are never read (their read window never resets,
   so their writer records fewer and fewer rows: a cheaper baseline than any model that is
-  read). Per round, the throughput ratios publish/a, publish/read and the A/A ratio b/a (the
-  noise floor); medians over ``--rounds`` rounds. Target: publish/a <= 1.05.
+  read). After a ``publish`` block the trainer waits, untimed, for the replica to apply every
+  publish, so that the replica's work lands in the blocks it overlaps and not in the next
+  variant's; the replica's CPU per publish is reported beside (a serving replica runs on
+  other hosts). Per round, the throughput ratios publish/a, publish/read and the A/A ratio
+  b/a (the noise floor); medians over ``--rounds`` rounds. Target: publish/a <= 1.05.
+* ``cost_shared``: the same without the wait: the replica competes for the trainer's two
+  cores throughout (what a replica on the training host costs).
 * ``every1`` and ``every10``: one model publishing every step / every 10 steps while it
   trains; per publish, lag = the replica's ``applied_at`` - the time of the ``publish()`` call
   (stored with the publish, header ``"t"``; one clock, ``time.time()``, on one machine), after
@@ -194,8 +199,30 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     )
 
 
+def _replica_behind(root: str) -> bool:
+    """Whether the replica consumer of ``root`` (rank 0) has not yet committed past the newest publish."""
+    from persistent_delta import delivery
+    from persistent_delta.layout import rank_dir
+    from persistent_delta.log import DeltaLog
+    from persistent_delta.schema import SNAPSHOTS
+
+    with DeltaLog(rank_dir(root, 0), readonly=True) as dl:
+        end = dl.read(lambda r: delivery.bounds(r, SNAPSHOTS)[1])
+        done = dl.read(lambda r: delivery.committed_offsets(r, SNAPSHOTS)).get("replica", 0)
+    return done < end
+
+
 def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
-             read_threads: Optional[int] = None) -> Dict[str, Any]:
+             read_threads: Optional[int] = None, shared: bool = False) -> Dict[str, Any]:
+    """Throughput of publishing every 10 steps against never-read models, in interleaved blocks
+    in a shuffled order each round (a fixed rotation would always put the same variant after
+    ``publish``). ``shared`` False (phase ``cost``): after each block the trainer waits, untimed,
+    until the replica has applied every publish, so the replica's work is counted in the
+    ``publish`` blocks it overlaps and never spills into another variant's block; its CPU is
+    reported beside (a serving replica runs on other hosts). ``shared`` True (phase
+    ``cost_shared``): no wait; the replica competes for the trainer's 2 cores throughout."""
+    import random
+
     from benchmarks._model import train_step
 
     variants = ("publish", "read", "a", "b")
@@ -204,9 +231,12 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     replica = Replica(roots["publish"], nice=replica_nice, read_threads=read_threads)
     done = {v: 0 for v in variants}
     round_s: List[Dict[str, float]] = []
+    shuffle = random.Random(14)
     warm = 1
+    settle_s = 0.0
     for r in range(warm + rounds):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        order = list(variants)
+        shuffle.shuffle(order)
         spent: Dict[str, float] = {}
         for v in order:
             dmp, tracker = models[v]
@@ -219,9 +249,19 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
                 elif v == "read" and done[v] % 10 == 0:
                     tracker.get_unique_ids(CONSUMER)
             spent[v] = time.perf_counter() - t0
+            if v == "publish" and not shared:
+                t1 = time.perf_counter()
+                tracker.flush()
+                deadline = t1 + 120
+                while _replica_behind(roots["publish"]):
+                    if time.perf_counter() > deadline or replica.proc.poll() is not None:
+                        raise RuntimeError("the replica did not catch up")
+                    time.sleep(0.002)
+                settle_s += time.perf_counter() - t1
         if r >= warm:
             round_s.append(spent)
-            log("cost: round %d/%d %s", r - warm + 1, rounds, {k: round(1e3 * x / block, 1) for k, x in spent.items()})
+            log("%s: round %d/%d %s", "cost_shared" if shared else "cost", r - warm + 1, rounds,
+                {k: round(1e3 * x / block, 1) for k, x in spent.items()})
     for v in variants:
         models[v][1].close()
     rep = replica.finish()
@@ -230,13 +270,15 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     ratio = [s["publish"] / s["a"] for s in round_s]
     over_read = [s["publish"] / s["read"] for s in round_s]
     aa = [s["b"] / s["a"] for s in round_s]
+    publishes = len(rep["lags"])
     return emit(
-        "freshness", phase="cost", publish_every=10, rounds=rounds, block_steps=block,
+        "freshness", phase="cost_shared" if shared else "cost", publish_every=10, rounds=rounds, block_steps=block,
         publish_over_unread_median=median(ratio), publish_over_read_ids_median=median(over_read),
         aa_median=median(aa), target=1.05, replica_nice=replica_nice, replica_read_threads=read_threads, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
-        replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=len(rep["lags"]),
-        machine=machine(),
+        replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=publishes,
+        replica_cpu_ms_per_publish=1e3 * rep["cpu_s"] / max(1, publishes),
+        settle_wait_s=settle_s, machine=machine(),
     )
 
 
@@ -247,7 +289,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--every10-steps", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=50)
-    ap.add_argument("--only", default="cost,every1,every10", help="comma-separated phases")
+    ap.add_argument("--only", default="cost,cost_shared,every1,every10", help="comma-separated phases")
     ap.add_argument("--role", default="bench", choices=["bench", "replica"], help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--replica-out", help=argparse.SUPPRESS)
@@ -276,6 +318,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     phases = [p.strip() for p in args.only.split(",")]
     if "cost" in phases:
         run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads)
+    if "cost_shared" in phases:
+        run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, shared=True)
     if "every1" in phases:
         run_freshness("every1", 1, args.every1_steps, batches, args.warmup, args.replica_read_threads)
     if "every10" in phases:
