@@ -162,7 +162,10 @@ class ReadTxn:
         channel, in (batch_idx, seq) order, i.e. append order."""
         for key, value in self._walk(table_id, start_idx, end_idx, channel):
             t, b, s = codec.decode_record_key(key)
-            rec = codec.decode_record(value, verify=verify, key=key)
+            try:
+                rec = codec.decode_record(value, verify=verify, key=key)
+            except CorruptRecordError as exc:
+                raise self._damaged(key, channel, exc) from exc
             yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end)
 
     def iter_record_rows(
@@ -171,7 +174,19 @@ class ReadTxn:
         """The records of :meth:`iter_records` (checked the same way) as numpy views
         (:func:`~persistent_delta.codec.decode_record_rows`): the read path's form."""
         for key, value in self._walk(table_id, start_idx, end_idx, channel):
-            yield codec.decode_record_rows(value, key=key)
+            try:
+                rec = codec.decode_record_rows(value, key=key)
+            except CorruptRecordError as exc:
+                raise self._damaged(key, channel, exc) from exc
+            yield rec
+
+    def _damaged(self, key: bytes, channel: str, exc: CorruptRecordError) -> CorruptRecordError:
+        """``exc`` (a record that fails its checks) naming the log's file and the record."""
+        t, b, s = codec.decode_record_key(key)
+        names = [fqn for fqn, e in self.tables().items() if e.table_id == t & ~codec.SIDE_TABLE_BIT]
+        table = f"table {names[0]!r}" if names else f"table id {t}"
+        return CorruptRecordError(
+            f"{os.path.join(self.path, DATA_FILE)}: {channel} record of {table}, batch {b}, seq {s}: {exc}")
 
     def iter_record_keys(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS
