@@ -199,17 +199,16 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
     )
 
 
-def _replica_behind(root: str) -> bool:
-    """Whether the replica consumer of ``root`` (rank 0) has not yet committed past the newest publish."""
+def _replica_behind(log: Any) -> bool:
+    """Whether the ``replica`` consumer of ``log`` (rank 0's, read-only) has not yet committed
+    past the newest publish."""
     from persistent_delta import delivery
-    from persistent_delta.layout import rank_dir
-    from persistent_delta.log import DeltaLog
     from persistent_delta.schema import SNAPSHOTS
 
-    with DeltaLog(rank_dir(root, 0), readonly=True) as dl:
-        end = dl.read(lambda r: delivery.bounds(r, SNAPSHOTS)[1])
-        done = dl.read(lambda r: delivery.committed_offsets(r, SNAPSHOTS)).get("replica", 0)
-    return done < end
+    def look(r: Any) -> bool:
+        return bool(delivery.committed_offsets(r, SNAPSHOTS).get("replica", 0) < delivery.bounds(r, SNAPSHOTS)[1])
+
+    return bool(log.read(look))
 
 
 def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
@@ -224,11 +223,14 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     import random
 
     from benchmarks._model import train_step
+    from persistent_delta.layout import rank_dir
+    from persistent_delta.log import DeltaLog
 
     variants = ("publish", "read", "a", "b")
     roots = {v: workdir(f"cost-{v}") for v in variants}
     models = {v: _tracked(roots[v], seed=1) for v in variants}
     replica = Replica(roots["publish"], nice=replica_nice, read_threads=read_threads)
+    watch = None if shared else DeltaLog(rank_dir(roots["publish"], 0), readonly=True)
     done = {v: 0 for v in variants}
     round_s: List[Dict[str, float]] = []
     shuffle = random.Random(14)
@@ -253,7 +255,7 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
                 t1 = time.perf_counter()
                 tracker.flush()
                 deadline = t1 + 120
-                while _replica_behind(roots["publish"]):
+                while _replica_behind(watch):
                     if time.perf_counter() > deadline or replica.proc.poll() is not None:
                         raise RuntimeError("the replica did not catch up")
                     time.sleep(0.002)
@@ -262,6 +264,8 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
             round_s.append(spent)
             log("%s: round %d/%d %s", "cost_shared" if shared else "cost", r - warm + 1, rounds,
                 {k: round(1e3 * x / block, 1) for k, x in spent.items()})
+    if watch is not None:
+        watch.close()
     for v in variants:
         models[v][1].close()
     rep = replica.finish()

@@ -162,6 +162,13 @@ def side_table_id(table_id: int) -> int:
     return table_id | SIDE_TABLE_BIT
 
 
+def record_where(label: str, table: Union[str, int], side: bool, batch_idx: int, seq: int) -> str:
+    """How messages name a stored record: ``<label> record (table 'fqn'[ side], batch B, seq S)``
+    (``table``: the fqn, or the key's table id when it names no table; ``label``: the database
+    or channel it was read from)."""
+    return f"{label} record (table {table!r}{' side' if side else ''}, batch {batch_idx}, seq {seq})"
+
+
 def is_side_table_id(key_table_id: int) -> bool:
     """Whether a record key's table id is a side id (:func:`side_table_id`)."""
     return bool(key_table_id & SIDE_TABLE_BIT)

@@ -183,10 +183,11 @@ class ReadTxn:
     def _damaged(self, key: bytes, channel: str, exc: CorruptRecordError) -> CorruptRecordError:
         """``exc`` (a record that fails its checks) naming the log's file and the record."""
         t, b, s = codec.decode_record_key(key)
-        names = [fqn for fqn, e in self.tables().items() if e.table_id == t & ~codec.SIDE_TABLE_BIT]
-        table = f"table {names[0]!r}" if names else f"table id {t}"
+        side = channel == LOOKUPS and codec.is_side_table_id(t)
+        base = t & ~codec.SIDE_TABLE_BIT if side else t
+        name = next((fqn for fqn, e in self.tables().items() if e.table_id == base), t)
         return CorruptRecordError(
-            f"{os.path.join(self.path, DATA_FILE)}: {channel} record of {table}, batch {b}, seq {s}: {exc}")
+            f"{os.path.join(self.path, DATA_FILE)}: {codec.record_where(channel, name, side, b, s)}: {exc}")
 
     def iter_record_keys(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS

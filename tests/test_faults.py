@@ -144,7 +144,7 @@ def test_corrupted_record_is_reported_not_returned(log_dir):
     open(data, "wb").write(bytes(raw))
     with LmdbDeltaStore(log_dir, UpdateMode.LAST) as store:
         # the error names the file and the record, on both read paths (rows, and whole records)
-        where = re.escape(f"{data}: lookups record of table 't', batch 0, seq 0: record checksum mismatch")
+        where = re.escape(f"{data}: lookups record (table 't', batch 0, seq 0): record checksum mismatch")
         with pytest.raises(CorruptRecordError, match=where):
             store.get_unique()
         with pytest.raises(CorruptRecordError, match=where):

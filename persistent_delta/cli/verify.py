@@ -206,7 +206,7 @@ class _Checker:
                 continue
             side = channel == LOOKUPS and codec.is_side_table_id(t)
             base_id = t & ~codec.SIDE_TABLE_BIT if side else t
-            where = f"{db} record (table {by_id.get(base_id, t)!r}{' side' if side else ''}, batch {b}, seq {s})"
+            where = codec.record_where(db, by_id.get(base_id, t), side, b, s)
             if base_id not in by_id:
                 self.bad(where, f"unknown table id {t}")
             if side:
