@@ -212,20 +212,25 @@ def _replica_behind(log: Any) -> bool:
 
 
 def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
-             read_threads: Optional[int] = None, shared: bool = False) -> Dict[str, Any]:
+             read_threads: Optional[int] = None, shared: bool = False, paused: bool = False) -> Dict[str, Any]:
     """Throughput of publishing every 10 steps against never-read models, in interleaved blocks
     in a shuffled order each round (a fixed rotation would always put the same variant after
     ``publish``). ``shared`` False (phase ``cost``): after each block the trainer waits, untimed,
     until the replica has applied every publish, so the replica's work is counted in the
     ``publish`` blocks it overlaps and never spills into another variant's block; its CPU is
     reported beside (a serving replica runs on other hosts). ``shared`` True (phase
-    ``cost_shared``): no wait; the replica competes for the trainer's 2 cores throughout."""
+    ``cost_shared``): no wait; the replica competes for the trainer's 2 cores throughout.
+    ``paused`` (phase ``cost_trainer``): the replica is stopped (SIGSTOP) during every timed
+    block and continued (SIGCONT) for the untimed wait: what publishing costs the trainer's
+    process alone, the replica's CPU reported beside (it runs on other hosts)."""
     import random
+    import signal
 
     from benchmarks._model import train_step
     from persistent_delta.layout import rank_dir
     from persistent_delta.log import DeltaLog
 
+    phase = "cost_shared" if shared else "cost_trainer" if paused else "cost"
     variants = ("publish", "read", "a", "b")
     roots = {v: workdir(f"cost-{v}") for v in variants}
     models = {v: _tracked(roots[v], seed=1) for v in variants}
@@ -242,15 +247,21 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
         spent: Dict[str, float] = {}
         for v in order:
             dmp, tracker = models[v]
+            if paused:
+                replica.proc.send_signal(signal.SIGSTOP)
             t0 = time.perf_counter()
             for _ in range(block):
                 train_step(dmp, batches[done[v] % len(batches)])
                 done[v] += 1
-                if v == "publish" and done[v] % 10 == 0:
+                # mid-period (step 5 of every 10), so that the writer's and the replica's work of
+                # every publish lands inside a timed block, not in the untimed wait after it
+                if v == "publish" and done[v] % 10 == 5:
                     tracker.publish(CONSUMER)
-                elif v == "read" and done[v] % 10 == 0:
+                elif v == "read" and done[v] % 10 == 5:
                     tracker.get_unique_ids(CONSUMER)
             spent[v] = time.perf_counter() - t0
+            if paused:
+                replica.proc.send_signal(signal.SIGCONT)
             if v == "publish" and not shared:
                 t1 = time.perf_counter()
                 tracker.flush()
@@ -262,7 +273,7 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
                 settle_s += time.perf_counter() - t1
         if r >= warm:
             round_s.append(spent)
-            log("%s: round %d/%d %s", "cost_shared" if shared else "cost", r - warm + 1, rounds,
+            log("%s: round %d/%d %s", phase, r - warm + 1, rounds,
                 {k: round(1e3 * x / block, 1) for k, x in spent.items()})
     if watch is not None:
         watch.close()
@@ -276,7 +287,7 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     aa = [s["b"] / s["a"] for s in round_s]
     publishes = len(rep["lags"])
     return emit(
-        "freshness", phase="cost_shared" if shared else "cost", publish_every=10, rounds=rounds, block_steps=block,
+        "freshness", phase=phase, publish_every=10, rounds=rounds, block_steps=block,
         publish_over_unread_median=median(ratio), publish_over_read_ids_median=median(over_read),
         aa_median=median(aa), target=1.05, replica_nice=replica_nice, replica_read_threads=read_threads, ratios=sorted(ratio), over_read_ratios=sorted(over_read), aa_ratios=sorted(aa),
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
@@ -322,6 +333,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     phases = [p.strip() for p in args.only.split(",")]
     if "cost" in phases:
         run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads)
+    if "cost_trainer" in phases:
+        run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, paused=True)
     if "cost_shared" in phases:
         run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, shared=True)
     if "every1" in phases:

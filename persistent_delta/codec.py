@@ -231,28 +231,38 @@ def encode_record(
                    kind, window_start, covers_end, publish_time)
 
 
+Encoded = Union[bytearray, memoryview]  # an encoded record: its own buffer, or a writable view of a reused one
+
+
 def encode_gathered(
     ids: torch.Tensor, source: torch.Tensor, rows: torch.Tensor, kind: int = KIND_SNAPSHOT,
-    publish_time: Optional[float] = None, checksum: bool = True,
-) -> bytearray:
+    publish_time: Optional[float] = None, checksum: bool = True, into: Optional[bytearray] = None,
+) -> Encoded:
     """Encode a record whose states are ``source[rows]`` (rows of a 2-D tensor), gathered
     straight into the record's buffer: one copy of the row bytes, none through a temporary.
     ``checksum=False`` leaves the checksum to :func:`checksum_record` (another thread may
-    compute it later, before the record is stored)."""
+    compute it later, before the record is stored). ``into``: a buffer to encode into when it
+    is large enough (the result is then a view of its start, valid until it is reused): a
+    caller encoding records of similar sizes again and again (``publish``) skips allocating,
+    zeroing and page-faulting a fresh buffer each time (~0.45 ms per MB on this VM)."""
     if source.dim() != 2:
         raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
     rows = rows.long()
     return _encode(ids, (source.dtype, [int(rows.numel()), int(source.shape[1])]),
                    lambda out: torch.index_select(source.detach(), 0, rows, out=out), kind, None, None, publish_time,
-                   checksum)
+                   checksum, into)
 
 
-def _encode(
-    ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], fill: Optional[Callable[[torch.Tensor], object]],
-    kind: int, window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
-    checksum: bool = True,
-) -> bytearray:
-    ids_buf = _raw_bytes(ids)
+def encoded_size(ids: torch.Tensor, states_dtype: torch.dtype, states_shape: Sequence[int], kind: int = KIND_SNAPSHOT,
+                 publish_time: Optional[float] = None) -> int:
+    """The length of the record :func:`encode_gathered` encodes for these arguments (to size an
+    ``into`` buffer)."""
+    head = _header(ids, (states_dtype, list(states_shape)), kind, None, None, publish_time)
+    return _placement(head, ids.numel() * ids.element_size(), (states_dtype, list(states_shape)))[2]
+
+
+def _header(ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], kind: int,
+            window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float]) -> bytes:
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
     if window_start is not None:
         header["w"] = int(window_start)
@@ -260,22 +270,47 @@ def _encode(
         header["e"] = int(covers_end)
     if publish_time is not None:
         header["t"] = float(publish_time)
+    if states_meta is not None:
+        header["s"] = [dtype_name(states_meta[0]), states_meta[1]]
+    out: bytes = msgpack.packb(header)
+    return out
+
+
+def _placement(head: bytes, ids_len: int, states_meta: Optional[Tuple[torch.dtype, List[int]]]) -> Tuple[int, int, int]:
+    """(ids offset, states offset, total length) of a record with this header."""
     states_len = 0
     if states_meta is not None:
         dtype, shape = states_meta
-        header["s"] = [dtype_name(dtype), shape]
         states_len = dtype.itemsize
         for d in shape:
             states_len *= d
-    head = msgpack.packb(header)
     # Offsets are relative to the value start; payloads start 8-byte aligned.
     ids_at = _PREFIX.size + len(head)
     ids_at += _pad(ids_at)
-    states_at = ids_at + len(ids_buf)
+    states_at = ids_at + ids_len
     if states_meta is not None:
         states_at += _pad(states_at)
+    return ids_at, states_at, states_at + states_len
+
+
+def _encode(
+    ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], fill: Optional[Callable[[torch.Tensor], object]],
+    kind: int, window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
+    checksum: bool = True, into: Optional[bytearray] = None,
+) -> Encoded:
+    ids_buf = _raw_bytes(ids)
+    head = _header(ids, states_meta, kind, window_start, covers_end, publish_time)
+    ids_at, states_at, size = _placement(head, len(ids_buf), states_meta)
+    states_len = size - states_at
     # One copy of each payload, straight into the (mutable: see seal_record) result.
-    out = bytearray(states_at + states_len)
+    out: Encoded
+    if into is not None and len(into) >= size:
+        out = memoryview(into)[:size]
+        pad_at = _PREFIX.size + len(head)
+        out[pad_at:ids_at] = bytes(ids_at - pad_at)  # a reused buffer's padding is zeroed as a new one's
+        out[ids_at + len(ids_buf):states_at] = bytes(states_at - ids_at - len(ids_buf))
+    else:
+        out = bytearray(size)
     out[_PREFIX.size:_PREFIX.size + len(head)] = head
     out[ids_at:ids_at + len(ids_buf)] = ids_buf
     if states_meta is not None and fill is not None and states_len:
@@ -285,13 +320,13 @@ def _encode(
     return checksum_record(out) if checksum else out
 
 
-def checksum_record(value: bytearray) -> bytearray:
+def checksum_record(value: Encoded) -> Encoded:
     """Compute an encoded, unsealed value's checksum in place (see ``checksum=False``)."""
     _TABLE_PREFIX.pack_into(value, 4, crc32c.crc32c(memoryview(value)[_PREFIX.size:]))  # (the crc half of _PREFIX)
     return value
 
 
-def seal_record(value: bytearray, key: bytes) -> bytearray:
+def seal_record(value: Encoded, key: bytes) -> Encoded:
     """Fold ``key`` into the checksum of an encoded ``value``, in place, before it is stored
     under ``key`` (sealing twice with the same key unseals). A value stored unsealed reads back
     only under the empty key."""

@@ -304,7 +304,8 @@ class WriteTxn(ReadTxn):
         self.set_meta(META_NEXT_TABLE_ID, next_id + 1)
         return TableEntry(fqn=fqn, table_id=next_id)
 
-    def put_record(self, table_id: int, batch_idx: int, value: Union[bytes, bytearray], channel: str = LOOKUPS) -> int:
+    def put_record(self, table_id: int, batch_idx: int, value: Union[bytes, bytearray, memoryview],
+                   channel: str = LOOKUPS) -> int:
         """Store an encoded record ``value`` (:func:`codec.encode_record`) as the next record of
         (table_id, batch_idx), sealed with its key; returns its seq."""
         dbh = self._dbs[DB_OF_CHANNEL[channel]]
@@ -319,7 +320,8 @@ class WriteTxn(ReadTxn):
         if seq > codec.MAX_SEQ:
             raise PersistentDeltaError(f"too many records for one (table, batch_idx={batch_idx})")
         key = codec.record_key(table_id, batch_idx, seq)
-        buf = value if isinstance(value, bytearray) else bytearray(value)
+        writable = isinstance(value, bytearray) or (isinstance(value, memoryview) and not value.readonly)
+        buf = value if writable else bytearray(value)
         # Seal in place for the put (LMDB copies the value), then unseal: a transaction rerun
         # after map growth puts the same value again.
         codec.seal_record(buf, key)

@@ -14,7 +14,8 @@ A publish runs in two parts:
 
 * :func:`capture`, in the training thread, once everything recorded so far is committed: reads
   the consumer's rows (a read transaction, nothing written) and gathers their values straight
-  into encoded snapshot records (one copy of the row bytes; the checksum is left to the writer). The values are those of the moment
+  into encoded snapshot records (one copy of the row bytes, into buffers the tracker reuses
+  from publish to publish; the checksum is left to the writer). The values are those of the moment
   of the call; training may change the tables as soon as it returns.
 * :func:`commit`, in the writer's transaction (or at once without a background writer): moves
   the consumer past the rows read, writes the records and the new snapshot end, and applies
@@ -45,7 +46,7 @@ class Captured:
     end: int  # the position the consumer moves to
     stamp: int  # batch index the records are stored under
     publish_time: float
-    records: Dict[str, bytearray] = field(default_factory=dict)  # fqn -> encoded snapshot record
+    records: Dict[str, codec.Encoded] = field(default_factory=dict)  # fqn -> encoded snapshot record
     rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows captured
 
     @property
@@ -53,11 +54,22 @@ class Captured:
         return sum(len(v) for v in self.records.values())
 
 
+BUFFER_HEADROOM = 1.25  # a new reusable buffer is this much larger than the record that needed it
+
+
 def capture(
-    r: ReadTxn, name: str, end: int, stamp: int, mode: UpdateMode, tables: Dict[str, LocalTable], publish_time: float
+    r: ReadTxn, name: str, end: int, stamp: int, mode: UpdateMode, tables: Dict[str, LocalTable], publish_time: float,
+    buffers: Optional[Dict[str, bytearray]] = None,
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
+
+    ``buffers`` (fqn -> buffer, kept by the caller across publishes): encode each table's
+    record into its buffer, replaced by a larger one (``BUFFER_HEADROOM``) when too small, so
+    that a steady stream of publishes reuses warm memory instead of allocating, zeroing and
+    page-faulting its record bytes afresh each time. The caller must not capture into the
+    same buffers again before this capture's :func:`commit` has run (the tracker waits for its
+    writer first); their memory is the largest publish so far, per table.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
@@ -68,8 +80,16 @@ def capture(
         ids = unique.ids
         if ids.numel() == 0 or fqn not in tables or r.table(fqn) is None:
             continue
-        out.records[fqn] = codec.encode_gathered(ids, tables[fqn].weights(), ids, codec.KIND_SNAPSHOT, publish_time,
-                                                 checksum=False)  # (computed by the writer: commit)
+        weights = tables[fqn].weights()
+        into = None
+        if buffers is not None:
+            size = codec.encoded_size(ids, weights.dtype, (int(ids.numel()), int(weights.shape[1])),
+                                      codec.KIND_SNAPSHOT, publish_time)
+            into = buffers.get(fqn)
+            if into is None or len(into) < size:
+                into = buffers[fqn] = bytearray(int(size * BUFFER_HEADROOM))
+        out.records[fqn] = codec.encode_gathered(ids, weights, ids, codec.KIND_SNAPSHOT, publish_time,
+                                                 checksum=False, into=into)  # (checksum: by the writer, commit)
         out.rows[fqn] = int(ids.numel())
     return out
 

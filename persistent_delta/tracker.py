@@ -86,6 +86,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.feature_to_fqn: Dict[str, str] = self._discovery.feature_to_fqn
         check_mode(self._mode, self.tracked_modules)
         self._tables: Dict[str, LocalTable] = local_tables(self.tracked_modules, self.table_to_fqn)
+        # publish(): a record buffer per table, reused (publish.capture; free again once the
+        # writer committed the previous publish, which publish() waits for before capturing)
+        self._publish_buffers: Dict[str, bytearray] = {}
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
@@ -251,7 +254,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         name, t = check_consumer_name(consumer), time.time()
         self._commit_recorded()
         end, stamp, mode = self.curr_batch_idx + 1, self.curr_batch_idx, self._update_mode
-        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, mode, self._tables, t))
+        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, mode, self._tables, t,
+                                                       self._publish_buffers))
         self._hand_off(self._take_batch(op=lambda w: publish.commit(w, cap, mode, **self._read_rule),
                                         op_bytes=cap.nbytes, prompt=True))
         return cap.rows

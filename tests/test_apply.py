@@ -77,6 +77,34 @@ def test_a_replica_holds_the_tables_of_the_last_publish_call(job):
     assert applied.lag_s() is not None and applied.lag_s() >= 0
 
 
+def test_every_stored_publish_holds_the_values_of_its_own_call(job):
+    """Read each rank's log record by record: a publish's rows carry the shard's values at that
+    publish() call, even though the next publish reuses its record buffers before it is read."""
+    from persistent_delta.layout import rank_dir
+    from persistent_delta.log import DeltaLog
+    from persistent_delta.schema import SNAPSHOTS
+
+    root, results = job
+    for rank, res in enumerate(results):
+        checked = set()
+        log = DeltaLog(rank_dir(root, rank), readonly=True)
+        try:
+            def look(r):
+                for fqn, entry in r.tables().items():
+                    for rec in r.iter_records(entry.table_id, channel=SNAPSHOTS):
+                        want = res["at_publish"][rec.batch_idx][fqn][rec.ids.long()]
+                        assert torch.equal(rec.states, want), (rank, fqn, rec.batch_idx)
+                        checked.add(rec.batch_idx)
+            log.read(look)
+        finally:
+            log.close()
+        # every publish is there (each one changed rows), and the values moved between them
+        assert checked == set(res["at_publish"]), (rank, checked)
+        stamps = sorted(res["at_publish"])
+        assert any(not torch.equal(res["at_publish"][a][f], res["at_publish"][b][f])
+                   for a, b in zip(stamps, stamps[1:]) for f in res["at_publish"][a])
+
+
 def test_max_bytes_catches_up_in_whole_publishes(job):
     root, results = job
     want = _expected(results)

@@ -111,3 +111,22 @@ def test_keys_sort_numerically():
     assert [codec.decode_record_key(k) for k in encoded] == keys
     assert all(len(k) == codec.KEY_SIZE for k in encoded)
     assert codec.record_key(3, 9, 1).startswith(codec.table_prefix(3))
+
+
+@pytest.mark.parametrize("n_ids", [5, 6, 7])  # odd counts put padding between the parts
+def test_encoding_into_a_reused_buffer_gives_the_bytes_of_a_fresh_one(n_ids):
+    source = torch.randn(20, 3)
+    ids = torch.arange(n_ids, dtype=torch.int32) * 2
+    fresh = codec.encode_gathered(ids, source, ids, publish_time=12.5)
+    assert isinstance(fresh, bytearray)
+    size = codec.encoded_size(ids, source.dtype, (n_ids, 3), codec.KIND_SNAPSHOT, 12.5)
+    assert size == len(fresh)
+    used = bytearray(b"\xa5" * (size + 64))  # what an earlier, larger record left behind
+    got = codec.encode_gathered(ids, source, ids, publish_time=12.5, into=used)
+    assert isinstance(got, memoryview) and got.obj is used and bytes(got) == bytes(fresh)
+    rec = codec.decode_record(got)
+    assert torch.equal(rec.states, source[ids.long()]) and rec.publish_time == 12.5
+    # a buffer too small is left alone: the record gets its own
+    small = bytearray(size - 1)
+    own = codec.encode_gathered(ids, source, ids, publish_time=12.5, into=small)
+    assert isinstance(own, bytearray) and bytes(own) == bytes(fresh) and small == bytearray(size - 1)

@@ -669,17 +669,19 @@ def publish_apply_case(rank: int, world_size: int, root: str, sharding: str, dp_
     batches = make_batches("ec", 8 + after, 8, seed=5, world_size=world_size, rank=rank)
     windows: Dict[int, Tuple[float, float]] = {}
     shards: Dict[str, Any] = {}
+    at_publish: Dict[int, Dict[str, torch.Tensor]] = {}  # stamp -> this rank's shards at that call
     for i, b in enumerate(batches):
         train_step(dmp, b)
         if i < 8 and i % 2 == 1:
             t0, stamp = time.time(), t.curr_batch_idx
-            t.publish("serving")
+            t.publish("serving")  # no flush: the next publish reuses the record buffers (publish.capture)
             windows[stamp] = (t0, time.time())
             info = table_shard_info(dmp)
             shards = {fqn: (lt.weights().detach().clone(), info[fqn]) for fqn, lt in t.local_tables.items()}
+            at_publish[stamp] = {fqn: w for fqn, (w, _) in shards.items()}
     changed = {fqn: bool((t.local_tables[fqn].weights() != w).any()) for fqn, (w, _) in shards.items()}
     t.close()
-    return {"shards": shards, "windows": windows, "changed_after": changed}
+    return {"shards": shards, "windows": windows, "changed_after": changed, "at_publish": at_publish}
 
 
 def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
