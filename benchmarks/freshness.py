@@ -2,7 +2,8 @@
 process to the rows applied by a replica in another process, and what publishing costs the
 trainer.
 
-    python -m benchmarks.freshness [--quick] [--every1-steps 600] [--every10-steps 5000]
+    python -m benchmarks.freshness [--quick] [--only cost,cost_trainer,cost_shared,every1,every10]
+                                   [--every1-steps 600] [--every10-steps 5000]
                                    [--rounds 12] [--block 50] [--replica-nice N]
                                    [--replica-read-threads N]
 
@@ -17,7 +18,8 @@ for it: 0 is torch's default count).
 Phases, each printing one JSON line:
 
 * ``cost``: four tracked models in this process, trained in interleaved blocks of
-  ``--block`` steps (in a shuffled order every round): ``publish`` publishes every 10 steps (its
+  ``--block`` steps (in a shuffled order every round): ``publish`` publishes every 10 steps
+  (at step 5 of every 10, so that each publish's background work falls inside a block; its
   replica running), ``read`` reads its consumer's ids every 10 steps (``get_unique_ids``: the
   same consume, no snapshot), ``a`` and ``b`` are never read (their read window never resets,
   so their writer records fewer and fewer rows: a cheaper baseline than any model that is
@@ -26,11 +28,16 @@ Phases, each printing one JSON line:
   variant's; the replica's CPU per publish is reported beside (a serving replica runs on
   other hosts). Per round, the throughput ratios publish/a, publish/read and the A/A ratio
   b/a (the noise floor); medians over ``--rounds`` rounds. Target: publish/a <= 1.05.
+* ``cost_trainer``: as ``cost``, with the replica stopped (SIGSTOP) during every timed block
+  and continued for the wait: what publishing costs the training process alone (its
+  ``publish()`` calls and its writer thread), the replica's CPU per publish reported beside
+  (a serving replica runs on other hosts).
 * ``cost_shared``: the same without the wait: the replica competes for the trainer's two
   cores throughout (what a replica on the training host costs).
 * ``every1`` and ``every10``: one model publishing every step / every 10 steps while it
   trains; per publish, lag = the replica's ``applied_at`` - the time of the ``publish()`` call
-  (stored with the publish, header ``"t"``; one clock, ``time.time()``, on one machine), after
+  (stored with the publish, header ``"t"``; one clock, ``time.time()``, on one machine;
+  ``polled_*``: to the return of the poll that held it, before it was applied), after
   ``--warmup`` steps (50) whose publishes are not counted (the first carries every row touched
   so far and faults the map in).
   Targets: p99 <= 50 ms (every step), <= 100 ms (every 10), over >= 500 publishes; max shown.
@@ -66,6 +73,7 @@ def replica_main(root: str, out: str, stop: str, from_stamp: int = 0) -> int:
 
     tables: Dict[str, torch.Tensor] = {}
     lags: List[float] = []
+    polled: List[float] = []  # publish() call -> the poll holding it returned (before apply)
     polls = rows = nbytes = 0
     t0, c0 = time.time(), _cpu_s()
     with DeltaConsumer(root, "replica", channel="snapshots", wait=60.0) as consumer:
@@ -75,6 +83,7 @@ def replica_main(root: str, out: str, stop: str, from_stamp: int = 0) -> int:
         while True:
             stopping = os.path.exists(stop)
             poll = consumer.poll(timeout=0.2)
+            polled_at = time.time()
             for part in poll:
                 if part.fqn not in tables and part.shard is not None and part.states is not None:
                     tables[part.fqn] = torch.zeros(part.shard.global_rows, part.shard.global_cols or part.states.shape[1],
@@ -85,12 +94,14 @@ def replica_main(root: str, out: str, stop: str, from_stamp: int = 0) -> int:
                 polls += 1
                 rows += applied.rows
                 nbytes += applied.nbytes
-                lags.extend(applied.applied_at - t for stamp, t in applied.publishes.items() if stamp >= from_stamp)
+                counted = [t for stamp, t in applied.publishes.items() if stamp >= from_stamp]
+                lags.extend(applied.applied_at - t for t in counted)
+                polled.extend(polled_at - t for t in counted)
             elif stopping:
                 break
     wall, cpu = time.time() - t0, _cpu_s() - c0
     with open(out, "w") as f:
-        json.dump({"lags": lags, "polls": polls, "rows": rows, "bytes": nbytes, "cpu_s": cpu, "wall_s": wall}, f)
+        json.dump({"lags": lags, "polled": polled, "polls": polls, "rows": rows, "bytes": nbytes, "cpu_s": cpu, "wall_s": wall}, f)
     return 0
 
 
@@ -124,6 +135,8 @@ class Replica:
             raise RuntimeError(f"the replica exited with {self.proc.returncode}")
         with open(self.out) as f:
             result: Dict[str, Any] = json.load(f)
+        for path in (self.out, self.stop, self.stop + ".ready"):
+            os.remove(path)
         return result
 
 
@@ -192,6 +205,7 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
         replica_read_threads=read_threads,
         lag_p50_ms=1e3 * pct(lags, 0.5), lag_p99_ms=1e3 * pct(lags, 0.99),
         lag_max_ms=1e3 * max(lags, default=0), target_p99_ms=50 if every == 1 else 100,
+        polled_p50_ms=1e3 * pct(rep["polled"], 0.5), polled_p99_ms=1e3 * pct(rep["polled"], 0.99),
         step_mean_ms=1e3 * sum(step_s) / len(step_s), publish_call_mean_ms=1e3 * sum(publish_s) / max(1, len(publish_s)),
         publish_call_p99_ms=1e3 * pct(publish_s, 0.99), replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]),
         replica_polls=rep["polls"], bytes_per_publish=per_publish_bytes,
@@ -304,7 +318,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--every10-steps", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=50)
-    ap.add_argument("--only", default="cost,cost_shared,every1,every10", help="comma-separated phases")
+    ap.add_argument("--only", default="cost,cost_trainer,cost_shared,every1,every10",
+                    help="comma-separated phases")
     ap.add_argument("--role", default="bench", choices=["bench", "replica"], help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--replica-out", help=argparse.SUPPRESS)
