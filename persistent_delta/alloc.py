@@ -1,6 +1,8 @@
-"""glibc allocator thresholds for LMDB's write buffers and a reader's results.
+"""glibc allocator thresholds for LMDB's write buffers, and a reader's reused result buffers.
 
-Owns: the process-wide malloc tuning a writer or a reader may opt into.
+Owns: the process-wide malloc tuning a writer or a reader may opt into
+(:func:`tune_malloc`), and the recycling of a consumer's poll buffers once the caller has
+released every tensor of an earlier poll (:class:`ResultBuffers`).
 
 Without ``writemap`` LMDB copies every value into page buffers it ``malloc``\\ s per commit and
 frees afterwards. glibc serves large buffers with ``mmap`` and returns freed heap tops to the OS,
@@ -27,9 +29,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
+import sys
 import threading
-from typing import Optional
+from typing import List, Optional
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -69,4 +75,75 @@ def tune_malloc() -> bool:
         return _applied
 
 
-__all__ = ["tune_malloc"]
+class ResultBuffers:
+    """A reader's poll buffers, handed out again once nothing views them.
+
+    A poll's rows are one block of memory (``results.finish_ranks``) that the poll's tensors
+    view, and that the caller may keep as long as it likes. A fresh block costs a page fault
+    per 4 KiB page the first time it is written: ~1.2 µs a page on an idle core of this VM,
+    but 8-19 µs a page (35-86 ms for an 18 MB poll, against ~5 ms for the whole poll) while a
+    trainer keeps both cores busy, and glibc hands out fresh pages whenever a poll's size
+    passes its mmap threshold or it trims its heap: that was the every-10-steps freshness tail.
+
+    Each block here is an anonymous mapping that the poll's tensors hold a reference to
+    (``torch.frombuffer``). When the caller has dropped every tensor of a poll, only this
+    object refers to the block, and the next poll that fits reuses it with its pages already
+    in place. Nothing is reused while any view of it is alive, so results stay the caller's.
+
+    Memory: at most ``keep`` blocks stay referenced here (two: a loop that polls while it still
+    holds the previous poll alternates between them). A new block is sized ``headroom`` times
+    the request, in whole pages; a free block is reused when it is at most ``4x`` the request,
+    so a catch-up poll's big block is not kept for small polls after the next ``keep`` new
+    blocks. The idle memory is at most ``keep`` such blocks.
+    """
+
+    HEADROOM = 1.25
+    REUSE_RATIO = 4
+    _PAGE = mmap.PAGESIZE
+
+    def __init__(self, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, not {keep}")
+        self._keep = keep
+        self._blocks: List[mmap.mmap] = []  # oldest first
+        self.reused = self.allocated = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` (contents undefined) over a block no tensor views."""
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        for i in range(len(self._blocks)):  # (no loop variable: it would be one more reference)
+            if nbytes <= len(self._blocks[i]) <= max(self.REUSE_RATIO * nbytes, self._size(nbytes)) and self._free(i):
+                self._blocks.append(self._blocks.pop(i))  # most recently used last
+                self.reused += 1
+                return torch.frombuffer(self._blocks[-1], dtype=torch.uint8, count=nbytes)
+        block = mmap.mmap(-1, self._size(nbytes))
+        self._blocks.append(block)
+        if len(self._blocks) > self._keep:
+            self._drop_one()
+        self.allocated += 1
+        return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+
+    def _size(self, nbytes: int) -> int:
+        return -(-int(nbytes * self.HEADROOM) // self._PAGE) * self._PAGE
+
+    def _drop_one(self) -> None:
+        """Forget one block: a free one first (unmapped now), else the oldest (unmapped when
+        the caller's last tensor of it goes)."""
+        for i in range(len(self._blocks) - 1):
+            if self._free(i):
+                del self._blocks[i]
+                return
+        del self._blocks[0]
+
+    def _free(self, i: int) -> bool:
+        """No tensor views block ``i``: its only references are the list's and getrefcount's
+        argument (each live tensor storage over it holds one more)."""
+        return sys.getrefcount(self._blocks[i]) == 2
+
+    def held_bytes(self) -> int:
+        """Bytes of the blocks referenced here (in use by results or idle)."""
+        return sum(len(b) for b in self._blocks)
+
+
+__all__ = ["ResultBuffers", "tune_malloc"]

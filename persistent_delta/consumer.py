@@ -40,6 +40,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from persistent_delta import delivery
+from persistent_delta.alloc import ResultBuffers
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     ConfigMismatchError,
@@ -154,6 +155,7 @@ class DeltaReader:
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._watcher: Optional[FileWatch] = None
         self._watched: List[str] = []
+        self._buffers = ResultBuffers()  # polls' row buffers, reused once the caller drops a poll
         check_table_filter(tables, None)
         self._closed = False
         try:
@@ -335,7 +337,7 @@ class DeltaReader:
             memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
             plans = {rank: plan_range(r, rank, log.path, positions[rank], stops[rank], self.channel, self._tables, memo)
                      for (rank, log), r in zip(logs, txns)}
-            return finish_ranks(plans)
+            return finish_ranks(plans, self._buffers.take)
 
         # every rank's read transaction open at once: the poll's rows are copied out of all the
         # maps into one buffer (results.finish_ranks)

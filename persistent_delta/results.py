@@ -11,7 +11,7 @@ or copied. Each result carries the half-open range it actually read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -444,7 +444,8 @@ def read_range(
 _ALIGN = 64
 
 
-def finish_ranks(plans: Dict[int, RankPlan]) -> Dict[int, RankDelta]:
+def finish_ranks(plans: Dict[int, RankPlan],
+                 alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[int, RankDelta]:
     """Every rank's :class:`RankDelta` of one poll (inside every rank's transaction), the rows
     of all ranks and tables copied once, into one buffer laid out the way
     :func:`merge_table` joins them: per table, row-wise shards' rows one after another in id
@@ -456,6 +457,9 @@ def finish_ranks(plans: Dict[int, RankPlan]) -> Dict[int, RankDelta]:
     One allocation a poll also lets glibc keep the memory for the next poll (a freed block
     raises its mmap threshold, up to 32 MiB): fresh pages cost ~0.45 ms/MB to fault in on
     this class of VM, which was most of ``merged()`` when each table had its own result.
+    ``alloc(nbytes)``: where the buffer comes from (a uint8 tensor of ``nbytes``; default
+    ``torch.empty``); a consumer passes :meth:`~persistent_delta.alloc.ResultBuffers.take`,
+    which hands out again a buffer whose earlier poll the caller has released.
     """
     regions: List[Tuple[int, int, List[Tuple[int, str, int, int]]]] = []  # (rows, row bytes, places)
     by_table: Dict[str, List[int]] = {}
@@ -487,7 +491,7 @@ def finish_ranks(plans: Dict[int, RankPlan]) -> Dict[int, RankDelta]:
             at += parts[k].plan.num_rows
         regions.append((at, widths.pop(), placed))
     total = sum(-(-m * w // _ALIGN) * _ALIGN for m, w, _ in regions)
-    buf = torch.empty(total, dtype=torch.uint8)
+    buf = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(total)
     rows: Dict[int, Dict[str, UniqueRows]] = {k: {} for k in plans}
     at = 0
     for m, w, placed in regions:

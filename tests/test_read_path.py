@@ -608,3 +608,72 @@ def test_a_poll_holds_every_rank_transaction_without_nesting_calls(tmp_path):
         recs = written[(rank, LOOKUPS)]["a"]
         check_rows(poll.ranks[rank].tables["a"].rows, ref_rule([i for i, _ in recs], [s for _, s in recs],
                                                                 UpdateMode.FIRST), UpdateMode.FIRST)
+
+
+def _snapshot(poll) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    return {fqn: (m.global_ids.clone(), m.states.clone()) for fqn, m in poll.merged().items() if m.states is not None}
+
+
+def _poll_ptr(poll) -> int:
+    return next(d.states.untyped_storage().data_ptr() for r in poll.ranks.values() for d in r.tables.values()
+                if d.states is not None and d.states.numel())
+
+
+def test_a_poll_buffer_is_reused_only_after_every_view_of_it_is_gone(tmp_path):
+    """A consumer hands a poll's row buffer out again (alloc.ResultBuffers) once the caller has
+    dropped the poll, and never while a view of it lives: a kept poll's rows stay as they
+    were read while later polls of other rows run, and a reused buffer holds the new poll's
+    rows exactly (no bytes of the earlier poll)."""
+    root = str(tmp_path)
+    _mixed_job(root, 2, seed=5)
+    with DeltaReader(root, channel=LOOKUPS) as reader:
+        reader.seek(3)
+        first = reader.poll()  # batches [3, 5)
+        kept = first.merged()  # views of the first poll's buffer, kept past the poll
+        want_first = _snapshot(first)
+        p_first = _poll_ptr(first)
+        del first
+        reader.seek(0)
+        second = reader.poll(max_batches=3)  # [0, 3), more rows: the first buffer is viewed, and too small
+        want_second = _snapshot(second)
+        p_second = _poll_ptr(second)
+        assert p_second != p_first
+        assert want_first.keys() == want_second.keys()
+        assert sum(v[1].numel() for v in want_second.values()) > sum(v[1].numel() for v in want_first.values())
+        del second
+        reader.seek(3)
+        third = reader.poll()  # [3, 5) again, into the second poll's buffer (free now; other rows in it)
+        assert _poll_ptr(third) == p_second
+        for fqn, (ids, states) in _snapshot(third).items():
+            assert torch.equal(ids, want_first[fqn][0]) and torch.equal(states, want_first[fqn][1]), fqn
+        for fqn, (ids, states) in want_first.items():  # the kept views survived the later polls
+            assert torch.equal(kept[fqn].global_ids, ids) and torch.equal(kept[fqn].states, states), fqn
+        reader.seek(0)
+        fourth = reader.poll(max_batches=3)  # the kept views and the third poll hold both buffers
+        assert _poll_ptr(fourth) not in (p_first, p_second)
+        for fqn, (ids, states) in want_first.items():
+            assert torch.equal(kept[fqn].global_ids, ids) and torch.equal(kept[fqn].states, states), fqn
+        for fqn, (ids, states) in _snapshot(fourth).items():
+            assert torch.equal(ids, want_second[fqn][0]) and torch.equal(states, want_second[fqn][1]), fqn
+        for fqn, (ids, states) in _snapshot(third).items():  # the third poll, still held, as it was read
+            assert torch.equal(ids, want_first[fqn][0]) and torch.equal(states, want_first[fqn][1]), fqn
+
+
+def test_result_buffers_keep_a_bounded_number_of_blocks():
+    """At most ``keep`` blocks stay referenced; a block far larger than the request (a
+    catch-up poll's) is not handed out for small polls; a free one is."""
+    from persistent_delta.alloc import ResultBuffers
+
+    pool = ResultBuffers(keep=2)
+    big = pool.take(8 << 20)
+    del big
+    small = pool.take(1 << 20)  # the free 10 MiB block is more than 4x the request: a new block
+    assert (pool.allocated, pool.reused) == (2, 0)
+    del small
+    again = pool.take(1 << 20)  # the free 1.25 MiB block fits
+    assert (pool.allocated, pool.reused) == (2, 1)
+    held = [again] + [pool.take(1 << 20) for _ in range(5)]  # all held: new blocks, only two referenced here
+    assert pool.allocated == 7 and pool.held_bytes() <= 2 * pool._size(1 << 20)
+    assert len({t.data_ptr() for t in held}) == len(held)
+    with pytest.raises(ValueError):
+        ResultBuffers(keep=0)
