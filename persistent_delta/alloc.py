@@ -9,8 +9,9 @@ frees afterwards. glibc serves large buffers with ``mmap`` and returns freed hea
 so each commit page-faults its buffers in afresh: transactions with large values were 2.5-4x
 slower here (see ``benchmarks/append_throughput.py``). A reader meets the same with results
 glibc returned to the OS after the previous poll (fresh pages cost ~0.45 ms per MB to fault in
-on this VM). A poll's rows are one allocation (``results.finish_ranks``), which glibc keeps by
-itself while it is under 32 MiB; larger polls, and other readers' results, need this. Raising
+on this VM). A consumer's polls do not need this: their row buffers come from
+:class:`ResultBuffers`, which the consumer reuses itself; other readers' results (a
+``read_range`` of its own, tools) do. Raising
 ``M_MMAP_THRESHOLD`` (to 32 MiB, glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps
 those buffers in the heap.
 

@@ -454,12 +454,12 @@ def finish_ranks(plans: Dict[int, RankPlan],
     buffer, not copies; anything else is laid out one rank after another and merged by copy
     as before.
 
-    One allocation a poll also lets glibc keep the memory for the next poll (a freed block
-    raises its mmap threshold, up to 32 MiB): fresh pages cost ~0.45 ms/MB to fault in on
-    this class of VM, which was most of ``merged()`` when each table had its own result.
     ``alloc(nbytes)``: where the buffer comes from (a uint8 tensor of ``nbytes``; default
-    ``torch.empty``); a consumer passes :meth:`~persistent_delta.alloc.ResultBuffers.take`,
-    which hands out again a buffer whose earlier poll the caller has released.
+    ``torch.empty``). A consumer passes :meth:`~persistent_delta.alloc.ResultBuffers.take`,
+    which hands out again a buffer whose earlier poll the caller has released: fresh pages
+    cost ~0.45 ms/MB to fault in on this class of VM, several times that with a trainer on
+    the same cores (that was most of ``merged()`` when each table had its own result, and the
+    every-10-steps freshness tail when glibc mapped each poll's buffer afresh).
     """
     regions: List[Tuple[int, int, List[Tuple[int, str, int, int]]]] = []  # (rows, row bytes, places)
     by_table: Dict[str, List[int]] = {}
