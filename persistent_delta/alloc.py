@@ -92,10 +92,11 @@ class ResultBuffers:
     in place. Nothing is reused while any view of it is alive, so results stay the caller's.
 
     Memory: at most ``keep`` blocks stay referenced here (two: a loop that polls while it still
-    holds the previous poll alternates between them). A new block is sized ``headroom`` times
-    the request, in whole pages; a free block is reused when it is at most ``4x`` the request,
-    so a catch-up poll's big block is not kept for small polls after the next ``keep`` new
-    blocks. The idle memory is at most ``keep`` such blocks.
+    holds the previous poll alternates between them). A new block is sized ``HEADROOM`` times
+    the request, in whole pages; a free block is reused when the request fits and the block is
+    at most ``REUSE_RATIO`` times it, and a free block larger than that (a catch-up poll's) is
+    released at that request instead of kept idle. The idle memory is at most ``keep`` blocks
+    of 1.25-4x a recent poll.
     """
 
     HEADROOM = 1.25
@@ -113,11 +114,19 @@ class ResultBuffers:
         """A uint8 tensor of ``nbytes`` (contents undefined) over a block no tensor views."""
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
-        for i in range(len(self._blocks)):  # (no loop variable: it would be one more reference)
-            if nbytes <= len(self._blocks[i]) <= max(self.REUSE_RATIO * nbytes, self._size(nbytes)) and self._free(i):
-                self._blocks.append(self._blocks.pop(i))  # most recently used last
-                self.reused += 1
-                return torch.frombuffer(self._blocks[-1], dtype=torch.uint8, count=nbytes)
+        limit = max(self.REUSE_RATIO * nbytes, self._size(nbytes))
+        i = 0
+        while i < len(self._blocks):  # (indexed, no loop variable: it would be one more reference)
+            if self._free(i):
+                size = len(self._blocks[i])
+                if nbytes <= size <= limit:
+                    self._blocks.append(self._blocks.pop(i))  # most recently used last
+                    self.reused += 1
+                    return torch.frombuffer(self._blocks[-1], dtype=torch.uint8, count=nbytes)
+                if size > limit:  # a catch-up poll's block: released, not kept idle for small polls
+                    del self._blocks[i]
+                    continue
+            i += 1
         block = mmap.mmap(-1, self._size(nbytes))
         self._blocks.append(block)
         if len(self._blocks) > self._keep:

@@ -660,15 +660,17 @@ def test_a_poll_buffer_is_reused_only_after_every_view_of_it_is_gone(tmp_path):
 
 
 def test_result_buffers_keep_a_bounded_number_of_blocks():
-    """At most ``keep`` blocks stay referenced; a block far larger than the request (a
-    catch-up poll's) is not handed out for small polls; a free one is."""
+    """At most ``keep`` blocks stay referenced; a free block far larger than the request (a
+    catch-up poll's) is released rather than handed out for small polls or kept idle; a free
+    block that fits is reused."""
     from persistent_delta.alloc import ResultBuffers
 
     pool = ResultBuffers(keep=2)
     big = pool.take(8 << 20)
     del big
-    small = pool.take(1 << 20)  # the free 10 MiB block is more than 4x the request: a new block
+    small = pool.take(1 << 20)  # the free 10 MiB block is more than 4x the request: released, a new block
     assert (pool.allocated, pool.reused) == (2, 0)
+    assert pool.held_bytes() == pool._size(1 << 20)
     del small
     again = pool.take(1 << 20)  # the free 1.25 MiB block fits
     assert (pool.allocated, pool.reused) == (2, 1)
