@@ -38,6 +38,8 @@ from typing import List, Optional
 
 import torch
 
+from persistent_delta.errors import InvalidInputError
+
 logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
@@ -104,8 +106,8 @@ class ResultBuffers:
     _PAGE = mmap.PAGESIZE
 
     def __init__(self, keep: int = 2) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, not {keep}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidInputError(f"keep must be a count >= 1, got {keep!r}")
         self._keep = keep
         self._blocks: List[mmap.mmap] = []  # oldest first
         self.reused = self.allocated = 0
@@ -150,6 +152,10 @@ class ResultBuffers:
         """No tensor views block ``i``: its only references are the list's and getrefcount's
         argument (each live tensor storage over it holds one more)."""
         return sys.getrefcount(self._blocks[i]) == 2
+
+    def clear(self) -> None:
+        """Forget every block (a closed reader's; those still viewed live on with their tensors)."""
+        self._blocks.clear()
 
     def held_bytes(self) -> int:
         """Bytes of the blocks referenced here (in use by results or idle)."""

@@ -397,6 +397,9 @@ class DeltaReader:
         self._closed = True
         for log in self._logs.values():
             log.close()
+        buffers = getattr(self, "_buffers", None)
+        if buffers is not None:
+            buffers.clear()
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.close()

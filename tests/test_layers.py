@@ -10,8 +10,8 @@ from typing import Dict, Set
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "persistent_delta")
 
 LAYERS = [
-    {"errors", "alloc", "lifecycle", "threads"},
-    {"config", "codec"},
+    {"errors", "lifecycle", "threads"},
+    {"config", "codec", "alloc"},
     {"schema", "layout", "watch", "natsserver"},
     {"lmdbenv"},
     {"log", "rows"},

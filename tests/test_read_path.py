@@ -657,6 +657,9 @@ def test_a_poll_buffer_is_reused_only_after_every_view_of_it_is_gone(tmp_path):
             assert torch.equal(ids, want_second[fqn][0]) and torch.equal(states, want_second[fqn][1]), fqn
         for fqn, (ids, states) in _snapshot(third).items():  # the third poll, still held, as it was read
             assert torch.equal(ids, want_first[fqn][0]) and torch.equal(states, want_first[fqn][1]), fqn
+    assert reader._buffers.held_bytes() == 0  # a closed reader keeps no buffers (the polls held keep theirs)
+    for fqn, (ids, states) in want_first.items():
+        assert torch.equal(kept[fqn].global_ids, ids) and torch.equal(kept[fqn].states, states), fqn
 
 
 def test_result_buffers_keep_a_bounded_number_of_blocks():
@@ -677,5 +680,8 @@ def test_result_buffers_keep_a_bounded_number_of_blocks():
     held = [again] + [pool.take(1 << 20) for _ in range(5)]  # all held: new blocks, only two referenced here
     assert pool.allocated == 7 and pool.held_bytes() <= 2 * pool._size(1 << 20)
     assert len({t.data_ptr() for t in held}) == len(held)
-    with pytest.raises(ValueError):
-        ResultBuffers(keep=0)
+    from persistent_delta.errors import InvalidInputError
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InvalidInputError):
+            ResultBuffers(keep=bad)
