@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import delivery
 from persistent_delta.log import WriteTxn
 from persistent_delta.records import AppendRecord
-from persistent_delta.rows import first_or_last
 
 
 class WindowFilter:
@@ -36,8 +36,11 @@ class WindowFilter:
     record carries its window start, and readers start from there (:func:`persistent_delta.delivery.read_start`), so
     such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
     row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
-    filtered. Linear in the ids filtered (index_select/index_fill, no sort) for tables up to
-    4M rows; bigger ones sort the ids not yet in the window.
+    filtered, nor records with a negative id (both are written whole). Linear in the ids
+    filtered (gathers and scatters into direct-address tables, no sort) for tables up to 4M
+    rows; bigger ones sort the ids not yet in the window. The id work is numpy on views of
+    the tensors: a record is a few thousand ids, where torch's per-call dispatch dominated
+    (measured in the writer thread while training: 188 us per record of 8,192 ids in torch).
     """
 
     _UNSET = torch.iinfo(torch.int64).max
@@ -45,7 +48,7 @@ class WindowFilter:
 
     def __init__(self, mode: UpdateMode, max_rows: int = 1 << 26) -> None:
         self.enabled = mode in (UpdateMode.FIRST, UpdateMode.NONE)
-        self._slot = torch.empty(0, dtype=torch.int64)  # scratch for _first_new, all _UNSET
+        self._slot = np.empty(0, dtype=np.int64)  # scratch for _first_new, all _UNSET
         self._max_rows = max_rows
         self._seen: Dict[str, torch.Tensor] = {}
         self._start: Optional[int] = None
@@ -65,27 +68,26 @@ class WindowFilter:
             bitmap = self._seen[fqn] = grown
         return bitmap
 
-    def _first_new(self, ids: torch.Tensor, bitmap: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Positions in ``ids`` (ascending) of the first occurrence of each id not set in
-        ``bitmap``, and those ids."""
-        pos = (~bitmap.index_select(0, ids)).nonzero().squeeze(1)
-        cand = ids.index_select(0, pos)
-        if pos.numel() == 0:
+    def _first_new(self, ids: np.ndarray, bitmap: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Positions in ``ids`` (int64, each in ``[0, len(bitmap))``), ascending, of the first
+        occurrence of each id not set in ``bitmap``, and those ids."""
+        pos = np.flatnonzero(~bitmap[ids])
+        cand = ids[pos]
+        if pos.size == 0:
             return pos, cand
-        if bitmap.numel() > self._SLOT_ROWS:  # sparse fallback: sort the candidates
-            _, first = first_or_last(cand, UpdateMode.FIRST)
-            first = first.sort().values
-            return pos.index_select(0, first), cand.index_select(0, first)
-        if self._slot.numel() < bitmap.numel():
-            self._slot = torch.full((bitmap.numel(),), self._UNSET, dtype=torch.int64)
+        if bitmap.size > self._SLOT_ROWS:  # sparse fallback: sort the candidates
+            _, first = np.unique(cand, return_index=True)  # (the index of each id's first occurrence)
+            first.sort()
+            return pos[first], cand[first]
+        if self._slot.size < bitmap.size:
+            self._slot = np.full(bitmap.size, self._UNSET, dtype=np.int64)
         slot = self._slot  # direct-address table: first position per id, linear time
-        slot.scatter_reduce_(0, cand, pos, reduce="amin", include_self=True)
-        first = slot.index_select(0, cand) == pos
-        slot.index_fill_(0, cand, self._UNSET)  # back to unset, touching only these ids
-        if bool(first.all()):
+        np.minimum.at(slot, cand, pos)
+        first = slot[cand] == pos
+        slot[cand] = self._UNSET  # back to unset, touching only these ids
+        if first.all():
             return pos, cand
-        first = first.nonzero().squeeze(1)
-        return pos.index_select(0, first), cand.index_select(0, first)
+        return pos[first], cand[first]
 
     def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
         """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
@@ -110,16 +112,19 @@ class WindowFilter:
             if r.batch_idx < start:
                 out.append(r)
                 continue
-            if n == 0 or r.ids.device.type != "cpu" or int(r.ids.max()) + 1 > self._max_rows:
+            ids_np = None
+            if n and r.ids.device.type == "cpu":
+                ids_np = (r.ids if r.ids.dtype == torch.int64 else r.ids.long()).numpy()
+            top = 0 if ids_np is None else int(ids_np.max()) + 1
+            if ids_np is None or top > self._max_rows or ids_np.min() < 0:
                 # written whole, but it still carries the window start: a reader positioned at
                 # this batch must start at the window (records of the batch it joins may be
                 # filtered)
                 out.append(AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, start, r.unique))
                 continue
-            top = int(r.ids.max()) + 1
-            ids = r.ids if r.ids.dtype == torch.int64 else r.ids.long()
             bitmap = self._bitmap(r.fqn, top)
-            keep, ids = self._first_new(ids, bitmap)
+            keep_np, ids_np = self._first_new(ids_np, bitmap.numpy())
+            keep, ids = torch.from_numpy(keep_np), torch.from_numpy(ids_np)
             if keep.numel() == n:
                 r = AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, window_start=start, unique=True)
             else:
@@ -129,8 +134,8 @@ class WindowFilter:
                 states = None if r.states is None else r.states.index_select(0, keep)
                 kept = ids if r.ids.dtype == torch.int64 else ids.to(r.ids.dtype)
                 r = AppendRecord(r.batch_idx, r.fqn, kept, states, r.kind, start, unique=True)
-            if ids.numel():
-                bitmap.index_fill_(0, ids, True)
+            if ids_np.size:
+                bitmap.numpy()[ids_np] = True
                 marked.append((r.fqn, ids))
             out.append(r)
         self.rows_dropped += dropped

@@ -286,3 +286,45 @@ def test_the_writer_thread_keeps_its_own_torch_threads_and_leaves_the_others(tmp
         log.close()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("slot_rows", [1 << 22, 8])  # direct-address dedup, and the sort fallback
+def test_window_first_new_keeps_each_unseen_ids_first_position(slot_rows):
+    """Against a plain reference: ascending positions of each id's first occurrence, ids
+    already in the window left out, the scratch table left all unset for the next call."""
+    import numpy as np
+
+    g = np.random.default_rng(7)
+    window = WindowFilter(UpdateMode.FIRST)
+    window._SLOT_ROWS = slot_rows
+    for rows, n in ((50, 400), (1000, 300), (100_000, 8192), (7, 1), (7, 0)):
+        ids = g.zipf(1.3, n).astype(np.int64) % rows
+        bitmap = g.random(rows) < 0.3
+        pos, cand = window._first_new(ids, bitmap)
+        want_pos, seen = [], set()
+        for i, x in enumerate(ids.tolist()):
+            if not bitmap[x] and x not in seen:
+                seen.add(x)
+                want_pos.append(i)
+        assert pos.tolist() == want_pos, (rows, n)
+        assert cand.tolist() == [int(ids[i]) for i in want_pos]
+        if window._slot.size:
+            assert (window._slot == WindowFilter._UNSET).all()
+
+
+def test_window_never_filters_a_negative_id_away(tmp_path):
+    """A negative id is invalid input: the record reaches the codec's check whole (a typed
+    error), instead of being read as another row of the window's table (-1 as the last) and
+    dropped as already recorded."""
+    from persistent_delta.errors import InvalidInputError
+
+    mode = UpdateMode.NONE
+    log = log_with_consumer(str(tmp_path / "log"), mode)
+    window = WindowFilter(mode)
+    commit_tasks(log, mode, [WriteTask(records=[AppendRecord(1, "t", torch.tensor([9, 3]))])], window)
+    with pytest.raises(InvalidInputError, match="non-negative"):
+        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(2, "t", torch.tensor([4, -1]))], dedup=False)], window)
+    commit_tasks(log, mode, [WriteTask(records=[AppendRecord(3, "t", torch.tensor([4, 9]))])], window)
+    got = log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)])
+    assert got == [[9, 3], [4]]  # the failed batch left nothing in the window
+    log.close()
