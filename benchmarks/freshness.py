@@ -31,7 +31,13 @@ Phases, each printing one JSON line:
 * ``cost_trainer``: as ``cost``, with the replica stopped (SIGSTOP) during every timed block
   and continued for the wait: what publishing costs the training process alone (its
   ``publish()`` calls and its writer thread), the replica's CPU per publish reported beside
-  (a serving replica runs on other hosts).
+  (a serving replica runs on other hosts). A fifth variant, ``floor``, is a model like ``a``
+  that does, at the same steps, only what any durable publish of these rows must do, without
+  the library: gather the rows of the last 10 steps' ids (precomputed from the batches,
+  outside the timing) into reused buffers, then on a background thread CRC32C them, put them
+  into a plain LMDB environment (no sync, as the library's default) and delete the previous
+  ones, one transaction per publish. ``floor/a`` is the cost of a publish's bytes alone on
+  this machine; ``publish/floor`` what the library adds to it.
 * ``cost_shared``: the same without the wait: the replica competes for the trainer's two
   cores throughout (what a replica on the training host costs).
 * ``every1`` and ``every10``: one model publishing every step / every 10 steps while it
@@ -225,8 +231,87 @@ def _replica_behind(log: Any) -> bool:
     return bool(log.read(look))
 
 
+class CopyFloor:
+    """The least a durable publish of a model's rows costs: the gather of the rows changed in
+    the last ``every`` steps into reused buffers (in the caller's thread), then a CRC32C and a
+    plain LMDB put of each table's bytes, and the delete of the previous publish's, in one
+    transaction on a background thread (phase ``cost_trainer``, variant ``floor``). No tracker
+    involved: the ids are the batches' own, unique per table, computed here once."""
+
+    def __init__(self, root: str, dmp: Any, batches: List[Any], every: int = 10) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import lmdb
+        import torch
+
+        from benchmarks._model import _local_weights
+
+        w = _workload()
+        span = w.batch * w.pooling  # ids of one table in a batch (fixed pooling)
+        self.weights = [t for _, t in sorted(_local_weights(dmp).items())]
+        assert all(int(t.shape[0]) == w.rows for t in self.weights), "one rank holds every row"
+        self.ids: Dict[int, List[Any]] = {}  # done % len(batches) at a publish -> unique ids per table
+        for end in range(len(batches)):
+            recent = [batches[(end - k) % len(batches)] for k in range(1, every + 1)]
+            self.ids[end] = [torch.unique(torch.cat([b.values[t * span:(t + 1) * span] for b in recent]))
+                             for t in range(w.num_tables)]
+        self.path = os.path.join(root, "floor")
+        os.makedirs(self.path, exist_ok=True)
+        self.env = lmdb.open(self.path, map_size=1 << 36, sync=False, metasync=False, subdir=True)
+        self.bufs: List[Any] = [None] * len(self.weights)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="copy-floor")
+        self.pending: Any = None
+        self.stamp = 0
+        self.store_s = self.store_cpu_s = 0.0  # the background thread's, wall and CPU
+
+    def publish(self, done: int) -> None:
+        import torch
+
+        if self.pending is not None:  # its buffers are about to be reused (the library's rule too)
+            self.pending.result()
+        payload = []
+        for t, (weight, ids) in enumerate(zip(self.weights, self.ids[done % len(self.ids)])):
+            n, row = int(ids.numel()), int(weight.shape[1]) * weight.element_size()
+            size = n * (8 + row)
+            buf = self.bufs[t]
+            if buf is None or buf.numel() < size:
+                buf = self.bufs[t] = torch.empty(int(size * 1.25), dtype=torch.uint8)
+            buf[:n * 8].view(torch.int64).copy_(ids)
+            torch.index_select(weight, 0, ids, out=buf[n * 8:size].view(weight.dtype).view(n, -1))
+            payload.append(buf[:size])
+        self.pending = self.pool.submit(self._store, self.stamp, payload)
+        self.stamp += 1
+
+    def _store(self, stamp: int, payload: List[Any]) -> None:
+        import struct
+
+        import crc32c
+
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with self.env.begin(write=True) as txn:
+            for t, buf in enumerate(payload):
+                value = memoryview(buf.numpy())
+                crc32c.crc32c(value)
+                txn.put(struct.pack(">IQ", t, stamp), value)
+                if stamp:
+                    txn.delete(struct.pack(">IQ", t, stamp - 1))
+        self.store_s += time.perf_counter() - t0
+        self.store_cpu_s += time.thread_time() - c0
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.flush()
+        self.pool.shutdown()
+        self.env.close()
+
+
 def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
-             read_threads: Optional[int] = None, shared: bool = False, paused: bool = False) -> Dict[str, Any]:
+             read_threads: Optional[int] = None, shared: bool = False, paused: bool = False,
+             floor: bool = False) -> Dict[str, Any]:
     """Throughput of publishing every 10 steps against never-read models, in interleaved blocks
     in a shuffled order each round (a fixed rotation would always put the same variant after
     ``publish``). ``shared`` False (phase ``cost``): after each block the trainer waits, untimed,
@@ -236,7 +321,27 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     ``cost_shared``): no wait; the replica competes for the trainer's 2 cores throughout.
     ``paused`` (phase ``cost_trainer``): the replica is stopped (SIGSTOP) during every timed
     block and continued (SIGCONT) for the untimed wait: what publishing costs the trainer's
-    process alone, the replica's CPU reported beside (it runs on other hosts)."""
+    process alone, the replica's CPU reported beside (it runs on other hosts). ``floor``: a
+    fifth variant, a model like ``a`` doing a :class:`CopyFloor` publish at the same steps."""
+    phase = "cost_shared" if shared else "cost_trainer" if paused else "cost"
+    variants = ("publish", "read", "a", "b") + (("floor",) if floor else ())
+    roots = {v: workdir(f"cost-{v}") for v in variants}
+    models = {v: _tracked(roots[v], seed=1) for v in variants}
+    floor_root = workdir("cost-floor-lmdb")
+    copies = CopyFloor(floor_root, models["floor"][0], batches) if floor else None
+    replica = Replica(roots["publish"], nice=replica_nice, read_threads=read_threads)
+    try:
+        return _run_cost(phase, rounds, block, batches, variants, models, replica, copies, shared, paused,
+                         replica_nice, read_threads, roots, floor_root)
+    finally:
+        if replica.proc.poll() is None:  # an error above: never leave the replica running
+            replica.proc.kill()
+            replica.proc.wait()
+
+
+def _run_cost(phase: str, rounds: int, block: int, batches: List[Any], variants: Any, models: Dict[str, Any],
+              replica: "Replica", copies: Optional[CopyFloor], shared: bool, paused: bool, replica_nice: int,
+              read_threads: Optional[int], roots: Dict[str, str], floor_root: str) -> Dict[str, Any]:
     import random
     import signal
 
@@ -244,17 +349,13 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
     from persistent_delta.layout import rank_dir
     from persistent_delta.log import DeltaLog
 
-    phase = "cost_shared" if shared else "cost_trainer" if paused else "cost"
-    variants = ("publish", "read", "a", "b")
-    roots = {v: workdir(f"cost-{v}") for v in variants}
-    models = {v: _tracked(roots[v], seed=1) for v in variants}
-    replica = Replica(roots["publish"], nice=replica_nice, read_threads=read_threads)
     watch = None if shared else DeltaLog(rank_dir(roots["publish"], 0), readonly=True)
     done = {v: 0 for v in variants}
     round_s: List[Dict[str, float]] = []
     shuffle = random.Random(14)
     warm = 1
     settle_s = 0.0
+    calls: Dict[str, List[float]] = {}  # variant -> seconds of each publish call (publish, floor)
     for r in range(warm + rounds):
         order = list(variants)
         shuffle.shuffle(order)
@@ -270,10 +371,19 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
                 # mid-period (step 5 of every 10), so that the writer's and the replica's work of
                 # every publish lands inside a timed block, not in the untimed wait after it
                 if v == "publish" and done[v] % 10 == 5:
+                    t1 = time.perf_counter()
                     tracker.publish(CONSUMER)
+                    calls.setdefault(v, []).append(time.perf_counter() - t1)
                 elif v == "read" and done[v] % 10 == 5:
                     tracker.get_unique_ids(CONSUMER)
+                elif v == "floor" and done[v] % 10 == 5:
+                    assert copies is not None
+                    t1 = time.perf_counter()
+                    copies.publish(done[v])
+                    calls.setdefault(v, []).append(time.perf_counter() - t1)
             spent[v] = time.perf_counter() - t0
+            if copies is not None and v == "floor":
+                copies.flush()  # untimed, as the publish variant's wait below
             if paused:
                 replica.proc.send_signal(signal.SIGCONT)
             if v == "publish" and not shared:
@@ -291,8 +401,21 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
                 {k: round(1e3 * x / block, 1) for k, x in spent.items()})
     if watch is not None:
         watch.close()
+    # the writer thread's wall time in its transactions, per 10 steps (warm-up round included)
+    writer_ms = {v: 1e4 * models[v][1].stats().get("commit_time_s", 0.0) / max(1, done[v]) for v in variants}
     for v in variants:
         models[v][1].close()
+    floor_fields: Dict[str, Any] = {}
+    if copies is not None:
+        copies.close()
+        floor_fields = dict(
+            floor_over_unread_median=median([s["floor"] / s["a"] for s in round_s]),
+            publish_over_floor_median=median([s["publish"] / s["floor"] for s in round_s]),
+            floor_ratios=sorted(s["floor"] / s["a"] for s in round_s),
+            floor_call_ms_median=1e3 * median(calls.get("floor", [0.0])),
+            floor_store_ms_per_publish=1e3 * copies.store_s / max(1, copies.stamp),
+            floor_store_cpu_ms_per_publish=1e3 * copies.store_cpu_s / max(1, copies.stamp))
+    rmtree(floor_root)
     rep = replica.finish()
     for root in roots.values():
         rmtree(root)
@@ -307,7 +430,8 @@ def run_cost(rounds: int, block: int, batches: List[Any], replica_nice: int = 0,
         step_mean_ms={v: 1e3 * sum(s[v] for s in round_s) / (block * len(round_s)) for v in variants},
         replica_cpu_share=rep["cpu_s"] / max(1e-9, rep["wall_s"]), replica_publishes=publishes,
         replica_cpu_ms_per_publish=1e3 * rep["cpu_s"] / max(1, publishes),
-        settle_wait_s=settle_s, machine=machine(),
+        publish_call_ms_median=1e3 * median(calls.get("publish", [0.0])), writer_ms_per_10_steps=writer_ms,
+        settle_wait_s=settle_s, **floor_fields, machine=machine(),
     )
 
 
@@ -349,7 +473,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "cost" in phases:
         run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads)
     if "cost_trainer" in phases:
-        run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, paused=True)
+        run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, paused=True,
+                 floor=True)
     if "cost_shared" in phases:
         run_cost(args.rounds, args.block, batches, args.replica_nice, args.replica_read_threads, shared=True)
     if "every1" in phases:
