@@ -15,6 +15,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import delivery
 from persistent_delta.log import WriteTxn
 from persistent_delta.records import AppendRecord
+from persistent_delta.rows import first_or_last
 
 
 class WindowFilter:
@@ -75,9 +76,9 @@ class WindowFilter:
         cand = ids[pos]
         if pos.size == 0:
             return pos, cand
-        if bitmap.size > self._SLOT_ROWS:  # sparse fallback: sort the candidates
-            _, first = np.unique(cand, return_index=True)  # (the index of each id's first occurrence)
-            first.sort()
+        if bitmap.size > self._SLOT_ROWS:  # sparse fallback: the FIRST rule's own (it sorts)
+            _, first = first_or_last(torch.from_numpy(cand), UpdateMode.FIRST)
+            first = np.sort(first.numpy())
             return pos[first], cand[first]
         if self._slot.size < bitmap.size:
             self._slot = np.full(bitmap.size, self._UNSET, dtype=np.int64)
