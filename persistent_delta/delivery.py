@@ -51,15 +51,25 @@ The merged record says which batches it covers, so a position that later lands i
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple, TypeVar
 
+import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import codec
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import ConsumerConflictError, InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.records import compact_range, delete_below, last_appended, log_start, read_unique, snapshot_start
+from persistent_delta.records import (
+    AppendRecord,
+    compact_range,
+    delete_below,
+    last_appended,
+    log_start,
+    read_unique,
+    snapshot_start,
+)
+from persistent_delta.rows import unique_ids
 from persistent_delta.schema import (
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
@@ -404,7 +414,7 @@ def consume(
     logged.
 
     The same rule in two transactions (a read now, the commit later, as ``publish()`` does):
-    :func:`consume_read` then :func:`consume_commit`.
+    :func:`consume_read_ids` then :func:`consume_commit`.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
@@ -417,15 +427,33 @@ def consume(
     return rows
 
 
-def consume_read(r: ReadTxn, name: str, mode: UpdateMode) -> Tuple[ConsumerEntry, Dict[str, UniqueRows]]:
-    """The read half of :func:`consume`: the consumer's entry and its rows, read in ``r``;
-    nothing is written. Commit it with :func:`consume_commit` and that entry.
+def consume_read_ids(
+    r: ReadTxn, name: str, pending: Sequence[AppendRecord] = ()
+) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
+    """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
+    read), in ``r``, nothing written: for a reader that takes the rows' current values instead
+    (a publish). Commit it with :func:`consume_commit` and the entry returned.
+
+    ``pending``: lookups records handed to the writer but not committed yet, read too. The
+    writer must commit them before this read's :func:`consume_commit` (in the same transaction
+    or an earlier one), so that the read need not wait for them. A pending record may also be in the log already (its
+    ids count once); side records and records below the consumer's position are not read.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
     entry = _lookups_consumer(r, name)
-    return entry, read_unique(r, mode, from_idx=read_start(r, entry.offset))
+    out = {fqn: rows.ids for fqn, rows in read_unique(r, UpdateMode.NONE, from_idx=read_start(r, entry.offset)).items()}
+    extra: Dict[str, List[torch.Tensor]] = {}
+    for rec in pending:
+        if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= entry.offset and rec.ids.numel():
+            extra.setdefault(rec.fqn, []).append(rec.ids)
+    for fqn, parts in extra.items():
+        have = out.get(fqn)
+        if have is not None and have.numel():
+            parts = [have] + [p.to(have.dtype) for p in parts]
+        out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return entry, out
 
 
 def consume_commit(
@@ -440,7 +468,7 @@ def consume_commit(
     bound: Optional[RetentionBound] = None,
 ) -> None:
     """The write half of :func:`consume`: commit ``end`` as ``name``'s position after a
-    :func:`consume_read` that returned ``read``, compacting and applying retention as
+    :func:`consume_read_ids` that returned ``read``, compacting and applying retention as
     :func:`consume` does.
 
     Raises:

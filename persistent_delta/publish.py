@@ -12,11 +12,13 @@ deleted once every snapshots consumer has committed past them.
 
 A publish runs in two parts:
 
-* :func:`capture`, in the training thread, once everything recorded so far is committed: reads
-  the consumer's rows (a read transaction, nothing written) and gathers their values straight
-  into encoded snapshot records (one copy of the row bytes, into buffers the tracker reuses
-  from publish to publish; the checksum is left to the writer). The values are those of the moment
-  of the call; training may change the tables as soon as it returns.
+* :func:`capture`, in the training thread: reads the ids of the consumer's rows (a read
+  transaction, nothing written), adding those of the steps handed to the writer and not yet
+  committed (``pending``; the tracker waits for the writer instead only when its queue holds
+  a log operation or device copies), and gathers their values straight into encoded snapshot
+  records (one copy of the row bytes, into buffers the tracker reuses from publish to publish;
+  the checksum is left to the writer). The values are those of the moment of the call;
+  training may change the tables as soon as it returns.
 * :func:`commit`, in the writer's transaction (or at once without a background writer): moves
   the consumer past the rows read, writes the records and the new snapshot end, and applies
   retention -- all in one transaction, so a crash leaves either the whole publish or none of
@@ -26,13 +28,14 @@ A publish runs in two parts:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import codec, delivery
 from persistent_delta.config import RetentionBound
 from persistent_delta.log import ReadTxn, WriteTxn
+from persistent_delta.records import AppendRecord
 from persistent_delta.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
 from persistent_delta.sharding import LocalTable
 
@@ -58,11 +61,15 @@ BUFFER_HEADROOM = 1.25  # a new reusable buffer is this much larger than the rec
 
 
 def capture(
-    r: ReadTxn, name: str, end: int, stamp: int, mode: UpdateMode, tables: Dict[str, LocalTable], publish_time: float,
-    buffers: Optional[Dict[str, bytearray]] = None,
+    r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
+    buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (),
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
+
+    ``pending``: lookups records handed to the writer and not committed yet; their rows are
+    unread too (:func:`persistent_delta.delivery.consume_read_ids`). The :func:`commit` must
+    run after the writer committed them, with no log operation in between.
 
     ``buffers`` (fqn -> buffer, kept by the caller across publishes): encode each table's
     record into its buffer, replaced by a larger one (``BUFFER_HEADROOM``) when too small, so
@@ -74,11 +81,10 @@ def capture(
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
-    entry, rows = delivery.consume_read(r, name, mode)
+    entry, unread = delivery.consume_read_ids(r, name, pending)
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
-    for fqn, unique in rows.items():
-        ids = unique.ids
-        if ids.numel() == 0 or fqn not in tables or r.table(fqn) is None:
+    for fqn, ids in unread.items():
+        if ids.numel() == 0 or fqn not in tables:
             continue
         weights = tables[fqn].weights()
         into = None

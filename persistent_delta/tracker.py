@@ -28,12 +28,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from persistent_delta import delivery, publish, restore, topk
 from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.capture import unregister_hooks
+from persistent_delta.codec import SIDE_KINDS
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
 from persistent_delta.lmdbenv import ConsumerClaims
 from persistent_delta.log import DeltaLog, ReadTxn
+from persistent_delta.records import AppendRecord
 from persistent_delta.schema import (
     LOOKUPS,
     META_CLOSED_END,
@@ -171,6 +173,19 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hand_off(self._take_batch())
         self._settle()
 
+    def _unsettled(self) -> List[AppendRecord]:
+        """The records handed to the writer and not committed yet, for a read that adds them to
+        the log's instead of waiting (publish); or, after waiting for the writer (:meth:`_settle`),
+        none. It waits when the queue holds a log operation (an earlier publish's commit: its
+        record buffers are still in use, and it moves the consumer), device copies in flight,
+        or a negative id (the writer rejects it: the wait raises its error)."""
+        pending = None if self._writer is None else self._writer.pending_records()
+        if pending is None or any(r.kind not in SIDE_KINDS and r.ids.numel() and r.ids.numpy().min() < 0
+                                  for r in pending):
+            self._settle()
+            return []
+        return pending
+
     def _settle(self) -> None:
         """Wait until the writer committed what it was handed (a queued publish moves its
         consumer only when the writer commits it); records of the open batch stay captured."""
@@ -252,10 +267,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them (and the
         consumer's position) in one transaction in the background (``flush()`` waits)."""
         name, t = check_consumer_name(consumer), time.time()
-        self._commit_recorded()
+        self._check()
+        self._hand_off(self._take_batch())
+        pending = self._unsettled()
         end, stamp, mode = self.curr_batch_idx + 1, self.curr_batch_idx, self._update_mode
-        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, mode, self._tables, t,
-                                                       self._publish_buffers))
+        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
+                                                       self._publish_buffers, pending))
         self._hand_off(self._take_batch(op=lambda w: publish.commit(w, cap, mode, **self._read_rule),
                                         op_bytes=cap.nbytes, prompt=True))
         return cap.rows

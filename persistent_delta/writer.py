@@ -124,7 +124,7 @@ class BackgroundWriter:
         self._cv = threading.Condition()
         self._queue: Deque[WriteTask] = collections.deque()
         self._pending_bytes = 0
-        self._inflight = 0  # tasks taken by the writer, not yet committed
+        self._inflight: List[WriteTask] = []  # tasks taken by the writer, not yet committed
         self._urgent = 0  # threads waiting for the writer (barrier, backpressure): no lingering
         self._after_barrier = False  # the next transaction commits without lingering (see _linger)
         self._error: Optional[BaseException] = None
@@ -186,7 +186,7 @@ class BackgroundWriter:
             return False  # always admit one task, however large
         return (
             self._pending_bytes + incoming > self._opts.max_pending_bytes
-            or len(self._queue) + self._inflight >= self._opts.max_pending_steps
+            or len(self._queue) + len(self._inflight) >= self._opts.max_pending_steps
         )
 
     def barrier(self) -> None:
@@ -205,6 +205,24 @@ class BackgroundWriter:
                 self._urgent -= 1
                 self._after_barrier = True
             self._raise_if_failed()
+
+    def pending_records(self) -> Optional[List[AppendRecord]]:
+        """The records submitted and not yet committed (those of the transaction in flight,
+        then the queued ones), for a reader that adds them to what the log holds instead of
+        waiting for them (a publish's capture: the tasks it submits next commit after these).
+        None when one of those tasks carries a log operation (it may move a consumer) or
+        device copies in flight: wait with :meth:`barrier` then. The records are the caller's
+        to read only.
+
+        Raises:
+            WriterError: a commit failed.
+        """
+        with self._cv:
+            self._raise_if_failed()
+            tasks = self._inflight + list(self._queue)
+            if any(t.op is not None or t.events for t in tasks):
+                return None
+            return [r for t in tasks for r in t.records]
 
     def resume(self) -> None:
         """After a failure (e.g. disk full, once space is back): retry the failed tasks."""
@@ -227,7 +245,7 @@ class BackgroundWriter:
         """Queue depth and bytes, commits, bytes written, longest submit wait, commit/op time."""
         with self._cv:
             out = dict(self._stats)
-            out["queue_depth"] = len(self._queue) + self._inflight
+            out["queue_depth"] = len(self._queue) + len(self._inflight)
             out["queue_bytes"] = self._pending_bytes
             out["failed"] = self._error is not None
             return out
@@ -260,20 +278,22 @@ class BackgroundWriter:
                     return
                 tasks = list(self._queue)
                 self._queue.clear()
-                self._inflight = len(tasks)
+                self._inflight = tasks
             try:
                 self._commit(tasks)
             except BaseException as exc:  # noqa: BLE001 - reported to the training thread
                 logger.error("persistent_delta writer for %s failed: %s", self._log.path, exc)
                 with self._cv:
                     self._queue.extendleft(reversed(tasks))
-                    self._inflight = 0
+                    self._inflight = []
                     self._error = exc
                     self._cv.notify_all()
                 continue
             with self._cv:
-                self._inflight = 0
+                self._inflight = []
                 self._pending_bytes -= sum(t.nbytes for t in tasks)
+                if any(t.op is not None and t.prompt for t in tasks):
+                    self._after_barrier = True  # a read's commit (a publish's) may have deleted: see _linger
                 self._cv.notify_all()
 
     def _linger(self) -> None:
@@ -282,7 +302,8 @@ class BackgroundWriter:
             return
         if self._after_barrier:
             # A barrier usually precedes a read that deletes (delete_on_read) in its own
-            # transaction. LMDB cannot reuse pages freed by the latest transaction in the very
+            # transaction, and a prompt log operation (a publish's commit) may have deleted in
+            # the last one. LMDB cannot reuse pages freed by the latest transaction in the very
             # next one, so a large next transaction would grow the file by its whole size
             # (measured: 1.96x peak live data instead of 1.19x). Keep that one small.
             self._after_barrier = False

@@ -328,3 +328,43 @@ def test_window_never_filters_a_negative_id_away(tmp_path):
     got = log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)])
     assert got == [[9, 3], [4]]  # the failed batch left nothing in the window
     log.close()
+
+
+def test_pending_records_are_the_uncommitted_ones_until_an_op_is_queued(tmp_path):
+    """What a publish reads instead of waiting: the records submitted and not committed, in
+    order; None once a task with a log operation is queued (it may move a consumer)."""
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0))
+    recs = [AppendRecord(b, "t", torch.tensor([b, b + 1])) for b in range(3)]
+    for r in recs:
+        writer.submit(WriteTask(records=[r]))
+    time.sleep(0.2)
+    assert _committed(log) == []  # lingering: nothing in the log yet
+    assert writer.pending_records() == recs
+    writer.submit(WriteTask(records=[AppendRecord(3, "t", torch.tensor([9]))], op=lambda w: None))
+    assert writer.pending_records() is None
+    writer.barrier()
+    assert _committed(log) == [0, 1, 2, 3] and writer.pending_records() == []
+    writer.close()
+
+
+def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
+    from persistent_delta.codec import KIND_RAW_IDS
+
+    log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
+    log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(2, "lookups", Delivery.IN_TRANSACTION)))
+    for b, ids in ((1, [50, 51]), (2, [5, 7]), (3, [7, 3])):
+        commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(b, "t", torch.tensor(ids))])])
+    pending = [
+        AppendRecord(1, "t", torch.tensor([60])),  # below the consumer's position: read already
+        AppendRecord(3, "t", torch.tensor([3, 5])),  # also in the log (a commit in flight): once
+        AppendRecord(4, "t", torch.tensor([11, 2, 11])),
+        AppendRecord(4, "u", torch.tensor([4])),  # a table the log does not hold yet
+        AppendRecord(4, "t", torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.int64), kind=KIND_RAW_IDS),
+    ]
+    entry, ids = log.read(lambda r: delivery.consume_read_ids(r, "a", pending))
+    assert entry.offset == 2
+    assert ids["t"].tolist() == [2, 3, 5, 7, 11] and ids["u"].tolist() == [4]
+    _, alone = log.read(lambda r: delivery.consume_read_ids(r, "a"))
+    assert alone["t"].tolist() == [3, 5, 7] and "u" not in alone
+    log.close()
