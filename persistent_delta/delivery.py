@@ -443,16 +443,15 @@ def consume_read_ids(
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
     entry = _lookups_consumer(r, name)
-    out = {fqn: rows.ids for fqn, rows in read_unique(r, UpdateMode.NONE, from_idx=read_start(r, entry.offset)).items()}
     extra: Dict[str, List[torch.Tensor]] = {}
     for rec in pending:
         if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= entry.offset and rec.ids.numel():
             extra.setdefault(rec.fqn, []).append(rec.ids)
-    for fqn, parts in extra.items():
-        have = out.get(fqn)
-        if have is not None and have.numel():
-            parts = [have] + [p.to(have.dtype) for p in parts]
-        out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
+    rows = read_unique(r, UpdateMode.NONE, from_idx=read_start(r, entry.offset), extra_ids=extra)
+    out = {fqn: u.ids for fqn, u in rows.items()}
+    for fqn, parts in extra.items():  # tables the pending records create
+        if fqn not in out:
+            out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
     return entry, out
 
 

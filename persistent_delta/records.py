@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, UpdateMode
@@ -206,12 +206,16 @@ def plan_unique(
     listed_only: bool = True,
     channel: str = LOOKUPS,
     memo: Optional[IdMemo] = None,
+    extra_ids: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
 ) -> Dict[str, TablePlan]:
     """:func:`read_unique` up to the copy of the rows: per table, a :class:`TablePlan` whose
     rows view the map (finish it inside ``r``)."""
+    if extra_ids and mode != UpdateMode.NONE:
+        raise ValueError("extra_ids: ids-only reads (UpdateMode.NONE) only")
     out: Dict[str, TablePlan] = {}
     for fqn, entry in r.tables().items():
-        if listed_only and not entry.listed:
+        more = extra_ids.get(fqn, ()) if extra_ids else ()
+        if listed_only and not entry.listed and not more:
             continue
         if tables is not None and fqn not in tables:
             continue
@@ -229,6 +233,7 @@ def plan_unique(
                     raise CorruptRecordError(
                         f"table {fqn!r}: records of states {typed} and {(rec.states_dtype, rec.states_tail)}")
                 rows.append(codec.from_view(rec.rows))
+        ids.extend(more)
         if not ids:
             out[fqn] = TablePlan(None, empty=empty_rows(entry, mode, channel))
             continue
@@ -246,13 +251,16 @@ def read_unique(
     listed_only: bool = True,
     channel: str = LOOKUPS,
     memo: Optional[IdMemo] = None,
+    extra_ids: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
 ) -> Dict[str, UniqueRows]:
     """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
 
     A table with no records in range gets :func:`empty_rows`. Results own their memory.
     ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
+    ``extra_ids`` (``UpdateMode.NONE`` only): more ids per table of the log, counted with its
+    records' (a table not listed is read when it has some; fqns the log lacks are ignored).
     """
-    plans = plan_unique(r, mode, from_idx, end_idx, tables, listed_only, channel, memo)
+    plans = plan_unique(r, mode, from_idx, end_idx, tables, listed_only, channel, memo, extra_ids)
     return {fqn: p.finish() for fqn, p in plans.items()}
 
 
