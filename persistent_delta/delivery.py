@@ -449,7 +449,7 @@ def consume_read_ids(
             extra.setdefault(rec.fqn, []).append(rec.ids)
     rows = read_unique(r, UpdateMode.NONE, from_idx=read_start(r, entry.offset), extra_ids=extra)
     out = {fqn: u.ids for fqn, u in rows.items()}
-    for fqn, parts in extra.items():  # tables the pending records create
+    for fqn, parts in extra.items():  # tables the pending records create, or list again
         if fqn not in out:
             out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
     return entry, out

@@ -214,8 +214,7 @@ def plan_unique(
         raise ValueError("extra_ids: ids-only reads (UpdateMode.NONE) only")
     out: Dict[str, TablePlan] = {}
     for fqn, entry in r.tables().items():
-        more = extra_ids.get(fqn, ()) if extra_ids else ()
-        if listed_only and not entry.listed and not more:
+        if listed_only and not entry.listed:
             continue
         if tables is not None and fqn not in tables:
             continue
@@ -233,7 +232,8 @@ def plan_unique(
                     raise CorruptRecordError(
                         f"table {fqn!r}: records of states {typed} and {(rec.states_dtype, rec.states_tail)}")
                 rows.append(codec.from_view(rec.rows))
-        ids.extend(more)
+        if extra_ids:
+            ids.extend(extra_ids.get(fqn, ()))
         if not ids:
             out[fqn] = TablePlan(None, empty=empty_rows(entry, mode, channel))
             continue
@@ -257,8 +257,8 @@ def read_unique(
 
     A table with no records in range gets :func:`empty_rows`. Results own their memory.
     ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
-    ``extra_ids`` (``UpdateMode.NONE`` only): more ids per table of the log, counted with its
-    records' (a table not listed is read when it has some; fqns the log lacks are ignored).
+    ``extra_ids`` (``UpdateMode.NONE`` only): more ids per table, counted with its records'
+    (those of tables not read, as unlisted ones or fqns the log lacks, are ignored).
     """
     plans = plan_unique(r, mode, from_idx, end_idx, tables, listed_only, channel, memo, extra_ids)
     return {fqn: p.finish() for fqn, p in plans.items()}

@@ -368,3 +368,17 @@ def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
     _, alone = log.read(lambda r: delivery.consume_read_ids(r, "a"))
     assert alone["t"].tolist() == [3, 5, 7] and "u" not in alone
     log.close()
+
+
+def test_consume_read_ids_reads_pending_records_of_a_table_no_longer_listed(tmp_path):
+    """After delete(None) a table is unlisted until its next append: a pending record is that
+    append, so its ids are unread rows."""
+    from persistent_delta.records import delete_below
+
+    log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
+    commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(1, "t", torch.tensor([1, 2]))])])
+    log.write(lambda w: delete_below(w, None))
+    assert not log.read(lambda r: r.table("t").listed)
+    _, ids = log.read(lambda r: delivery.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
+    assert ids["t"].tolist() == [4, 9]
+    log.close()
