@@ -434,20 +434,22 @@ def consume_read_ids(
     read), in ``r``, nothing written: for a reader that takes the rows' current values instead
     (a publish). Commit it with :func:`consume_commit` and the entry returned.
 
-    ``pending``: lookups records handed to the writer but not committed yet, read too. The
-    writer must commit them before this read's :func:`consume_commit` (in the same transaction
-    or an earlier one), so that the read need not wait for them. A pending record may also be in the log already (its
-    ids count once); side records and records below the consumer's position are not read.
+    ``pending``: lookups records handed to the writer but not committed yet, read by the same
+    rule as the log's (from :func:`read_start`; side records are not read). The writer must
+    commit them before this read's :func:`consume_commit` (in the same transaction or an
+    earlier one), so that the read need not wait for them. A pending record may also be in the
+    log already (a commit in flight): its ids count once.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
     entry = _lookups_consumer(r, name)
+    start = read_start(r, entry.offset)
     extra: Dict[str, List[torch.Tensor]] = {}
     for rec in pending:
-        if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= entry.offset and rec.ids.numel():
+        if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= start and rec.ids.numel():
             extra.setdefault(rec.fqn, []).append(rec.ids)
-    rows = read_unique(r, UpdateMode.NONE, from_idx=read_start(r, entry.offset), extra_ids=extra)
+    rows = read_unique(r, UpdateMode.NONE, from_idx=start, extra_ids=extra)
     out = {fqn: u.ids for fqn, u in rows.items()}
     for fqn, parts in extra.items():  # tables the pending records create, or list again
         if fqn not in out:

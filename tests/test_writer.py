@@ -356,7 +356,7 @@ def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
     for b, ids in ((1, [50, 51]), (2, [5, 7]), (3, [7, 3])):
         commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(b, "t", torch.tensor(ids))])])
     pending = [
-        AppendRecord(1, "t", torch.tensor([60])),  # below the consumer's position: read already
+        AppendRecord(1, "t", torch.tensor([60])),  # below where its read starts (read_start: 2): read already
         AppendRecord(3, "t", torch.tensor([3, 5])),  # also in the log (a commit in flight): once
         AppendRecord(4, "t", torch.tensor([11, 2, 11])),
         AppendRecord(4, "u", torch.tensor([4])),  # a table the log does not hold yet
