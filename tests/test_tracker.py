@@ -11,6 +11,7 @@ from tracker_cases import (
     consumers_while_training,
     differential,
     metadata_case,
+    negative_id_publish_case,
     publish_restore_case,
     restart_first_half,
     restart_second_half,
@@ -150,3 +151,9 @@ def test_the_retention_bound_expires_a_snapshots_consumer_too(tmp_path):
     # the consumer that kept up read every publish, contiguously, and was never expired
     ranges = out["live_ranges"]
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(a < b for a, b in ranges), ranges
+
+
+def test_publish_of_a_negative_id_raises_the_writers_typed_error(tmp_path):
+    (r,) = run_spawn(negative_id_publish_case, 1, str(tmp_path / "log"))
+    assert r["queued"] > 0, "the steps were committed already: the test would prove nothing"
+    assert r["publish"].startswith("WriterError: InvalidInputError") and "non-negative" in r["publish"], r

@@ -721,3 +721,35 @@ def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     live.close()
     t.close()
     return out
+
+
+def negative_id_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """A negative id recorded while the writer lingers: ``publish()`` reads the queued steps'
+    ids instead of waiting for the writer, unless one is negative; then it waits, and the
+    writer's typed error (the codec's InvalidInputError as cause) comes back, not an index
+    error from the gather."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from persistent_delta import WriterError
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                            linger_steps=100, linger_s=60.0))
+    for b in make_batches("ec", 3, 8, seed=5, world_size=world_size, rank=rank):
+        train_step(dmp, b)
+    feature = next(iter(t.fqn_to_feature_names().values()))[0]
+    t.record_lookup(KeyedJaggedTensor.from_lengths_sync(keys=[feature], values=torch.tensor([3, -1]),
+                                                        lengths=torch.tensor([2])), torch.empty(0))
+    out: Dict[str, Any] = {"queued": len(t._writer.pending_records() or [])}
+    try:
+        t.publish("serving")
+        out["publish"] = "returned"
+    except WriterError as exc:
+        out["publish"] = f"WriterError: {type(exc.__cause__).__name__}: {exc.__cause__}"
+    except Exception as exc:  # noqa: BLE001 - the test reports what came back
+        out["publish"] = f"{type(exc).__name__}: {exc}"
+    try:
+        t.close()
+    except WriterError:
+        pass
+    return out
