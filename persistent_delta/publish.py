@@ -34,6 +34,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import codec, delivery
 from persistent_delta.config import RetentionBound
+from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import ReadTxn, WriteTxn
 from persistent_delta.records import AppendRecord
 from persistent_delta.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
@@ -80,12 +81,15 @@ def capture(
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+        InvalidInputError: a pending record holds a negative id (the log never does).
     """
     entry, unread = delivery.consume_read_ids(r, name, pending)
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
             continue
+        if int(ids[0]) < 0:  # (ascending: the smallest)
+            raise InvalidInputError(f"table {fqn!r}: id {int(ids[0])} recorded; ids must be non-negative")
         weights = tables[fqn].weights()
         into = None
         if buffers is not None:

@@ -28,7 +28,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from persistent_delta import delivery, publish, restore, topk
 from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.capture import unregister_hooks
-from persistent_delta.codec import SIDE_KINDS
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.layout import rank_dir
@@ -177,11 +176,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """The records handed to the writer and not committed yet, for a read that adds them to
         the log's instead of waiting (publish); or, after waiting for the writer (:meth:`_settle`),
         none. It waits when the queue holds a log operation (an earlier publish's commit: its
-        record buffers are still in use, and it moves the consumer), device copies in flight,
-        or a negative id (the writer rejects it: the wait raises its error)."""
+        record buffers are still in use, and it moves the consumer) or device copies in flight."""
         pending = None if self._writer is None else self._writer.pending_records()
-        if pending is None or any(r.kind not in SIDE_KINDS and r.ids.numel() and r.ids.numpy().min() < 0
-                                  for r in pending):
+        if pending is None:
             self._settle()
             return []
         return pending
@@ -271,8 +268,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hand_off(self._take_batch())
         pending = self._unsettled()
         end, stamp, mode = self.curr_batch_idx + 1, self.curr_batch_idx, self._update_mode
-        cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
-                                                       self._publish_buffers, pending))
+        try:
+            cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
+                                                           self._publish_buffers, pending))
+        except InvalidInputError:
+            if pending:
+                self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
+            raise
         self._hand_off(self._take_batch(op=lambda w: publish.commit(w, cap, mode, **self._read_rule),
                                         op_bytes=cap.nbytes, prompt=True))
         return cap.rows

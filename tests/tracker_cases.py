@@ -725,9 +725,9 @@ def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
 
 def negative_id_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     """A negative id recorded while the writer lingers: ``publish()`` reads the queued steps'
-    ids instead of waiting for the writer, unless one is negative; then it waits, and the
-    writer's typed error (the codec's InvalidInputError as cause) comes back, not an index
-    error from the gather."""
+    ids instead of waiting for the writer; the capture finds the negative one before gathering,
+    the tracker then waits, and the writer's typed error (the codec's InvalidInputError as
+    cause) comes back, not an index error from the gather."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from persistent_delta import WriterError
