@@ -37,8 +37,8 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from benchmarks._common import CpuMonitor, ZipfIds, emit, free_bytes, log, machine, median, rmtree, wait_for_quiet, workdir
 from persistent_delta import Durability, LmdbDeltaStore
-from persistent_delta import codec
-from persistent_delta.records import AppendRecord
+from persistent_delta.log import codec
+from persistent_delta.log.records import AppendRecord
 
 Step = List[Tuple[str, torch.Tensor, torch.Tensor]]
 
@@ -101,7 +101,7 @@ def _store(path: str, steps: List[Step], n: int, durability: Durability) -> Tupl
 
 
 def _log_preencoded(path: str, steps: List[Step], n: int, durability: Durability) -> float:
-    from persistent_delta.records import write_records
+    from persistent_delta.log.records import write_records
 
     store = LmdbDeltaStore(os.path.join(path, "log"), UpdateMode.FIRST, durability=durability)
     try:
@@ -117,8 +117,8 @@ def _log_preencoded(path: str, steps: List[Step], n: int, durability: Durability
 
 def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability) -> Tuple[float, Dict[str, Any]]:
     from persistent_delta.config import LogOptions
-    from persistent_delta.log import DeltaLog
-    from persistent_delta.writer import BackgroundWriter, WriteTask
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.trainer.writer import BackgroundWriter, WriteTask
 
     lg = DeltaLog(os.path.join(path, "log"), update_mode=UpdateMode.FIRST.value,
                   options=LogOptions.resolve(durability=durability))

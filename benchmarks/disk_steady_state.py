@@ -33,8 +33,8 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from benchmarks._common import ZipfIds, emit, init_single_rank_pg, log, machine, rmtree, workdir
 from persistent_delta import LmdbDeltaStore
-from persistent_delta.log import DeltaLog, ReadTxn
-from persistent_delta.records import AppendRecord
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn
+from persistent_delta.log.records import AppendRecord
 
 
 def live_bytes(lg: DeltaLog) -> Tuple[int, int]:

@@ -222,11 +222,11 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
 def _replica_behind(log: Any) -> bool:
     """Whether the ``replica`` consumer of ``log`` (rank 0's, read-only) has not yet committed
     past the newest publish."""
-    from persistent_delta import delivery
-    from persistent_delta.schema import SNAPSHOTS
+    from persistent_delta.log import positions
+    from persistent_delta.log.schema import SNAPSHOTS
 
     def look(r: Any) -> bool:
-        return bool(delivery.committed_offsets(r, SNAPSHOTS).get("replica", 0) < delivery.bounds(r, SNAPSHOTS)[1])
+        return bool(positions.committed_offsets(r, SNAPSHOTS).get("replica", 0) < positions.bounds(r, SNAPSHOTS)[1])
 
     return bool(log.read(look))
 
@@ -346,8 +346,8 @@ def _run_cost(phase: str, rounds: int, block: int, batches: List[Any], variants:
     import signal
 
     from benchmarks._model import train_step
-    from persistent_delta.layout import rank_dir
-    from persistent_delta.log import DeltaLog
+    from persistent_delta.log.layout import rank_dir
+    from persistent_delta.log.deltalog import DeltaLog
 
     watch = None if shared else DeltaLog(rank_dir(roots["publish"], 0), readonly=True)
     done = {v: 0 for v in variants}

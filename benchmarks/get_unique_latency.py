@@ -25,7 +25,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from benchmarks._common import CpuMonitor, ZipfIds, emit, log, machine, median, rmtree, wait_for_quiet, workdir
 from persistent_delta import LmdbDeltaStore
-from persistent_delta.records import AppendRecord
+from persistent_delta.log.records import AppendRecord
 
 
 def _time(fn: Any, reps: int) -> List[float]:

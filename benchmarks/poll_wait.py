@@ -29,10 +29,10 @@ WRITER = r"""
 import json, random, sys, time
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
-from persistent_delta.log import DeltaLog
-from persistent_delta.records import AppendRecord
-from persistent_delta.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
-from persistent_delta.writer import WriteTask, commit_tasks
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.records import AppendRecord
+from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
+from persistent_delta.trainer.writer import WriteTask, commit_tasks
 path, n = sys.argv[1], int(sys.argv[2])
 log = DeltaLog(path, update_mode="none")
 log.write(lambda w: (w.set_meta(META_TRACKER, TrackerMeta("id_only", "none", ["t"], 0, 1).to_value()),

@@ -87,11 +87,11 @@ def write_job(root: str, tables: List[Table], world: int, layout: str, rows: int
     """Write one log per rank under ``root``; returns the stored record bytes per channel."""
     from torchrec.distributed.model_tracker.types import UpdateMode
 
-    from persistent_delta import codec
-    from persistent_delta.layout import rank_dir
-    from persistent_delta.log import DeltaLog, WriteTxn
-    from persistent_delta.records import AppendRecord, encode_records, write_records
-    from persistent_delta.schema import META_CURR_BATCH, META_SNAPSHOT_END, META_TRACKER, SNAPSHOTS, TrackerMeta
+    from persistent_delta.log import codec
+    from persistent_delta.log.layout import rank_dir
+    from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+    from persistent_delta.log.records import AppendRecord, encode_records, write_records
+    from persistent_delta.log.schema import META_CURR_BATCH, META_SNAPSHOT_END, META_TRACKER, SNAPSHOTS, TrackerMeta
 
     n_batches = len(tables[0].batches)
     stamp = n_batches  # publish at the current batch index, after the batches it covers
@@ -210,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="wait up to this long for a quiet machine")
     ap.add_argument("--tune-malloc", action="store_true",
-                    help="raise glibc's malloc thresholds first (persistent_delta.alloc.tune_malloc)")
+                    help="raise glibc's malloc thresholds first (persistent_delta.log.alloc.tune_malloc)")
     ap.add_argument("--cprofile", default=None, help="write a cProfile of the timed polls and merges here")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -220,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     tuned = False
     if args.tune_malloc:
-        from persistent_delta.alloc import tune_malloc
+        from persistent_delta.log.alloc import tune_malloc
 
         tuned = tune_malloc()
     prof = cProfile.Profile() if args.cprofile else None

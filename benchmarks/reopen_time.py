@@ -40,7 +40,7 @@ from benchmarks._common import (
     workdir,
 )
 from persistent_delta import LmdbDeltaStore
-from persistent_delta.records import AppendRecord, read_unique
+from persistent_delta.log.records import AppendRecord, read_unique
 
 BIG = [f"sparse.embeddings.t{t}" for t in range(4)]
 SMALL = "sparse.embeddings.small"

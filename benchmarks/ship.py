@@ -92,8 +92,8 @@ def _throughput_once(mb: int, servers: Any, replicas: int, base: str, rep: int) 
     from torchrec.distributed.model_tracker.types import UpdateMode
 
     from persistent_delta import LmdbDeltaStore
-    from persistent_delta.ship import Shipper
-    from persistent_delta.transport import StreamOptions
+    from persistent_delta.fleet.ship import Shipper
+    from persistent_delta.fleet.transport import StreamOptions
 
     root = os.path.join(base, f"tp-log-r{replicas}-{rep}")
     rows_per_batch = (4 << 20) // (8 + 64 * 4)  # 4 MiB of row bytes per batch
@@ -125,7 +125,7 @@ def _trainer(root: str, steps: int, out: str, flag: str, batch: int = 512) -> su
 
 def freshness(steps: int, url: Any, replicas: int, base: str, batch: int, commit_every_s: float = 0.0) -> Dict[str, Any]:
     from persistent_delta import apply_poll
-    from persistent_delta.remote import RemoteConsumer
+    from persistent_delta.fleet.remote import RemoteConsumer
 
     root, out, flag = os.path.join(base, f"fr-log-r{replicas}"), os.path.join(base, f"fr-r{replicas}.json"), \
         os.path.join(base, f"go-r{replicas}")
@@ -231,7 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
         args.mb, args.steps, args.reps = 32, 60, 2
-    from persistent_delta.natsserver import LocalCluster, LocalServer
+    from persistent_delta.testing import LocalCluster, LocalServer
 
     emit("ship_machine", **machine())
     only = set(args.only.split(","))

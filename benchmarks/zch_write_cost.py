@@ -62,7 +62,7 @@ def _build(args: argparse.Namespace) -> DistributedModelParallel:
     pg = dist.GroupMember.WORLD
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=planner.collective_plan(model, None, pg))
-    from persistent_delta.zch import cpu_eviction_fallback
+    from persistent_delta.trainer.zch_capture import cpu_eviction_fallback
 
     cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     return dmp

@@ -13,7 +13,7 @@ What it does, end to end, on CPU:
    of the tables and commits its position;
 3. every ``--checkpoint-every`` steps, each rank saves its DMP state_dict, fused optimizer
    state and ``tracker.state_dict()`` (the ``checkpoint`` consumer reads the log then too);
-   the initial and final tables are saved with ``persistent_delta.shard_files.save_local_shards``
+   the initial and final tables are saved with ``persistent_delta.log.shard_files.save_local_shards``
    (``<out>/initial/`` and ``<out>/final/``, one ``rank-<r>.safetensors`` per rank) and
    assembled into full tables with ``load_shards`` and ``full_rows``;
 4. at ``--kill-at`` the demo SIGKILLs the trainer (both ranks) and restarts it from its last
@@ -22,7 +22,7 @@ What it does, end to end, on CPU:
    check, the ``offsets`` table and a one-line summary; the exit code is nonzero if it fails.
 
 ``--fleet`` (``make demo-fleet``) runs the same job across "hosts": the driver starts a local
-NATS JetStream server (``persistent_delta.natsserver``, 127.0.0.1, a fresh store under the
+NATS JetStream server (``persistent_delta.testing``, 127.0.0.1, a fresh store under the
 output directory), a shipper process (``persistent-delta ship``) beside the trainer, and the
 serving replica reads **only from the stream** (``RemoteConsumer``; an audit hook fails any
 open under the log directory). The shipper is SIGKILLed and restarted once too. The plain
@@ -129,7 +129,7 @@ def make_batch(args: argparse.Namespace, step: int, rank: int) -> Tuple[torch.Te
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    from persistent_delta.layout import atomic_write_bytes
+    from persistent_delta.log.layout import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -137,7 +137,7 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    from persistent_delta.layout import atomic_write_bytes
+    from persistent_delta.log.layout import atomic_write_bytes
 
     atomic_write_bytes(path, text.encode())
 
@@ -150,7 +150,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     from persistent_delta import PersistentTrackerConfig, attach
-    from persistent_delta.shard_files import save_local_shards
+    from persistent_delta.log.shard_files import save_local_shards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -243,8 +243,8 @@ def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
 
 def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
     """Full tables (fqn -> [rows, cols]) from the per-rank files that
-    ``persistent_delta.shard_files.save_local_shards`` wrote into ``ckpt_dir``."""
-    from persistent_delta.shard_files import full_rows, load_shards
+    ``persistent_delta.log.shard_files.save_local_shards`` wrote into ``ckpt_dir``."""
+    from persistent_delta.log.shard_files import full_rows, load_shards
 
     return {
         fqn: full_rows(fqn, shards, torch.arange(int(shards[0][0].global_rows or 0)))
@@ -265,7 +265,7 @@ def serve(args: argparse.Namespace) -> int:
     applied_rows = 0
     done_file = "TRAINER_DONE"
     if args.fleet:
-        from persistent_delta.remote import RemoteConsumer
+        from persistent_delta.fleet.remote import RemoteConsumer
 
         _forbid(os.path.join(out, "log"))  # the replica reads the stream only, never the trainer's disk
         consumer: Any = RemoteConsumer(args.server, "demo", "replica", channel="snapshots", wait=120)
@@ -311,8 +311,8 @@ def _shipper(args: argparse.Namespace) -> subprocess.Popen:  # type: ignore[type
 
 def _stream_caught_up(args: argparse.Namespace) -> bool:
     """Whether the stream holds every published batch of the local logs."""
-    from persistent_delta import transport
-    from persistent_delta.consumer import DeltaReader
+    from persistent_delta.fleet import transport
+    from persistent_delta.read.consumer import DeltaReader
 
     with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:
         local = reader.end_offsets()
@@ -347,7 +347,7 @@ def drive(args: argparse.Namespace) -> int:
           f"SIGKILL at step {args.kill_at}; output in {out}", flush=True)
     nats = None
     if args.fleet:
-        from persistent_delta.natsserver import LocalServer
+        from persistent_delta.testing import LocalServer
 
         nats = LocalServer(os.path.join(out, "nats")).start()
         args.server = nats.url

@@ -4,9 +4,9 @@ TorchRec's ``ModelDeltaTracker`` keeps "which rows changed" in process memory; p
 writes it to an append-only LMDB log, so deltas and consumer offsets survive restarts.
 """
 
-from persistent_delta.apply import Applied, apply_poll
+from persistent_delta.read.apply import Applied, apply_poll
 from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
-from persistent_delta.consumer import DeltaConsumer, DeltaReader
+from persistent_delta.read.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.errors import (
     ConfigMismatchError,
     ConsumerConflictError,
@@ -30,13 +30,13 @@ from persistent_delta.errors import (
     UnsupportedTrackingError,
     WriterError,
 )
-from persistent_delta.log import DeltaLog
-from persistent_delta.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
-from persistent_delta.schema import ConsumerEntry, Delivery, ShardInfo
-from persistent_delta.store import LmdbDeltaStore
-from persistent_delta.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
-from persistent_delta.raw_ids import PersistentRawIdTracker, install_raw_id_tracker
-from persistent_delta.zchlog import RawIdMap, ZchDelta
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.read.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
+from persistent_delta.log.schema import ConsumerEntry, Delivery, ShardInfo
+from persistent_delta.read.store import LmdbDeltaStore
+from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
+from persistent_delta.read.raw_ids import PersistentRawIdTracker, install_raw_id_tracker
+from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
 __version__ = "0.1.0"
 

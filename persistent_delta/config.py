@@ -11,7 +11,7 @@ The environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_MAX_MAP_SIZE``  largest map the log may grow to (default 16 TiB)
 ``PERSISTENT_DELTA_MAX_READERS``   LMDB reader slots, fixed by the first opener (default 256)
 ``PERSISTENT_DELTA_TUNE_MALLOC``   ``1``: a writer raises glibc's malloc thresholds (default ``0``;
-                                   see :mod:`persistent_delta.alloc`)
+                                   see :mod:`persistent_delta.log.alloc`)
 ``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
                                    off; see :class:`RetentionBound`)
 ``PERSISTENT_DELTA_GROUP_ACCESS``  ``1``: logs created group-readable/writable (default owner-only)
@@ -89,9 +89,9 @@ class LogOptions:
             is opened (writing or reading), so LMDB's write buffers and a reader's poll results
             are reused instead of page-faulted in afresh (appends of large values ~2x faster;
             a poll's one buffer is kept by glibc itself up to 32 MiB). Off by default because it is
-            process-wide (see :mod:`persistent_delta.alloc`).
+            process-wide (see :mod:`persistent_delta.log.alloc`).
         read_threads: torch intra-op threads a reader's polls, ``merged()`` and
-            :func:`~persistent_delta.apply.apply_poll` run with (default 1; 0: the process's
+            :func:`~persistent_delta.read.apply.apply_poll` run with (default 1; 0: the process's
             own setting). The read path is memory-bound; parallel regions leave OpenMP's
             workers spinning after them, which on a machine shared with a trainer took cores
             from the trainer and doubled a replica's p99 freshness (see
@@ -171,7 +171,7 @@ class LogOptions:
 
 @dataclass(frozen=True)
 class WriterOptions:
-    """Background writer tunables (see :mod:`persistent_delta.writer`).
+    """Background writer tunables (see :mod:`persistent_delta.trainer.writer`).
 
     Args:
         max_pending_bytes: bytes of captured records the training thread may have queued
@@ -223,7 +223,7 @@ class WriterOptions:
 @dataclass(frozen=True)
 class RetentionBound:
     """How far a registered consumer may fall behind the log end before it is expired (see
-    :mod:`persistent_delta.delivery`). Off by default: a registered consumer then holds back
+    :mod:`persistent_delta.log.positions`). Off by default: a registered consumer then holds back
     ``delete_on_read`` retention without limit, like a durable subscription.
 
     Args:
@@ -287,14 +287,14 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
         retention: the retention bound (:class:`~persistent_delta.config.RetentionBound`; off).
         map_size: initial LMDB map size (it grows by itself).
         tune_malloc: ``True`` raises glibc's malloc thresholds for this process (faster
-            commits of large records; process-wide, see :mod:`persistent_delta.alloc`).
+            commits of large records; process-wide, see :mod:`persistent_delta.log.alloc`).
         max_pending_bytes / max_pending_steps / writer_torch_threads / linger_steps /
             linger_s / linger_bytes: shortcuts for the same fields of ``writer`` (its
             ``torch_threads`` for ``writer_torch_threads``); a shortcut that is set wins.
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
         zch_raw_ids: record managed-collision tables' raw ids and slot reassignments (side
-            records, :mod:`persistent_delta.zch`; default True). False records their slot ids
+            records, :mod:`persistent_delta.trainer.zch_capture`; default True). False records their slot ids
             only, as any table's.
     """
 

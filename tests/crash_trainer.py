@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import build_sharded_model, init_gloo, make_batches, train_step  # noqa: E402
 from torchrec.distributed.model_tracker.types import TrackingMode  # noqa: E402
 
-from persistent_delta import PersistentTrackerConfig, attach  # noqa: E402
+from persistent_delta import PersistentTrackerConfig, attach
 
 
 def main() -> None:

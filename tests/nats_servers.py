@@ -1,5 +1,5 @@
 """JetStream servers for the tests: started on 127.0.0.1 (free ports, fresh store directories
-under pytest's tmp_path) and always stopped (persistent_delta.natsserver does the work)."""
+under pytest's tmp_path) and always stopped (persistent_delta.testing does the work)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from persistent_delta.natsserver import LocalCluster, LocalServer
+from persistent_delta.testing import LocalCluster, LocalServer
 
 
 @pytest.fixture

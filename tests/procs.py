@@ -95,7 +95,7 @@ def other_uid() -> Optional[OtherUid]:
                 cand = OtherUid(python, nobody.pw_uid, nobody.pw_gid, list(dict.fromkeys(paths)))
                 try:
                     probe = subprocess.run(
-                        [python, "-c", "import torch, nats, persistent_delta.remote"], env=cand.env("/tmp"),
+                        [python, "-c", "import torch, nats, persistent_delta.fleet.remote"], env=cand.env("/tmp"),
                         user=cand.uid, group=cand.gid, extra_groups=[], capture_output=True, timeout=120)
                 except (OSError, subprocess.SubprocessError):
                     continue

@@ -40,7 +40,7 @@ def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish
         if (i + 1) % publish_every == 0 or i + 1 == steps:
             t.publish("serving")
             if base and i + 1 == int(base.split()[2]):
-                from persistent_delta.ship import publish_base
+                from persistent_delta.fleet.ship import publish_base
 
                 url, job, _ = base.split()
                 publish_base(url, job, rank, t.curr_batch_idx, {f: lt.weights() for f, lt in t.local_tables.items()})

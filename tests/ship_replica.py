@@ -70,7 +70,7 @@ def main() -> int:
 
     from harness import global_table_weights
     from persistent_delta import apply_poll
-    from persistent_delta.remote import RemoteConsumer
+    from persistent_delta.fleet.remote import RemoteConsumer
     from ship_cases import DIM, ROWS, SEED, TABLES
 
     state = os.path.join(args.out, f"{args.name}.pt")

@@ -80,9 +80,9 @@ def test_a_replica_holds_the_tables_of_the_last_publish_call(job):
 def test_every_stored_publish_holds_the_values_of_its_own_call(job):
     """Read each rank's log record by record: a publish's rows carry the shard's values at that
     publish() call, even though the next publish reuses its record buffers before it is read."""
-    from persistent_delta.layout import rank_dir
-    from persistent_delta.log import DeltaLog
-    from persistent_delta.schema import SNAPSHOTS
+    from persistent_delta.log.layout import rank_dir
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import SNAPSHOTS
 
     root, results = job
     for rank, res in enumerate(results):

@@ -18,7 +18,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import DeltaConsumer, LmdbDeltaStore
 from persistent_delta.cli import main
-from persistent_delta.log import DeltaLog
+from persistent_delta.log.deltalog import DeltaLog
 from procs import REPO
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 
 

@@ -14,22 +14,20 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows, UpdateMode
 
-from persistent_delta import (
+from persistent_delta.errors import (
     ConfigMismatchError,
-    DeltaConsumer,
     InvalidInputError,
-    LmdbDeltaStore,
     LogClosedError,
     NotALogError,
-    OffsetOutOfRangeError,
     UnknownConsumerError,
 )
-from persistent_delta.results import TableDelta, merge_table
-from persistent_delta.schema import ShardInfo
-from persistent_delta import codec
-from persistent_delta.log import DeltaLog
-from persistent_delta.schema import SNAPSHOTS, Delivery
-from persistent_delta import delivery
+from persistent_delta import DeltaConsumer, LmdbDeltaStore, OffsetOutOfRangeError
+from persistent_delta.read.results import TableDelta, merge_table
+from persistent_delta.log.schema import ShardInfo
+from persistent_delta.log import codec
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.schema import SNAPSHOTS, Delivery
+from persistent_delta.log import positions
 from procs import popen_python, run_python
 
 
@@ -206,7 +204,7 @@ def _fast_writer_code() -> str:
     import os, sys, time, torch
     from torchrec.distributed.model_tracker.types import UpdateMode
     from persistent_delta import LmdbDeltaStore
-    from persistent_delta.records import AppendRecord
+    from persistent_delta.log.records import AppendRecord
     s = LmdbDeltaStore(os.path.join(sys.argv[1], "rank-0"), UpdateMode.NONE)
     print("READY", flush=True)
     for b in range(int(sys.argv[2])):
@@ -291,7 +289,7 @@ def paced_trainer(rank: int, world_size: int, root: str, go: str, steps: int) ->
     t.step()  # no more lookups of the last batch: make it complete for external readers
     t.close()
     with DeltaLog(t.path, readonly=True) as log:
-        return int(log.read(delivery.lookups_end))
+        return int(log.read(positions.lookups_end))
 
 
 def _wait(path: str, timeout: float = 120.0) -> None:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import make_batches
-from persistent_delta import delivery
-from persistent_delta.log import DeltaLog
+from persistent_delta.log import positions
+from persistent_delta.log.deltalog import DeltaLog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -47,7 +47,7 @@ def read_state(rank_dir: str):
             for fqn, e in r.tables().items():
                 for rec in r.iter_records(e.table_id):  # decodes every record, checks its crc32c
                     batches.setdefault(rec.batch_idx, {}).setdefault(fqn, []).append(rec.ids.clone())
-            return batches, {k: v.offset for k, v in r.consumers().items()}, delivery.lookups_end(r)
+            return batches, {k: v.offset for k, v in r.consumers().items()}, positions.lookups_end(r)
         return log.read(read)
 
 

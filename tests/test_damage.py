@@ -17,7 +17,7 @@ import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import DeltaReader, LmdbDeltaStore
-from persistent_delta.layout import DATA_FILE
+from persistent_delta.log.layout import DATA_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +146,7 @@ def test_the_file_check_never_takes_a_live_writer_for_damage(tmp_path):
     """A consumer opens a log while its writer commits (a replica started beside a trainer): the
     check of the file must not pair a meta page read before a commit with a size or a twin meta
     page read after it and call the live file damaged."""
-    from persistent_delta.lmdbenv import check_file
+    from persistent_delta.log.lmdbenv import check_file
 
     path = str(tmp_path / "live")
     os.makedirs(path)

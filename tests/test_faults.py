@@ -13,17 +13,12 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import (
-    CorruptRecordError,
-    LmdbDeltaStore,
-    LogFullError,
-    ReadOnlyLogError,
-    WriterError,
-)
+from persistent_delta.errors import CorruptRecordError, LogFullError, ReadOnlyLogError, WriterError
+from persistent_delta import LmdbDeltaStore
 from persistent_delta.config import LogOptions
-from persistent_delta.log import DeltaLog
-from persistent_delta.records import AppendRecord
-from persistent_delta.writer import BackgroundWriter, WriteTask
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.records import AppendRecord
+from persistent_delta.trainer.writer import BackgroundWriter, WriteTask
 from procs import fill_filesystem, popen_python
 
 
@@ -110,7 +105,7 @@ def test_stale_reader_slots_of_a_killed_reader_are_cleared(log_dir):
         reader = popen_python(
             """
             import sys, time
-            from persistent_delta.log import DeltaLog
+            from persistent_delta.log.deltalog import DeltaLog
             log = DeltaLog(sys.argv[1], readonly=True)
             def hold(r):
                 print("HOLDING", flush=True)

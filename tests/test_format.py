@@ -11,10 +11,11 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import CorruptRecordError, FormatMismatchError, LmdbDeltaStore
-from persistent_delta import codec
+from persistent_delta.errors import CorruptRecordError, FormatMismatchError
+from persistent_delta import LmdbDeltaStore
+from persistent_delta.log import codec
 from persistent_delta.cli import main
-from persistent_delta.log import DeltaLog
+from persistent_delta.log.deltalog import DeltaLog
 
 
 def _store(path: str) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import DeltaConsumer, DeltaReader, InvalidInputError, LmdbDeltaStore
+from persistent_delta import DeltaConsumer, DeltaReader, LmdbDeltaStore
+from persistent_delta.errors import InvalidInputError
 from persistent_delta.cli import main
 from persistent_delta.cli.replay import file_name, load_export, replay
 
@@ -112,7 +113,7 @@ def test_cli_and_number_edges(tmp_path, capsys):
     assert len(str(info.value)) < 300  # the name is not repeated whole
     regular = tmp_path / "file"
     regular.write_text("x")
-    from persistent_delta import NotALogError
+    from persistent_delta.errors import NotALogError
     with pytest.raises(NotALogError, match="is a file"):
         LmdbDeltaStore(str(regular))
     bad_ckpt = tmp_path / "ckpt"
@@ -131,7 +132,7 @@ def test_cli_and_number_edges(tmp_path, capsys):
 
 
 def test_logs_are_owner_only_unless_group_access(tmp_path):
-    from persistent_delta import LogOptions
+    from persistent_delta.config import LogOptions
 
     old = os.umask(0o022)
     try:

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import ForkedProcessError, LmdbDeltaStore, LogLockedError
+from persistent_delta.errors import ForkedProcessError
+from persistent_delta import LmdbDeltaStore, LogLockedError
 from persistent_delta.config import LogOptions
-from persistent_delta.log import DeltaLog
+from persistent_delta.log.deltalog import DeltaLog
 
 from procs import popen_python, run_python
 
@@ -89,7 +90,7 @@ def test_sigkill_mid_append_leaves_log_as_of_last_commit(log_dir):
         """
         import sys, torch
         from persistent_delta import LmdbDeltaStore
-        from persistent_delta.records import AppendRecord
+        from persistent_delta.log.records import AppendRecord
         s = LmdbDeltaStore(sys.argv[1], __import__("torchrec").distributed.model_tracker.types.UpdateMode.FIRST)
         b = 0
         while True:
@@ -181,8 +182,8 @@ def test_reader_of_several_logs_at_once_follows_map_growth(tmp_path):
             """
             import sys, time
             from torchrec.distributed.model_tracker.types import UpdateMode
-            from persistent_delta.log import DeltaLog, read_all
-            from persistent_delta.records import read_unique
+            from persistent_delta.log.deltalog import DeltaLog, read_all
+            from persistent_delta.log.records import read_unique
 
             def count(txns):
                 return [len(read_unique(r, UpdateMode.NONE)["t"].ids) for r in txns]
@@ -308,7 +309,7 @@ for kv in sys.argv[1:]:
     k, v = kv.split("=", 1)
     os.environ[k] = v
 from persistent_delta import alloc
-from persistent_delta.log import DeltaLog
+from persistent_delta.log.deltalog import DeltaLog
 d = os.environ.get("PROBE_LOG") or tempfile.mkdtemp()
 DeltaLog(d, readonly=bool(os.environ.get("PROBE_LOG"))).close()  # PROBE_LOG: open an existing log read-only
 libc = ctypes.CDLL("libc.so.6")

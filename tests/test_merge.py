@@ -5,7 +5,7 @@ import torch
 from torchrec.distributed.model_tracker.delta_store import _compute_unique_rows
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.rows import compute_unique_rows
+from persistent_delta.log.rows import compute_unique_rows
 
 
 @pytest.mark.parametrize("mode", list(UpdateMode))

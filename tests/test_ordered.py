@@ -17,8 +17,8 @@ from harness import run_spawn
 from persistent_delta.cli import main
 from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.replay import replay
-from persistent_delta.ordered import OrderError, Replica
-from persistent_delta.shard_files import load_shards, full_rows, shard_batches
+from persistent_delta.read.ordered import OrderError, Replica
+from persistent_delta.log.shard_files import load_shards, full_rows, shard_batches
 from zch_cases import ordered_case
 
 pytestmark = pytest.mark.dist

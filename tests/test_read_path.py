@@ -13,14 +13,15 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import DeltaReader, codec, rows
+from persistent_delta import DeltaReader
+from persistent_delta.log import codec, rows
 from persistent_delta.errors import CorruptRecordError
-from persistent_delta.layout import rank_dir
-from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.records import AppendRecord, encode_records, write_records
-from persistent_delta.results import TableDelta, merge_table
-from persistent_delta.rows import compute_unique_rows, gather_rows
-from persistent_delta.schema import (
+from persistent_delta.log.layout import rank_dir
+from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+from persistent_delta.log.records import AppendRecord, encode_records, write_records
+from persistent_delta.read.results import TableDelta, merge_table
+from persistent_delta.log.rows import compute_unique_rows, gather_rows
+from persistent_delta.log.schema import (
     DB_OF_CHANNEL,
     LOOKUPS,
     META_CURR_BATCH,
@@ -430,9 +431,9 @@ def test_records_of_one_table_with_other_state_types_are_a_typed_error(tmp_path)
 def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, option, env, want):
     """A reader's poll, ``merged()`` and ``apply_poll`` run at ``LogOptions.read_threads``
     torch threads (default 1; 0: the process's own), and give the caller's count back."""
-    from persistent_delta import apply as apply_mod
-    from persistent_delta import consumer as consumer_mod
-    from persistent_delta import results as results_mod
+    from persistent_delta.read import apply as apply_mod
+    from persistent_delta.read import consumer as consumer_mod
+    from persistent_delta.read import results as results_mod
     from persistent_delta.config import LogOptions
 
     root = str(tmp_path)
@@ -546,7 +547,7 @@ def test_a_poll_laid_out_in_one_buffer_equals_each_rank_read_on_its_own(tmp_path
     against each rank's log read on its own (results.read_range, memory of its own), and
     merged() against merge_table over those: the same ids, states, dtypes and shapes for
     every layout, dtype and width in one poll."""
-    from persistent_delta.results import read_range
+    from persistent_delta.read.results import read_range
 
     root = str(tmp_path)
     _mixed_job(root, world, seed=world)
@@ -666,7 +667,7 @@ def test_result_buffers_keep_a_bounded_number_of_blocks():
     """At most ``keep`` blocks stay referenced; a free block far larger than the request (a
     catch-up poll's) is released rather than handed out for small polls or kept idle; a free
     block that fits is reused."""
-    from persistent_delta.alloc import ResultBuffers
+    from persistent_delta.log.alloc import ResultBuffers
 
     pool = ResultBuffers(keep=2)
     big = pool.take(8 << 20)

@@ -16,19 +16,14 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import (
-    DeltaConsumer,
-    DeltaReader,
-    LogLockedError,
-    NotALogError,
-    OffsetOutOfRangeError,
-)
+from persistent_delta import DeltaConsumer, DeltaReader, LogLockedError, OffsetOutOfRangeError
+from persistent_delta.errors import NotALogError
 from persistent_delta.cli import main
-from persistent_delta.log import DeltaLog
-from persistent_delta.records import AppendRecord, delete_below
-from persistent_delta.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
-from persistent_delta.window import WindowFilter
-from persistent_delta.writer import WriteTask, commit_tasks
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.records import AppendRecord, delete_below
+from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
+from persistent_delta.trainer.window import WindowFilter
+from persistent_delta.trainer.writer import WriteTask, commit_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,10 +18,10 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from persistent_delta import DeltaConsumer, LmdbDeltaStore
 from persistent_delta.cli import main
-from persistent_delta import records
-from persistent_delta.log import DeltaLog
+from persistent_delta.log import records
+from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.cli.replay import load_export, replay
-from persistent_delta.records import read_unique
+from persistent_delta.log.records import read_unique
 
 
 def _fill(root: str, ranks: int = 2, batches: int = 10) -> None:
@@ -140,7 +140,7 @@ def trainer_with_external_reader(rank: int, world_size: int, base: str) -> Dict[
     from harness import build_sharded_model, make_batches, table_shard_info, train_step
 
     from persistent_delta import PersistentTrackerConfig, attach
-    from persistent_delta.shard_files import save_local_shards
+    from persistent_delta.log.shard_files import save_local_shards
 
     dmps, trackers, out = {}, {}, {}
     for name, sharding in (("rw", "row_wise"), ("cw", "column_wise")):

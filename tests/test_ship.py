@@ -24,12 +24,12 @@ from harness import run_spawn
 from nats_servers import nats_cluster, nats_server  # noqa: F401 - fixtures
 from persistent_delta import LmdbDeltaStore, apply_poll
 from persistent_delta.cli import main as cli_main
-from persistent_delta.consumer import DeltaReader
+from persistent_delta.read.consumer import DeltaReader
 from persistent_delta.errors import FormatMismatchError, InvalidInputError, LogLockedError, OffsetOutOfRangeError
-from persistent_delta.remote import RemoteConsumer
-from persistent_delta.schema import SNAPSHOTS
-from persistent_delta.ship import Shipper
-from persistent_delta import transport
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.log.schema import SNAPSHOTS
+from persistent_delta.fleet.ship import Shipper
+from persistent_delta.fleet import transport
 from procs import REPO, other_uid
 from ship_cases import assemble, trainer
 
@@ -561,7 +561,7 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
     finally:
         conn.close()
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from persistent_delta.remote import RemoteConsumer; "
+        "import sys, time; from persistent_delta.fleet.remote import RemoteConsumer; "
         f"c = RemoteConsumer({nats_server.url!r}, 'job-e', 'held', wait=10); print('held', flush=True); time.sleep(60)")],
         env=_env(), stdout=subprocess.PIPE, text=True)
     _STARTED.append(holder)

@@ -41,8 +41,8 @@ import pytest
 
 from harness import SPARSE_FQN, feature_names, make_batches
 from persistent_delta.cli import main as cli_main
-from persistent_delta import delivery
-from persistent_delta.log import DeltaLog
+from persistent_delta.log import positions
+from persistent_delta.log.deltalog import DeltaLog
 from procs import REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -273,7 +273,7 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
         assert p.returncode == 0 and "Traceback" not in err, f"{name} exited {p.returncode}:\n{err}"
     trainer = json.loads((tmp_path / "trainer.stdout").read_text().strip().splitlines()[-1])
     with DeltaLog(os.path.join(root, "rank-0"), readonly=True) as log:
-        end = log.read(delivery.lookups_end)
+        end = log.read(positions.lookups_end)
     assert end == trainer["last_batch_idx"] + 1  # closed: the last batch is visible
 
     fed = _fed(trainer["last_batch_idx"])

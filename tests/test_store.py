@@ -7,16 +7,16 @@ import torch
 from torchrec.distributed.model_tracker.delta_store import DeltaStoreTrec
 from torchrec.distributed.model_tracker.types import IndexedLookup, UpdateMode
 
-from persistent_delta import (
+from persistent_delta.errors import (
     ConfigMismatchError,
     FormatMismatchError,
     InvalidInputError,
-    LmdbDeltaStore,
     LogClosedError,
     NotALogError,
     ReadOnlyLogError,
 )
-from persistent_delta.log import DeltaLog
+from persistent_delta import LmdbDeltaStore
+from persistent_delta.log.deltalog import DeltaLog
 
 
 def L(b, ids, states=None):

@@ -15,10 +15,10 @@ import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import LmdbDeltaStore
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.cli import main
-from persistent_delta.log import DeltaLog
-from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ConsumerEntry
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ConsumerEntry
 from persistent_delta.cli.verify import verify
 from procs import popen_python
 

@@ -139,9 +139,9 @@ def _remote_map(root: str, url: str):
     """Ship the whole lookups log (ranges of 4 batches), then apply the stream to a RawIdMap in
     order, polls of at most 4 batches."""
     from persistent_delta import RawIdMap
-    from persistent_delta.consumer import DeltaReader
-    from persistent_delta.remote import RemoteConsumer
-    from persistent_delta.ship import Shipper
+    from persistent_delta.read.consumer import DeltaReader
+    from persistent_delta.fleet.remote import RemoteConsumer
+    from persistent_delta.fleet.ship import Shipper
 
     with DeltaReader(root) as local:
         start, end = local.position(), local.end_offsets()

@@ -201,7 +201,7 @@ def config_checks(rank: int, world_size: int, root: str) -> List[str]:
     """Refusals on mismatch, fresh=True, attach twice, bad modes; returns what was checked."""
     import pytest
 
-    from persistent_delta import ConfigMismatchError, InvalidInputError, UnknownConsumerError
+    from persistent_delta.errors import ConfigMismatchError, InvalidInputError, UnknownConsumerError
 
     done = []
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
@@ -282,7 +282,7 @@ def topk_case(rank: int, world_size: int, root: str, mode_name: str, fraction: f
 
     import pytest
 
-    from persistent_delta import InvalidInputError
+    from persistent_delta.errors import InvalidInputError
 
     mode = TrackingMode[mode_name]
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
@@ -322,7 +322,7 @@ def metadata_case(rank: int, world_size: int, root: str, kind: str, sharding: st
     global ids (local + row_offset) this rank recorded."""
     from harness import table_shard_info
 
-    from persistent_delta.log import DeltaLog
+    from persistent_delta.log.deltalog import DeltaLog
 
     dmp = build_sharded_model(rank, world_size, kind, sharding, "EXACT_SGD", rows=60)
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root))
@@ -350,8 +350,8 @@ def metadata_case(rank: int, world_size: int, root: str, kind: str, sharding: st
 def apply_snapshots(path: str, replica: Dict[str, torch.Tensor], start: int) -> int:
     """Apply every snapshot record with stamp >= ``start`` to ``replica`` (fqn -> local rows),
     in stamp order; returns the next stamp to read."""
-    from persistent_delta.log import DeltaLog
-    from persistent_delta.schema import SNAPSHOTS
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import SNAPSHOTS
 
     with DeltaLog(path, readonly=True) as log:
         def read(r: Any) -> int:
@@ -410,8 +410,9 @@ def compaction_and_settings_case(rank: int, world_size: int, root: str) -> Dict[
     """The public compact() never changes what a registered consumer or a restore of the latest
     checkpoint reads (the range is split at their positions); settings resolve from the
     environment for trackers as for stores."""
-    from persistent_delta import Durability, delivery
-    from persistent_delta.records import read_unique
+    from persistent_delta import Durability
+    from persistent_delta.log import positions
+    from persistent_delta.log.records import read_unique
 
     os.environ["PERSISTENT_DELTA_DURABILITY"] = "sync"
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
@@ -432,12 +433,12 @@ def compaction_and_settings_case(rank: int, world_size: int, root: str) -> Dict[
 
     def peek() -> Dict[str, Any]:
         def read(r: Any) -> Dict[str, Any]:
-            mode = delivery.update_mode(r)
+            mode = positions.update_mode(r)
             out = {}
             for name, entry in r.consumers().items():
-                rows = read_unique(r, mode, delivery.read_start(r, entry.offset))
+                rows = read_unique(r, mode, positions.read_start(r, entry.offset))
                 out[name] = {f: (u.ids.tolist(), u.states.tolist()) for f, u in rows.items()}
-            floor = delivery.checkpoint_floor(r)
+            floor = positions.checkpoint_floor(r)
             out["restore"] = {f: u.ids.tolist() for f, u in read_unique(r, mode, floor).items()}
             return out
         return t.log.read(read)
@@ -523,7 +524,7 @@ def dp_table_case(rank: int, world_size: int, root: str, cases: List[Tuple[str, 
         batches = make_batches(kind, steps, 8, seed=seed, world_size=world_size, rank=rank)
         dmp = build_sharded_model(rank, world_size, kind, "row_wise", "EXACT_ROWWISE_ADAGRAD", dp_tables=(0,))
         lines = _LogLines()
-        capture_logger = logging.getLogger("persistent_delta.capture")
+        capture_logger = logging.getLogger("persistent_delta.trainer.capture")
         old_level = capture_logger.level
         capture_logger.setLevel(logging.INFO)
         capture_logger.addHandler(lines)
@@ -576,8 +577,8 @@ def rank_agreement_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     import torch.distributed as dist
 
     from persistent_delta import DeltaReader
-    from persistent_delta.log import DeltaLog
-    from persistent_delta.schema import META_CLOSED_END, META_CURR_BATCH
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import META_CLOSED_END, META_CURR_BATCH
 
     dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_SGD")
     batches = make_batches("ec", 10, 8, seed=9, world_size=world_size, rank=rank)
@@ -624,7 +625,7 @@ def disk_full_resume_case(rank: int, world_size: int, root: str, fs: str) -> Dic
     continues with every batch in the log."""
     from procs import fill_filesystem
 
-    from persistent_delta import LogFullError, WriterError
+    from persistent_delta.errors import LogFullError, WriterError
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
     batches = make_batches("ec", 60, 512, seed=4, world_size=world_size, rank=rank)
@@ -730,7 +731,7 @@ def negative_id_publish_case(rank: int, world_size: int, root: str) -> Dict[str,
     cause) comes back, not an index error from the gather."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from persistent_delta import WriterError
+    from persistent_delta.errors import WriterError
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,

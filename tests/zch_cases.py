@@ -74,7 +74,7 @@ def build_mc_model(rank: int, world_size: int, slots: int = 32, eviction_interva
         constraints={t: ParameterConstraints(compute_kernels=["fused"], sharding_types=["row_wise"]) for t in FEATURES})
     plan = planner.collective_plan(model, None, pg)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan)
-    from persistent_delta.zch import cpu_eviction_fallback
+    from persistent_delta.trainer.zch_capture import cpu_eviction_fallback
 
     cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     return dmp
@@ -126,7 +126,7 @@ def gather_maps(maps: Dict[str, Dict[int, int]]) -> Dict[str, Dict[int, int]]:
 
 def _side_of_batch(tracker: Any, batch_idx: int) -> Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor]]]:
     """fqn -> side records (kind, shard-local slots, states) of one batch, read from the log."""
-    from persistent_delta.zchlog import iter_side
+    from persistent_delta.log.zch_records import iter_side
 
     def read(r: Any) -> Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor]]]:
         return {fqn: [(k, ids, st) for _, k, ids, st in iter_side(r, r.table(fqn), batch_idx, batch_idx + 1)]
@@ -139,9 +139,10 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
     admitted one's slot is the one the module's own buffers give it after the step, an
     unadmitted one sits in the default slot and is in no map; the slot reassignments applied in
     order reproduce the module's map. The durable get_indexed_lookups gives the batch's raw ids."""
-    from persistent_delta import PersistentTrackerConfig, RawIdMap, attach, install_raw_id_tracker
-    from persistent_delta import codec
-    from persistent_delta.zchlog import ZchDelta
+    from persistent_delta import PersistentTrackerConfig, RawIdMap, attach
+    from persistent_delta.read.raw_ids import install_raw_id_tracker
+    from persistent_delta.log import codec
+    from persistent_delta.log.zch_records import ZchDelta
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     dmp = build_mc_model(rank, world_size)
@@ -208,7 +209,8 @@ def hash_zch_case(rank: int, world_size: int, root: str, steps: int = 5) -> Dict
     from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
     from torchrec.distributed.model_tracker.types import TrackingMode
 
-    from persistent_delta import PersistentRawIdTracker, PersistentTrackerConfig, attach
+    from persistent_delta.read.raw_ids import PersistentRawIdTracker
+    from persistent_delta import PersistentTrackerConfig, attach
 
     torch.manual_seed(0)
     slots = 32
@@ -278,7 +280,7 @@ def ordered_case(rank: int, world_size: int, root: str, ckpt_root: str, kind: st
     maps (union over ranks)."""
     from harness import build_sharded_model, make_batches, train_step
     from persistent_delta import DeltaConsumer, PersistentTrackerConfig, attach
-    from persistent_delta.shard_files import save_local_shards
+    from persistent_delta.log.shard_files import save_local_shards
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     if kind == "mc":

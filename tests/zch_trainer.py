@@ -24,7 +24,7 @@ from harness import init_gloo  # noqa: E402
 from torchrec.distributed.model_tracker.types import TrackingMode  # noqa: E402
 from zch_cases import build_mc_model, mc_batches, mc_step, module_maps  # noqa: E402
 
-from persistent_delta import PersistentTrackerConfig, attach  # noqa: E402
+from persistent_delta import PersistentTrackerConfig, attach
 
 CKPT_AT = 6
 

@@ -1,8 +1,8 @@
 """``persistent-delta apply``: build or continue a replica from a base and increments, in order.
 
 Owns: reading apply's inputs (shard checkpoints, replay outputs) into
-:class:`persistent_delta.ordered.Piece` s. The order rule and the replica are
-:mod:`persistent_delta.ordered`'s.
+:class:`persistent_delta.read.ordered.Piece` s. The order rule and the replica are
+:mod:`persistent_delta.read.ordered`'s.
 
 ``apply INPUT... --out REPLICA [--replica PREV] [--dry-run]``: every INPUT is a shard checkpoint
 directory (a base, first only) or a replay output directory (an increment); they are checked in
@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from persistent_delta.cli.replay import REPLAY_FORMAT, load_export
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.layout import PathLike
-from persistent_delta.ordered import Piece, Replica, apply_pieces, base_piece, check_order
+from persistent_delta.log.layout import PathLike
+from persistent_delta.read.ordered import Piece, Replica, apply_pieces, base_piece, check_order
 
 
 def increment_piece(out_dir: PathLike) -> Piece:

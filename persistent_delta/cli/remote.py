@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from persistent_delta import codec, transport
+from persistent_delta.log import codec
+from persistent_delta.fleet import transport
 from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownConsumerError
-from persistent_delta.remote import lock_key, offsets_key
-from persistent_delta.transport import ConnectOptions, Connection, Marker
+from persistent_delta.fleet.remote import lock_key, offsets_key
+from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``persistent-delta ship``: run a shipper until stopped (SIGTERM / SIGINT).
 
-Owns: turning command-line options into a :class:`~persistent_delta.ship.Shipper` and its
-connection options; shipping itself is :mod:`persistent_delta.ship`'s.
+Owns: turning command-line options into a :class:`~persistent_delta.fleet.ship.Shipper` and its
+connection options; shipping itself is :mod:`persistent_delta.fleet.ship`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.schema import CHANNELS
-from persistent_delta.ship import Shipper
-from persistent_delta.transport import ConnectOptions, StreamOptions
+from persistent_delta.log.schema import CHANNELS
+from persistent_delta.fleet.ship import Shipper
+from persistent_delta.fleet.transport import ConnectOptions, StreamOptions
 
 
 def add_connect_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """``upgrade``: rewrite logs of an older format version in place.
 
-Owns: the version-to-version record rewrite. Format 1 -> 2 (see :mod:`persistent_delta.codec`):
+Owns: the version-to-version record rewrite. Format 1 -> 2 (see :mod:`persistent_delta.log.codec`):
 every record of both channels is checked with its format-1 checksum and sealed with the
 format-2 one (covering its key), and the version is set, in one write transaction per rank, so a
 crash leaves each rank at the old version or the new one, never between. Needs the writer lock:
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from persistent_delta import codec
-from persistent_delta.layout import PathLike, rank_paths
-from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.schema import CHANNELS, DB_OF_CHANNEL, META_FORMAT_VERSION
+from persistent_delta.log import codec
+from persistent_delta.log.layout import PathLike, rank_paths
+from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+from persistent_delta.log.schema import CHANNELS, DB_OF_CHANNEL, META_FORMAT_VERSION
 
 
 @dataclass

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import List
 
 from persistent_delta.errors import LogLockedError
-from persistent_delta.layout import DATA_FILE, PathLike, fsync_path, rank_paths
-from persistent_delta.lmdbenv import acquire_writer_lock, mapping_pids, open_in_process, other_opener, release_lock
-from persistent_delta.log import DeltaLog
+from persistent_delta.log.layout import DATA_FILE, PathLike, fsync_path, rank_paths
+from persistent_delta.log.lmdbenv import acquire_writer_lock, mapping_pids, open_in_process, other_opener, release_lock
+from persistent_delta.log.deltalog import DeltaLog
 
 logger = logging.getLogger(__name__)
 

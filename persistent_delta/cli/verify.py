@@ -5,7 +5,7 @@ Owns: the list of structural checks and their severities.
 Checks, per rank (each log opened read-only, one read transaction):
 
 * the LMDB file's structure, before it is opened: meta pages, file size, every reachable page
-  (py-lmdb's offline verifier, ``lmdb.verify``, through :func:`persistent_delta.lmdbenv.check_file`);
+  (py-lmdb's offline verifier, ``lmdb.verify``, through :func:`persistent_delta.log.lmdbenv.check_file`);
 * the log opens: format version, table entries decode;
 * meta: format version, a known update mode, the tracker's table list has a table entry for
   every fqn, its rank matches the directory, batch indices are non-negative ints;
@@ -17,7 +17,7 @@ Checks, per rank (each log opened read-only, one read transaction):
   per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
   ``snapshot_end``;
 * consumers: each entry decodes, its channel is known, its offset is not past the channel end
-  (:func:`persistent_delta.delivery.position_status`).
+  (:func:`persistent_delta.log.positions.position_status`).
 
 Damage is an ``error`` (nonzero exit from the CLI); oddities that a valid log can show (records
 left below the log start, unlisted leftovers of an older table set) are ``warning``.
@@ -33,11 +33,11 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import codec, delivery
+from persistent_delta.log import codec, positions
 from persistent_delta.errors import CorruptRecordError, PersistentDeltaError
-from persistent_delta.layout import PathLike, rank_of_dir, rank_paths
-from persistent_delta.log import DeltaLog, ReadTxn
-from persistent_delta.schema import (
+from persistent_delta.log.layout import PathLike, rank_of_dir, rank_paths
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn
+from persistent_delta.log.schema import (
     DB_OF_CHANNEL,
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
@@ -251,9 +251,9 @@ class _Checker:
             except CorruptRecordError as exc:
                 self.bad(where, str(exc))
                 continue
-            start, end = delivery.bounds(r, entry.channel)
-            status = delivery.position_status(entry, start, end, delivery.served_from(r, entry.channel))
-            if status == delivery.PAST_END:
+            start, end = positions.bounds(r, entry.channel)
+            status = positions.position_status(entry, start, end, positions.served_from(r, entry.channel))
+            if status == positions.PAST_END:
                 self.bad(where, f"offset {entry.offset} is past the {entry.channel} end {end}")
 
 

@@ -8,7 +8,7 @@ Design note
 -----------
 Every input covers, per rank, a half-open batch range ``[from, to)``:
 
-* a **base** -- a shard checkpoint (:func:`persistent_delta.shard_files.save_local_shards`)
+* a **base** -- a shard checkpoint (:func:`persistent_delta.log.shard_files.save_local_shards`)
   taken at batch ``b`` -- holds every batch up to ``b``: the next input starts at ``b + 1``;
 * an **increment** -- a replay output (``persistent-delta replay``; its manifest records the
   range read per rank) -- covers exactly its ranges.
@@ -23,7 +23,7 @@ the same rule holds across calls.
 
 :class:`Replica` is what the inputs build: full tables (global rows; a base loads every row, an
 increment's ``snapshot/`` files -- replay with ``--checkpoint`` -- overwrite the changed rows,
-newest last) and a managed-collision table's raw-id map (:class:`~persistent_delta.zchlog.RawIdMap`,
+newest last) and a managed-collision table's raw-id map (:class:`~persistent_delta.log.zch_records.RawIdMap`,
 fed the slot reassignments of every window, in order).
 """
 
@@ -39,9 +39,9 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.layout import PathLike, atomic_write_bytes
-from persistent_delta.shard_files import full_rows, load_raw_id_maps, load_shards, shard_batches
-from persistent_delta.zchlog import RawIdMap, ZchDelta
+from persistent_delta.log.layout import PathLike, atomic_write_bytes
+from persistent_delta.log.shard_files import full_rows, load_raw_id_maps, load_shards, shard_batches
+from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
 REPLICA_FORMAT = "persistent_delta.replica/1"
 Ranges = Dict[int, Tuple[int, int]]

@@ -1,7 +1,7 @@
 """Managed-collision (ZCH) side records: what they hold, reading them, and a replica's raw-id map.
 
 Owns: the meaning of the side records of a managed-collision table (record kinds 2 and 3, stored
-under the table's side id: :func:`persistent_delta.codec.side_table_id`) and the rule that turns
+under the table's side id: :func:`persistent_delta.log.codec.side_table_id`) and the rule that turns
 them into a raw id -> slot map.
 
 A managed-collision table (TorchRec's ``ManagedCollisionEmbeddingCollection`` /
@@ -15,7 +15,7 @@ behind them:
   ``admitted = 0`` and never enters a map.
 * **slot reassignments** (``KIND_SLOTS``, when the module admits or evicts): ``ids`` are the
   slots whose raw id changed, states int64 ``[n, 2]`` = (raw id taken from the slot, raw id
-  given it), :data:`~persistent_delta.codec.NO_RAW_ID` for none. An *eviction* is a taken raw
+  given it), :data:`~persistent_delta.log.codec.NO_RAW_ID` for none. An *eviction* is a taken raw
   id that holds no slot afterwards. The trainer also writes one in the first batch after every attach
   and every checkpoint (a *base*: every slot of the shard with its current raw id, taken column
   ``NO_RAW_ID``) and at a restore (the checkpoint's raw id for every slot reassigned after the
@@ -24,7 +24,7 @@ behind them:
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
 (admitted raw id -> slot) map: :class:`RawIdMap` does that. Local reads (:func:`read_side`)
 and remote ones (the records a shipper shipped: :func:`shipped_side`, read back by
-:mod:`persistent_delta.remote`) turn records into a :class:`ZchDelta` by one rule,
+:mod:`persistent_delta.fleet.remote`) turn records into a :class:`ZchDelta` by one rule,
 :func:`side_delta`. Ranges are half-open
 ``[start_idx, end_idx)``; slot ids in results are global row ids (shard-local + ``row_offset``).
 """
@@ -36,10 +36,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
-from persistent_delta.log import ReadTxn
-from persistent_delta.schema import TableEntry
+from persistent_delta.log.deltalog import ReadTxn
+from persistent_delta.log.schema import TableEntry
 
 RAW, ADMITTED = 0, 1  # columns of a KIND_RAW_IDS record's states
 TAKEN, GIVEN = 0, 1  # columns of a KIND_SLOTS record's states
@@ -268,7 +268,7 @@ class RawIdMap:
     def apply(self, delta: ZchDelta) -> int:
         """Apply a range's reassignments (their order kept; the last one of a slot wins).
         Returns the number applied. Apply ranges in order, without gaps
-        (:mod:`persistent_delta.ordered` checks that for replay outputs)."""
+        (:mod:`persistent_delta.read.ordered` checks that for replay outputs)."""
         if delta.slots.numel() == 0:
             return 0
         slots, given = _last_per_key(delta.slots, delta.given)

@@ -1,9 +1,9 @@
 """The log: typed access to one log directory's tables, records, consumers and meta.
 
 Owns: the transaction discipline and what "a log" is. It stores the entries of
-:mod:`persistent_delta.schema` and the records of :mod:`persistent_delta.codec`; what a
-position or a batch range *means* is :mod:`persistent_delta.delivery`'s, and what a record
-operation does is :mod:`persistent_delta.records`'.
+:mod:`persistent_delta.log.schema` and the records of :mod:`persistent_delta.log.codec`; what a
+position or a batch range *means* is :mod:`persistent_delta.log.positions`'s, and what a record
+operation does is :mod:`persistent_delta.log.records`'.
 
 Design note
 -----------
@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 import lmdb
 import torch
 
-from persistent_delta import codec, lmdbenv
-from persistent_delta.alloc import tune_malloc
+from persistent_delta.log import codec, lmdbenv
+from persistent_delta.log.alloc import tune_malloc
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     CorruptRecordError,
@@ -50,8 +50,8 @@ from persistent_delta.errors import (
     PersistentDeltaError,
     ReadOnlyLogError,
 )
-from persistent_delta.layout import DATA_FILE, FileState, file_state
-from persistent_delta.schema import (
+from persistent_delta.log.layout import DATA_FILE, FileState, file_state
+from persistent_delta.log.schema import (
     DB_CONSUMERS,
     DB_META,
     DB_NAMES,
@@ -172,7 +172,7 @@ class ReadTxn:
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS,
     ) -> Iterator[codec.RecordRows]:
         """The records of :meth:`iter_records` (checked the same way) as numpy views
-        (:func:`~persistent_delta.codec.decode_record_rows`): the read path's form."""
+        (:func:`~persistent_delta.log.codec.decode_record_rows`): the read path's form."""
         for key, value in self._walk(table_id, start_idx, end_idx, channel):
             try:
                 rec = codec.decode_record_rows(value, key=key)
@@ -391,7 +391,7 @@ class DeltaLog:
         options: :class:`LogOptions` (durability, map size, readers).
         check: walk the whole file's structure before opening it (``lmdb.verify``; linear in
             the file). Every open makes the constant-time checks of
-            :func:`persistent_delta.lmdbenv.check_file` anyway.
+            :func:`persistent_delta.log.lmdbenv.check_file` anyway.
 
     Raises:
         DamagedLogError: the file fails those checks (it is not opened).

@@ -2,12 +2,12 @@
 
 Owns: a remote consumer's positions (per rank, in batch indices, stored and replicated in
 the job's ``offsets`` bucket), its one-active-process claim, and its poll/commit cycle. The
-result types are :mod:`persistent_delta.results`' (the same :class:`DeltaPoll` as a local
+result types are :mod:`persistent_delta.read.results`' (the same :class:`DeltaPoll` as a local
 :class:`~persistent_delta.DeltaConsumer`: ``merged()``, ``zch()`` and ``apply`` work unchanged;
 a managed-collision table's ``TableDelta.zch`` comes from the side records shipped with each
-range, by :func:`persistent_delta.zchlog.side_delta`, the local reader's rule); which
-batches a poll may deliver is :func:`persistent_delta.delivery.poll_stops` (complete batches
-only: every rank of the job); the message format is :mod:`persistent_delta.transport`'s.
+range, by :func:`persistent_delta.log.zch_records.side_delta`, the local reader's rule); which
+batches a poll may deliver is :func:`persistent_delta.log.positions.poll_stops` (complete batches
+only: every rank of the job); the message format is :mod:`persistent_delta.fleet.transport`'s.
 
 Design note
 -----------
@@ -52,7 +52,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Ty
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta import codec, delivery, transport
+from persistent_delta.log import codec, positions
+from persistent_delta.fleet import transport
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     FormatMismatchError,
@@ -65,10 +66,10 @@ from persistent_delta.errors import (
     UnknownConsumerError,
 )
 from persistent_delta.lifecycle import warn_unclosed
-from persistent_delta.records import empty_rows
-from persistent_delta.results import DeltaPoll, RankDelta, table_delta
-from persistent_delta.rows import compute_unique_rows
-from persistent_delta.schema import (
+from persistent_delta.log.records import empty_rows
+from persistent_delta.read.results import DeltaPoll, RankDelta, table_delta
+from persistent_delta.log.rows import compute_unique_rows
+from persistent_delta.log.schema import (
     LOOKUPS,
     ShardInfo,
     TableEntry,
@@ -78,8 +79,8 @@ from persistent_delta.schema import (
     check_table_filter,
 )
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables, SideRecord
-from persistent_delta.zchlog import is_managed, side_delta
+from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables, SideRecord
+from persistent_delta.log.zch_records import is_managed, side_delta
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class RemoteConsumer:
         self.job = transport.check_job(job)
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
-        if reset is not None and reset not in delivery.RESET_POLICIES:
+        if reset is not None and reset not in positions.RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise InvalidInputError(f"wait must be a non-negative number of seconds, got {wait!r}")
@@ -353,7 +354,7 @@ class RemoteConsumer:
     def bootstrap(self) -> Dict[str, torch.Tensor]:
         """A full base state from the stream, for a replica that joins late or after its
         position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
-        from every rank's base snapshot (:func:`persistent_delta.ship.publish_base`), and
+        from every rank's base snapshot (:func:`persistent_delta.fleet.ship.publish_base`), and
         every rank's position moved just past the base's publish (in memory; ``commit`` stores
         it). Apply the polls that follow to the returned tables.
 
@@ -368,7 +369,7 @@ class RemoteConsumer:
             buf = self._retrying(lambda: self.conn.object_get(self.job, transport.base_name(rank)))
             if buf is None:
                 raise NotALogError(f"job {self.job!r}: rank {rank} has no base snapshot on {self.server}; publish one "
-                                   "with persistent_delta.ship.publish_base on every rank")
+                                   "with persistent_delta.fleet.ship.publish_base on every rank")
             stamp, tables = transport.decode_base(buf, self._where(rank))
             stamps[rank] = stamp
             meta = self._meta[rank]
@@ -589,11 +590,11 @@ class RemoteConsumer:
         known = {r: st for r, st in self._ranks.items() if st.pos is not None}
         positions = {r: int(st.pos) for r, st in known.items()}  # type: ignore[arg-type]
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
-        hard = delivery.poll_stops(positions, ends, self._expected, None)
+        hard = positions.poll_stops(positions, ends, self._expected, None)
         if max_bytes is not None:
             cut = self._byte_cut(known, hard, max_bytes)
             hard = {r: max(positions[r], min(h, cut)) for r, h in hard.items()}
-        soft = {r: min(s, hard[r]) for r, s in delivery.poll_stops(positions, ends, self._expected, max_batches).items()}
+        soft = {r: min(s, hard[r]) for r, s in positions.poll_stops(positions, ends, self._expected, max_batches).items()}
         common = self._common_stop(known, positions, hard, soft)
         out: Dict[int, RankDelta] = {}
         for rank, st in sorted(self._ranks.items()):

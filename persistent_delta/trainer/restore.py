@@ -10,7 +10,7 @@ earlier writer is gone, so its open batch is complete and is marked so (``closed
 ``tracker.state_dict()`` flushes, marks the checkpoint in the log (``checkpoint_floor`` = the
 first batch after it) and returns the batch index and log identity. Retention never deletes
 records at or after the floor, and compaction never merges across it
-(:mod:`persistent_delta.delivery`). ``tracker.load_state_dict(sd)``, after restoring the model
+(:mod:`persistent_delta.log.positions`). ``tracker.load_state_dict(sd)``, after restoring the model
 from that checkpoint: the batches recorded after the checkpoint (``[floor, log end)``) belong
 to a timeline that was lost, so their records are replaced by one *re-delivery* record per
 table, stamped with a fresh batch index (indices are never reused), holding the ids those
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
-from persistent_delta import codec, delivery
+from persistent_delta.log import codec, positions
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
-from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
+from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+from persistent_delta.log.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
                                      log_start, write_records)
-from persistent_delta.rows import compute_unique_rows
-from persistent_delta.schema import (
+from persistent_delta.log.rows import compute_unique_rows
+from persistent_delta.log.schema import (
     CHANNELS,
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
@@ -49,7 +49,7 @@ from persistent_delta.schema import (
     Delivery,
     TrackerMeta,
 )
-from persistent_delta.sharding import LocalTable
+from persistent_delta.trainer.sharding import LocalTable
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def open_tracker_log(
     row_shapes: Optional[Dict[str, Dict[str, Any]]] = None,
 ) -> Tuple[int, int]:
     """Check (or, with ``fresh``, empty) a tracker's log inside ``w``, store the shard metadata
-    and row shapes (:func:`persistent_delta.capture.row_shapes`) of every table, register
+    and row shapes (:func:`persistent_delta.trainer.capture.row_shapes`) of every table, register
     ``consumers`` (in-transaction delivery) and close a dead writer's open batch. Returns the
     batch index to continue from, and the end of the batches the previous writer completed
     (what :func:`resume_at` agrees on over ranks).
@@ -98,7 +98,7 @@ def open_tracker_log(
                     setattr(entry, k, v)
             w.stage_table(entry)
     for name in consumers:
-        delivery.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
+        positions.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
     curr_meta = int(w.meta(META_CURR_BATCH, 0))
     complete = max(curr_meta, int(w.meta(META_CLOSED_END, 0)))  # batches below it were complete
     curr = max(curr_meta, last_appended(w))
@@ -178,7 +178,7 @@ def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:
     """Mark a model checkpoint taken at ``batch_idx``: records from ``batch_idx + 1`` on are
     kept for a restore. Returns the log id and the lookups consumers' positions."""
     w.set_meta(META_CHECKPOINT_FLOOR, batch_idx + 1)
-    return {"log_id": w.meta(META_LOG_ID), "offsets": delivery.committed_offsets(w)}
+    return {"log_id": w.meta(META_LOG_ID), "offsets": positions.committed_offsets(w)}
 
 
 def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: str, path: str) -> int:
@@ -236,7 +236,7 @@ def redeliver(
     """Replace the records of batches ``[checkpoint_batch + 1, log_end_batch + 1)`` (the lost
     timeline) by one re-delivery record per table stamped ``log_end_batch + 1``, and continue
     the log there. Returns rows re-delivered per table. ``side(w, first, stamp)`` does the same
-    for side records (managed-collision slots: :meth:`persistent_delta.zch.ZchCapture.redeliver`)
+    for side records (managed-collision slots: :meth:`persistent_delta.trainer.zch_capture.ZchCapture.redeliver`)
     and returns the records to write at the stamp.
 
     Raises:

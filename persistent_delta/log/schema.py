@@ -1,7 +1,7 @@
 """The on-disk vocabulary: names, stored entries and validators, typed in one place.
 
 Owns: what every stored name means and how a stored entry looks. The log
-(:mod:`persistent_delta.log`) stores these entries; the codec (:mod:`persistent_delta.codec`)
+(:mod:`persistent_delta.log.deltalog`) stores these entries; the codec (:mod:`persistent_delta.log.codec`)
 owns the bytes of records and keys. Nothing here knows LMDB or TorchRec's modules.
 
 Channels
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 
 # ------------------------------------------------------------------------------ channels

@@ -3,7 +3,7 @@
 Owns: how a job looks on the stream -- subject names, message ids, the message format
 (version, chunking of records larger than the server's max payload, range markers), the
 stream and key-value buckets of a job -- and a synchronous JetStream connection. The
-shipper (:mod:`persistent_delta.ship`) and remote consumers (:mod:`persistent_delta.remote`)
+shipper (:mod:`persistent_delta.fleet.ship`) and remote consumers (:mod:`persistent_delta.fleet.remote`)
 speak only through this module; a Kafka transport would be another implementation of the same
 functions (topic per job, key = rank, the same payloads and ids).
 
@@ -20,13 +20,13 @@ Design note
 
 **A range** ``[start, end)`` of one rank and channel is what one shipper poll read (the unique
 rows per table, by the channel's update mode: exactly what a local consumer at ``start``
-would read). Its parts are the tables' records, encoded by :mod:`persistent_delta.codec` (the
+would read). Its parts are the tables' records, encoded by :mod:`persistent_delta.log.codec` (the
 log's own record format, its checksum sealed with the part's message id), split into chunks
 of at most the server's max payload; the marker lists the parts and is published only after
 every part was acknowledged, so a remote consumer applies a range only when it has all of it.
 On the lookups channel a range also carries the *side records* of managed-collision tables
-(:mod:`persistent_delta.zchlog`: at most two per table, as
-:func:`~persistent_delta.zchlog.shipped_side` gives them): parts of their own, in the same
+(:mod:`persistent_delta.log.zch_records`: at most two per table, as
+:func:`~persistent_delta.log.zch_records.shipped_side` gives them): parts of their own, in the same
 encoding, chunking and ids, numbered after the tables' parts, on the table's subject, listed
 under the marker's ``"side"`` (present, possibly empty, whenever the shipper ships them; a
 reader older than them ignores the extra parts and list). On the snapshots channel a
@@ -68,9 +68,9 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tup
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, FormatMismatchError, InvalidInputError, TransportError
-from persistent_delta.schema import CHANNELS, LOOKUPS, SNAPSHOTS
+from persistent_delta.log.schema import CHANNELS, LOOKUPS, SNAPSHOTS
 
 logger = logging.getLogger(__name__)
 

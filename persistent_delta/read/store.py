@@ -13,7 +13,7 @@ A drop-in for ``DeltaStoreTrec`` with the same semantics, except where listed:
 Each public mutation (``append``, ``delete``, ``compact``) is one LMDB write transaction.
 
 Owns: the adaptation of TorchRec's ``DeltaStore`` interface to the log, nothing else; the record
-operations are :mod:`persistent_delta.records`'.
+operations are :mod:`persistent_delta.log.records`'.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, 
 
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.delivery import safe_compact
-from persistent_delta.log import DeltaLog
-from persistent_delta.records import (
+from persistent_delta.log.positions import safe_compact
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.records import (
     AppendRecord,
     delete_below,
     encode_records,
@@ -39,7 +39,7 @@ from persistent_delta.records import (
     read_unique,
     write_records,
 )
-from persistent_delta.schema import MAX_BATCH_IDX, check_batch_idx
+from persistent_delta.log.schema import MAX_BATCH_IDX, check_batch_idx
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class LmdbDeltaStore(DeltaStore):
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Merge, per table, two or more records in ``[start_idx, end_idx)`` into one record
         stamped ``start_idx``. When consumers are registered in the log, the range is split at
-        their positions (:func:`persistent_delta.delivery.safe_compact`), so no read changes.
+        their positions (:func:`persistent_delta.log.positions.safe_compact`), so no read changes.
 
         Raises:
             AssertionError: ``start_idx >= end_idx`` (the type TorchRec raises).

@@ -15,7 +15,7 @@ import torch
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.sharding import LocalTable
+from persistent_delta.trainer.sharding import LocalTable
 
 TableFraction = Union[float, Tuple[float, str]]
 

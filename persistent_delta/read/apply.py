@@ -29,8 +29,8 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
 from persistent_delta.errors import IncompletePollError, InvalidInputError
-from persistent_delta.results import DeltaPoll, TableDelta, merge_table
-from persistent_delta.schema import SNAPSHOTS
+from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
+from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.threads import intra_op_threads
 
 

@@ -6,7 +6,7 @@ Owns: how this process holds LMDB environments. Nothing here knows what is store
   process (closing either breaks the other's locks), so environments are shared through a
   registry with a reference count (:func:`acquire` / :func:`release`).
 * **Fork guard.** Each shared environment records the pid that opened it; a forked child never
-  uses its parent's (the registry forgets it, and :class:`~persistent_delta.log.DeltaLog`
+  uses its parent's (the registry forgets it, and :class:`~persistent_delta.log.deltalog.DeltaLog`
   raises :class:`ForkedProcessError` for a handle carried across fork).
 * **One lock per environment** serialises this process's transactions: the map can then be
   resized (which needs no open transaction in the process) and py-lmdb objects are never used
@@ -45,7 +45,7 @@ from persistent_delta.errors import (
     PersistentDeltaError,
     ReadOnlyLogError,
 )
-from persistent_delta.layout import DATA_FILE, LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
+from persistent_delta.log.layout import DATA_FILE, LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
 
 logger = logging.getLogger(__name__)
 

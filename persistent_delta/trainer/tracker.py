@@ -25,17 +25,18 @@ from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_M
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta import delivery, publish, restore, topk
-from persistent_delta.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
-from persistent_delta.capture import unregister_hooks
+from persistent_delta.log import positions
+from persistent_delta.trainer import publish, restore, topk
+from persistent_delta.trainer.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
+from persistent_delta.trainer.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
-from persistent_delta.layout import rank_dir
+from persistent_delta.log.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
-from persistent_delta.lmdbenv import ConsumerClaims
-from persistent_delta.log import DeltaLog, ReadTxn
-from persistent_delta.records import AppendRecord
-from persistent_delta.schema import (
+from persistent_delta.log.lmdbenv import ConsumerClaims
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn
+from persistent_delta.log.records import AppendRecord
+from persistent_delta.log.schema import (
     LOOKUPS,
     META_CLOSED_END,
     META_CURR_BATCH,
@@ -43,10 +44,10 @@ from persistent_delta.schema import (
     TrackerMeta,
     check_consumer_name,
 )
-from persistent_delta.sharding import LocalTable, local_tables
-from persistent_delta.writer import BackgroundWriter, WriteTask, commit_tasks
-from persistent_delta.window import WindowFilter
-from persistent_delta.zch import ZchCapture
+from persistent_delta.trainer.sharding import LocalTable, local_tables
+from persistent_delta.trainer.writer import BackgroundWriter, WriteTask, commit_tasks
+from persistent_delta.trainer.window import WindowFilter
+from persistent_delta.trainer.zch_capture import ZchCapture
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,7 +125,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hooked = register_hooks(
             self.tracked_modules, self._mode, self.record_lookup, self.trigger_compaction if self._auto_compact else None
         )
-        self.zch.hook()  # managed-collision tables: raw ids and slot reassignments (persistent_delta.zch)
+        self.zch.hook()  # managed-collision tables: raw ids and slot reassignments (persistent_delta.trainer.zch_capture)
         close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
@@ -163,7 +164,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._closed or self.curr_compact_index >= self.curr_batch_idx:
             return
         end, mode = self.curr_batch_idx, self._update_mode
-        self._hand_off(self._take_batch(op=lambda w: delivery.compact_behind(w, mode, end)))
+        self._hand_off(self._take_batch(op=lambda w: positions.compact_behind(w, mode, end)))
         self.curr_compact_index = end
 
     def _commit_recorded(self) -> None:
@@ -204,7 +205,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
         ``top_percentage`` (0, 1] keeps each table's rows that changed most, and
         ``per_table_percentage`` (fqn -> (fraction, ``""``/``"norm"``/``"default"``)) overrides it
-        per table (:mod:`persistent_delta.topk`); rows left out are **not** re-delivered.
+        per table (:mod:`persistent_delta.trainer.topk`); rows left out are **not** re-delivered.
         ``sorted_by_indices=False`` orders kept rows by score, highest first.
 
         Raises:
@@ -215,7 +216,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
-        rows = self._log.write(lambda w: delivery.consume(w, name, end, mode, **self._read_rule))
+        rows = self._log.write(lambda w: positions.consume(w, name, end, mode, **self._read_rule))
         rows = read_states(self._mode, self._tables, rows)
         if fractions is not None:
             rows = {fqn: topk.top(self._mode, self._tables.get(fqn), r, fractions.get(fqn, 1.0), bool(sorted_by_indices))
@@ -235,7 +236,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._commit_recorded()
         end, rule = self.curr_batch_idx + 1, self._read_rule
         dor = rule["delete_on_read"] if delete_on_read is None else delete_on_read
-        return self._log.write(lambda w: delivery.consume_exact(
+        return self._log.write(lambda w: positions.consume_exact(
             w, name, end, lambda start: read(w, start, end), empty, delete_on_read=dor, bound=rule["bound"]))
 
     def clear(self, consumer: Optional[str] = None) -> None:
@@ -244,7 +245,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         name = None if consumer is None else check_consumer_name(consumer)
         self._commit_recorded()
         self._window.reset()  # deleted rows must be recorded again
-        self._log.write(lambda w: delivery.clear(w, name))
+        self._log.write(lambda w: positions.clear(w, name))
 
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Compact ``[start_idx, end_idx)`` now (one transaction), split at consumer positions
@@ -256,7 +257,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if start_idx >= end_idx:
             raise AssertionError(f"start_idx {start_idx} must be smaller than end_idx, but got {end_idx}")
         self._commit_recorded()
-        self._log.write(lambda w: delivery.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
+        self._log.write(lambda w: positions.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
 
     # ------------------------------------------------------------------ publish, checkpoints
     def publish(self, consumer: str) -> Dict[str, int]:
@@ -321,7 +322,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def per_consumer_batch_idx(self) -> Dict[str, int]:
         """Committed position (next batch_idx to read) of every lookups consumer."""
         self._settle()
-        return self._log.read(delivery.committed_offsets)
+        return self._log.read(positions.committed_offsets)
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:
         """Register a consumer (durably). It starts at position 0 (everything still in the
@@ -330,7 +331,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._settle()
         offset = self.curr_batch_idx + 1 if from_latest else 0
         self._claims.claim(name, "add it to the tracker")
-        self._log.write(lambda w: delivery.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
+        self._log.write(lambda w: positions.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
         if name not in self._consumers:
             self._consumers.append(name)
 
@@ -338,7 +339,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
         self._settle()
-        self._log.write(lambda w: delivery.unregister(w, name))
+        self._log.write(lambda w: positions.unregister(w, name))
         self._claims.release(name)
         if name in self._consumers:
             self._consumers.remove(name)

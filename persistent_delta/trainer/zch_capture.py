@@ -3,7 +3,7 @@ side records of the batch that made them.
 
 Owns: finding a sharded model's managed-collision modules, the hooks that capture what they do,
 and the side records a restart or restore writes. What the records mean and how a replica
-applies them: :mod:`persistent_delta.zchlog`.
+applies them: :mod:`persistent_delta.log.zch_records`.
 
 What runs where (TorchRec 1.8.0, fbgemm-gpu-cpu 1.8.0):
 
@@ -39,10 +39,10 @@ from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
 from torchrec.distributed.model_tracker.types import TrackingMode
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
-from persistent_delta import codec
-from persistent_delta.log import WriteTxn
-from persistent_delta.records import AppendRecord
-from persistent_delta.zchlog import GIVEN, NO_RAW_ID, ZCH_META, iter_side, raw_ids_states, slots_states
+from persistent_delta.log import codec
+from persistent_delta.log.deltalog import WriteTxn
+from persistent_delta.log.records import AppendRecord
+from persistent_delta.log.zch_records import GIVEN, NO_RAW_ID, ZCH_META, iter_side, raw_ids_states, slots_states
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Owns: moving complete batches from the local logs to the stream, and when the local position
 may advance. One shipper per host, beside the trainer (its own process: ``persistent-delta
 ship ROOT --server nats://HOST:PORT --job NAME``, or a thread of the trainer:
-:meth:`Shipper.start`). What goes on the stream, and how, is :mod:`persistent_delta.transport`'s.
+:meth:`Shipper.start`). What goes on the stream, and how, is :mod:`persistent_delta.fleet.transport`'s.
 
 Design note
 -----------
@@ -13,7 +13,7 @@ only: it never waits for other hosts' ranks). A round polls at most ``max_batche
 (cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
 ranges at the same batches), publishes the range's parts (on the lookups channel with the
 side records of managed-collision tables over the same range, read from the log in a
-transaction of their own: :func:`persistent_delta.zchlog.shipped_side`), then its marker,
+transaction of their own: :func:`persistent_delta.log.zch_records.shipped_side`), then its marker,
 and commits the local position **only after the stream acknowledged all of them** (at most
 every 0.1 s while busy, at once when idle: an fsync per range would delay the next one). A crash at any instant
 therefore re-sends at most the range in flight, under the same message ids (the server
@@ -49,16 +49,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from persistent_delta import codec, delivery, transport, zchlog
+from persistent_delta.log import codec, positions, zch_records
+from persistent_delta.fleet import transport
 from persistent_delta.config import LogOptions
-from persistent_delta.consumer import DeltaConsumer
+from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
-from persistent_delta.layout import DATA_FILE, PathLike, rank_paths
-from persistent_delta.log import DeltaLog
-from persistent_delta.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
+from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
-from persistent_delta.watch import FileWatch
+from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
+from persistent_delta.log.watch import FileWatch
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def publish_base(
 ) -> None:
     """Publish a rank's **base snapshot** to the job's object store, so that a replica joining
     late (or after its position expired) can start from a full state without the trainer's
-    disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.remote.RemoteConsumer.bootstrap>`).
+    disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.fleet.remote.RemoteConsumer.bootstrap>`).
 
     Call it on every rank at the same step, right after ``tracker.publish(...)``, with
     ``stamp = tracker.curr_batch_idx`` (the stamp that publish used) and ``tables = {fqn:
@@ -145,7 +146,7 @@ class Shipper:
         job: the job's name on the stream (``[A-Za-z0-9_-]{1,64}``).
         channels: which channels to ship (default both).
         ranks: only these local ranks (default: every rank directory of the job here).
-        connect: authentication/TLS (:class:`~persistent_delta.transport.ConnectOptions`).
+        connect: authentication/TLS (:class:`~persistent_delta.fleet.transport.ConnectOptions`).
         stream: the stream's replicas and limits when this shipper creates it.
         max_batches: batches per shipped range at most (ranges are cut at its multiples).
         options: :class:`LogOptions` for opening the logs.
@@ -282,7 +283,7 @@ class Shipper:
                 return RankTables(
                     rank=feed.rank, log_id=str(r.meta(META_LOG_ID)), world_size=None if meta is None else meta.world_size,
                     tracker=None if meta is None else meta.to_value(),
-                    modes={c: delivery.update_mode(r, c).value for c in CHANNELS},
+                    modes={c: positions.update_mode(r, c).value for c in CHANNELS},
                     entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
             tables = log.read(read)
         self._conn.kv_put(self.job, "meta", transport.tables_key(feed.rank), tables.encode())
@@ -362,7 +363,7 @@ class Shipper:
 
     def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[transport.SideRecord]]:
         """The side records of the managed-collision tables over the range just polled
-        (:func:`zchlog.shipped_side`: at most two records per table). They are read in a
+        (:func:`zch_records.shipped_side`: at most two records per table). They are read in a
         transaction of their own: the range is below the log end and at or above this
         shipper's position, so retention and compaction leave it as the poll read it."""
         if not managed:
@@ -372,7 +373,7 @@ class Shipper:
 
         def read(r: Any) -> Dict[str, List[transport.SideRecord]]:
             entries = r.tables()
-            return {fqn: zchlog.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
+            return {fqn: zch_records.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
 
         return feed.log.read(read)
 

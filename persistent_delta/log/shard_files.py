@@ -2,7 +2,7 @@
 
 Owns: the shard-file format. (A *shard file* is not a model checkpoint: it holds embedding
 weights only, to assemble the current values of changed rows; the tracker's part of a model
-checkpoint is :mod:`persistent_delta.restore`'s.)
+checkpoint is :mod:`persistent_delta.trainer.restore`'s.)
 
 ``save_local_shards(tracker, ckpt_dir)`` writes ``<ckpt_dir>/rank-<r>.safetensors``: every
 tracked table's local shard (``tracker.local_tables[fqn].weights()``) keyed by fqn, with the
@@ -14,7 +14,7 @@ metadata. Every rank calls it with
 the same directory. ``replay`` reads the files of all ranks to assemble the current values of
 changed rows as full rows in global row ids (an incremental snapshot).
 
-Files are written atomically (:func:`persistent_delta.layout.atomic_write_bytes`).
+Files are written atomically (:func:`persistent_delta.log.layout.atomic_write_bytes`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from persistent_delta.errors import InvalidInputError, NotALogError
-from persistent_delta.layout import PathLike, atomic_write_bytes
-from persistent_delta.schema import ShardInfo
-from persistent_delta.sharding import LocalTable
+from persistent_delta.log.layout import PathLike, atomic_write_bytes
+from persistent_delta.log.schema import ShardInfo
+from persistent_delta.trainer.sharding import LocalTable
 
 CHECKPOINT_FORMAT = "persistent_delta.shards/1"
 # a managed-collision table's (admitted raw id -> global slot) map of the rank, as two tensors
@@ -85,7 +85,7 @@ def _rank_files(ckpt_dir: str) -> List[str]:
     if not names:
         raise NotALogError(
             f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
-            "persistent_delta.shard_files.save_local_shards)"
+            "persistent_delta.log.shard_files.save_local_shards)"
         )
     return names
 

@@ -17,15 +17,15 @@ import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta import delivery
+from persistent_delta.log import positions
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.log import ReadTxn
-from persistent_delta.records import TablePlan, last_stamps, plan_unique, publish_times
-from persistent_delta.rows import IdMemo, compute_unique_rows, is_ascending, ordered_runs, unique_ids
-from persistent_delta.schema import LOOKUPS, SNAPSHOTS, ShardInfo
+from persistent_delta.log.deltalog import ReadTxn
+from persistent_delta.log.records import TablePlan, last_stamps, plan_unique, publish_times
+from persistent_delta.log.rows import IdMemo, compute_unique_rows, is_ascending, ordered_runs, unique_ids
+from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ShardInfo
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.zchlog import ZchDelta, merge_side, read_side
+from persistent_delta.log.zch_records import ZchDelta, merge_side, read_side
 
 
 # ----------------------------------------------------------------------------- poll results
@@ -124,7 +124,7 @@ def _cat_rows(parts: Sequence[UniqueRows], stamps: Optional[Sequence[Optional[to
 
     No sort when it is not needed: one part with ascending ids is returned as it is (no
     copy); parts with ascending ids over disjoint id ranges (row-wise shards) are concatenated
-    in range order, each row copied once (:func:`~persistent_delta.rows.compute_unique_rows`).
+    in range order, each row copied once (:func:`~persistent_delta.log.rows.compute_unique_rows`).
     """
     keep = [i for i, p in enumerate(parts) if p.ids.numel()]
     if not keep:
@@ -318,9 +318,9 @@ class DeltaPoll:
 
     def zch(self) -> Dict[str, ZchDelta]:
         """fqn -> a managed-collision table's raw ids, slot reassignments and evictions over
-        the poll's ranges, merged over ranks (:mod:`persistent_delta.zchlog`); ``states`` holds
+        the poll's ranges, merged over ranks (:mod:`persistent_delta.log.zch_records`); ``states`` holds
         the poll's rows of the admitted raw ids' slots when every one of them is in the poll.
-        Local and remote polls alike (a :class:`~persistent_delta.remote.RemoteConsumer` reads
+        Local and remote polls alike (a :class:`~persistent_delta.fleet.remote.RemoteConsumer` reads
         the side records shipped with each lookups range)."""
         out: Dict[str, ZchDelta] = {}
         merged: Optional[Dict[str, MergedDelta]] = None
@@ -358,7 +358,7 @@ class DeltaPoll:
 
 
 class PlannedTable(NamedTuple):
-    """One table of a :class:`RankPlan`: its rows decided (:class:`~persistent_delta.records.
+    """One table of a :class:`RankPlan`: its rows decided (:class:`~persistent_delta.log.records.
     TablePlan`) and what its :class:`TableDelta` needs besides."""
 
     plan: TablePlan
@@ -402,8 +402,8 @@ def plan_range(
     memo: Optional[IdMemo] = None,
 ) -> RankPlan:
     """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``)."""
-    mode = delivery.update_mode(r, channel)
-    start_idx = delivery.read_start(r, start_idx, channel)
+    mode = positions.update_mode(r, channel)
+    start_idx = positions.read_start(r, start_idx, channel)
     end_idx = max(end_idx, start_idx)
     plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
     entries = r.tables()
@@ -433,9 +433,9 @@ def read_range(
 ) -> RankDelta:
     """Per-table unique rows of one rank's log for a read at ``start_idx`` up to ``end_idx``,
     with global ids. The result reports the range actually read: it starts at
-    :func:`~persistent_delta.delivery.read_start` (the start of a filtered window the position
+    :func:`~persistent_delta.log.positions.read_start` (the start of a filtered window the position
     lies inside). Results own their memory (safe to keep after the transaction). ``memo``:
-    the poll's :class:`~persistent_delta.rows.IdMemo`, shared by its ranks."""
+    the poll's :class:`~persistent_delta.log.rows.IdMemo`, shared by its ranks."""
     return plan_range(r, rank, path, start_idx, end_idx, channel, tables, memo).finish()
 
 
@@ -455,7 +455,7 @@ def finish_ranks(plans: Dict[int, RankPlan],
     as before.
 
     ``alloc(nbytes)``: where the buffer comes from (a uint8 tensor of ``nbytes``; default
-    ``torch.empty``). A consumer passes :meth:`~persistent_delta.alloc.ResultBuffers.take`,
+    ``torch.empty``). A consumer passes :meth:`~persistent_delta.log.alloc.ResultBuffers.take`,
     which hands out again a buffer whose earlier poll the caller has released: fresh pages
     cost ~0.45 ms/MB to fault in on this class of VM, several times that with a trainer on
     the same cores (that was most of ``merged()`` when each table had its own result, and the

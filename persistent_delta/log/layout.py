@@ -52,7 +52,7 @@ class FileState(enum.Enum):
 
 def file_state(path: PathLike) -> FileState:
     """Classify ``path`` by its files alone. Whether a present file is ours is decided when
-    it is opened (:func:`persistent_delta.lmdbenv.probe`)."""
+    it is opened (:func:`persistent_delta.log.lmdbenv.probe`)."""
     try:
         size = os.path.getsize(os.path.join(os.fspath(path), DATA_FILE))
     except OSError:

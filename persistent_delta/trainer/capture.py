@@ -4,7 +4,7 @@ hands to the writer.
 Owns: table discovery (TorchRec's own fqn rules), hook registration, and the hot-path split of
 a lookup into per-table records. Everything here runs on the training thread and does no copy
 on CPU: records keep references (or start non-blocking device-to-host copies) and the
-background writer does the rest (:mod:`persistent_delta.writer`).
+background writer does the rest (:mod:`persistent_delta.trainer.writer`).
 
 Hooks, as TorchRec's tracker: ``post_lookup_tracker_fn`` of ``ShardedEmbeddingCollection`` /
 ``ShardedEmbeddingBagCollection`` (ID_ONLY, EMBEDDING) or ``optim_state_tracker_fn`` of their
@@ -30,10 +30,10 @@ from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTra
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
-from persistent_delta.records import AppendRecord
-from persistent_delta.sharding import LocalTable, feature_index, has_fused_state, iter_lookups
+from persistent_delta.log.records import AppendRecord
+from persistent_delta.trainer.sharding import LocalTable, feature_index, has_fused_state, iter_lookups
 
 logger = logging.getLogger(__name__)
 

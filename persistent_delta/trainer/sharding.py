@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.schema import DATA_PARALLEL
+from persistent_delta.log.schema import DATA_PARALLEL
 
 
 @dataclass

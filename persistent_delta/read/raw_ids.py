@@ -1,7 +1,7 @@
 """A durable ``RawIdTracker``: TorchRec's raw-id tracker API served from the delta log.
 
 Owns: TorchRec's ``get_indexed_lookups(tables, consumer)`` contract on the raw-id side records
-of managed-collision tables (:mod:`persistent_delta.zchlog`).
+of managed-collision tables (:mod:`persistent_delta.log.zch_records`).
 
 TorchRec 1.8.0's ``RawIdTracker`` keeps, in process memory, the raw ids behind each lookup of a
 managed-collision table and hands them out per consumer: ``get_indexed_lookups(tables,
@@ -9,7 +9,7 @@ consumer)`` returns ``{table name: ([raw ids [n, 1] per lookup, batch order], [r
 for the batches since the consumer last read (the current one included) and moves it past them;
 ``get_unique``/``get_unique_ids`` return ``{}``. It records only for modules with
 ``_hash_zch_identities`` (HashZch). :class:`PersistentRawIdTracker` gives the same answers from
-the log written by a :class:`~persistent_delta.tracker.PersistentDeltaTracker` -- for MCH
+the log written by a :class:`~persistent_delta.trainer.tracker.PersistentDeltaTracker` -- for MCH
 modules too -- with durable consumer positions (registered lookups consumers of the log: they
 hold back retention like any other). :func:`install_raw_id_tracker` registers it where a DMP
 keeps its raw-id tracker (``dmp.model_trackers["RAW_ID_TRACKER"]``).
@@ -31,16 +31,16 @@ from torchrec.distributed.model_tracker.types import Trackers, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
-from persistent_delta.log import ReadTxn
-from persistent_delta.schema import check_consumer_name
-from persistent_delta.zchlog import raw_lookups
+from persistent_delta.log.deltalog import ReadTxn
+from persistent_delta.log.schema import check_consumer_name
+from persistent_delta.log.zch_records import raw_lookups
 
 Lookups = Dict[str, Tuple[List[torch.Tensor], List[torch.Tensor]]]
 _T = TypeVar("_T")
 
 
 class _DeltaTracker(Protocol):
-    """What this module uses of a :class:`~persistent_delta.tracker.PersistentDeltaTracker`
+    """What this module uses of a :class:`~persistent_delta.trainer.tracker.PersistentDeltaTracker`
     (its public API: this module sits below the tracker and does not import it)."""
 
     zch: Any
@@ -93,7 +93,7 @@ class PersistentRawIdTracker(ModelDeltaTracker):
 
     def record_lookup(self, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module] = None,
                       raw_ids: Optional[torch.Tensor] = None) -> None:
-        """Nothing: the delta tracker's hooks record (:mod:`persistent_delta.zch`)."""
+        """Nothing: the delta tracker's hooks record (:mod:`persistent_delta.trainer.zch_capture`)."""
 
     def get_indexed_lookups(self, tables: List[str], consumer: Optional[str] = None) -> Lookups:
         """TorchRec's ``RawIdTracker.get_indexed_lookups``: per table *name* in ``tables`` with

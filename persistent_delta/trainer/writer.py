@@ -34,14 +34,14 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.codec import SIDE_KINDS
+from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.config import WriterOptions
 from persistent_delta.errors import LogClosedError, WriterError
-from persistent_delta.log import DeltaLog, WriteTxn
-from persistent_delta.records import AppendRecord, encode_records, write_records
-from persistent_delta.rows import compute_unique_rows, unique_ids
+from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+from persistent_delta.log.records import AppendRecord, encode_records, write_records
+from persistent_delta.log.rows import compute_unique_rows, unique_ids
 from persistent_delta.threads import default_kept, set_for_this_thread
-from persistent_delta.window import WindowFilter
+from persistent_delta.trainer.window import WindowFilter
 
 logger = logging.getLogger(__name__)
 

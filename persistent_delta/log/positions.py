@@ -56,11 +56,11 @@ from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple, 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import ConsumerConflictError, InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
-from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.records import (
+from persistent_delta.log.deltalog import ReadTxn, WriteTxn
+from persistent_delta.log.records import (
     AppendRecord,
     compact_range,
     delete_below,
@@ -69,8 +69,8 @@ from persistent_delta.records import (
     read_unique,
     snapshot_start,
 )
-from persistent_delta.rows import unique_ids
-from persistent_delta.schema import (
+from persistent_delta.log.rows import unique_ids
+from persistent_delta.log.schema import (
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
     META_CLOSED_END,
@@ -244,7 +244,7 @@ def poll_stops(
     poll reads only batches that *every* rank of the job has completed: the smallest end over
     the job's ranks, and nothing while a rank of the job has no data source at all. At most
     ``max_batches`` per rank; never below the position. Local readers and remote consumers
-    (:mod:`persistent_delta.remote`) both stop here.
+    (:mod:`persistent_delta.fleet.remote`) both stop here.
     """
     common: Optional[int] = None
     if job_ranks is not None:

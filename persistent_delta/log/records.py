@@ -2,15 +2,15 @@
 delete.
 
 Owns: what each record operation does to the stored records (and the ``log_start`` mark that
-deletion leaves). The FIRST/LAST rule itself is :mod:`persistent_delta.rows`'; which range an
-operation may cover safely is :mod:`persistent_delta.delivery`'s. Every function takes the
+deletion leaves). The FIRST/LAST rule itself is :mod:`persistent_delta.log.rows`'; which range an
+operation may cover safely is :mod:`persistent_delta.log.positions`'s. Every function takes the
 transaction it runs in, so callers compose several operations into one commit.
 
 Compaction design note: per table, two or more records in ``[start_idx, end_idx)`` become one
 record stamped ``start_idx`` holding the unique rows by the update mode's rule. Reads that
 start at or before ``start_idx`` and end at or after ``end_idx`` get the same answer; a read
 that starts strictly inside the range would not, which is why callers go through
-:func:`persistent_delta.delivery.safe_compact`.
+:func:`persistent_delta.log.positions.safe_compact`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, UpdateMode
 
-from persistent_delta import codec
+from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
-from persistent_delta.log import ReadTxn, WriteTxn
-from persistent_delta.rows import IdMemo, RowPlan, compute_unique_rows, plan_unique_rows
-from persistent_delta.schema import (
+from persistent_delta.log.deltalog import ReadTxn, WriteTxn
+from persistent_delta.log.rows import IdMemo, RowPlan, compute_unique_rows, plan_unique_rows
+from persistent_delta.log.schema import (
     LOOKUPS,
     META_LOG_START,
     META_SNAPSHOT_END,
@@ -158,7 +158,7 @@ def empty_rows(entry: TableEntry, mode: UpdateMode, channel: str = LOOKUPS) -> U
 @dataclass
 class TablePlan:
     """One table's unique rows over a range, planned inside a read transaction (the rule
-    applied to the ids, :class:`~persistent_delta.rows.RowPlan`) and not yet copied out of the
+    applied to the ids, :class:`~persistent_delta.log.rows.RowPlan`) and not yet copied out of the
     map: :meth:`finish` copies them, into a place of the caller's choosing, before the
     transaction ends. ``typed``: the states' dtype and trailing shape (None: ids only);
     ``empty``: the result of a table with nothing in range."""
@@ -256,7 +256,7 @@ def read_unique(
     """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
 
     A table with no records in range gets :func:`empty_rows`. Results own their memory.
-    ``memo``: one poll's :class:`~persistent_delta.rows.IdMemo` over its ranks (by table).
+    ``memo``: one poll's :class:`~persistent_delta.log.rows.IdMemo` over its ranks (by table).
     ``extra_ids`` (``UpdateMode.NONE`` only): more ids per table, counted with its records'
     (those of tables not read, as unlisted ones or fqns the log lacks, are ignored).
     """
