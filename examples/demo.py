@@ -13,7 +13,7 @@ What it does, end to end, on CPU:
    of the tables and commits its position;
 3. every ``--checkpoint-every`` steps, each rank saves its DMP state_dict, fused optimizer
    state and ``tracker.state_dict()`` (the ``checkpoint`` consumer reads the log then too);
-   the initial and final tables are saved with ``persistent_delta.log.shard_files.save_local_shards``
+   the initial and final tables are saved with ``persistent_delta.trainer.save_shards.save_local_shards``
    (``<out>/initial/`` and ``<out>/final/``, one ``rank-<r>.safetensors`` per rank) and
    assembled into full tables with ``load_shards`` and ``full_rows``;
 4. at ``--kill-at`` the demo SIGKILLs the trainer (both ranks) and restarts it from its last
@@ -150,7 +150,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     from persistent_delta import PersistentTrackerConfig, attach
-    from persistent_delta.log.shard_files import save_local_shards
+    from persistent_delta.trainer.save_shards import save_local_shards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -243,7 +243,7 @@ def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
 
 def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
     """Full tables (fqn -> [rows, cols]) from the per-rank files that
-    ``persistent_delta.log.shard_files.save_local_shards`` wrote into ``ckpt_dir``."""
+    ``persistent_delta.trainer.save_shards.save_local_shards`` wrote into ``ckpt_dir``."""
     from persistent_delta.log.shard_files import full_rows, load_shards
 
     return {

@@ -140,7 +140,7 @@ def trainer_with_external_reader(rank: int, world_size: int, base: str) -> Dict[
     from harness import build_sharded_model, make_batches, table_shard_info, train_step
 
     from persistent_delta import PersistentTrackerConfig, attach
-    from persistent_delta.log.shard_files import save_local_shards
+    from persistent_delta.trainer.save_shards import save_local_shards
 
     dmps, trackers, out = {}, {}, {}
     for name, sharding in (("rw", "row_wise"), ("cw", "column_wise")):

@@ -280,7 +280,7 @@ def ordered_case(rank: int, world_size: int, root: str, ckpt_root: str, kind: st
     maps (union over ranks)."""
     from harness import build_sharded_model, make_batches, train_step
     from persistent_delta import DeltaConsumer, PersistentTrackerConfig, attach
-    from persistent_delta.log.shard_files import save_local_shards
+    from persistent_delta.trainer.save_shards import save_local_shards
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     if kind == "mc":

@@ -27,7 +27,7 @@ once per read window (:mod:`persistent_delta.log.positions`), so a window starti
 read window cannot be answered exactly; replay refuses it (:class:`InexactRangeError`, naming
 the batch to start from) instead of labelling rows of earlier batches with the asked range.
 
-With a checkpoint directory (:func:`persistent_delta.log.shard_files.save_local_shards`), the current
+With a checkpoint directory (:func:`persistent_delta.trainer.save_shards.save_local_shards`), the current
 values of every changed row (union over the windows) are written as an incremental snapshot,
 ``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
 lists everything, with the range read per rank (``ranges``) and overall (``from_batch``,

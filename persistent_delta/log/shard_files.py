@@ -1,10 +1,10 @@
-"""Shard files: each rank's table shards as safetensors, for ``replay --checkpoint``.
+"""Shard files: each rank's table shards as safetensors, the starting tables of a replica.
 
-Owns: the shard-file format. (A *shard file* is not a model checkpoint: it holds embedding
+Owns: the shard-file format and reading it (:mod:`persistent_delta.trainer.save_shards` writes it). (A *shard file* is not a model checkpoint: it holds embedding
 weights only, to assemble the current values of changed rows; the tracker's part of a model
 checkpoint is :mod:`persistent_delta.trainer.restore`'s.)
 
-``save_local_shards(tracker, ckpt_dir)`` writes ``<ckpt_dir>/rank-<r>.safetensors``: every
+``save_local_shards(tracker, shard_dir)`` writes ``<shard_dir>/rank-<r>.safetensors``: every
 tracked table's local shard (``tracker.local_tables[fqn].weights()``) keyed by fqn, with the
 shard placement (row/column offsets and sizes), a managed-collision table's raw id -> slot map
 (``zch.raw:<fqn>``, ``zch.slot:<fqn>``) and the batch index it was taken at
@@ -22,62 +22,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_save
 
 from persistent_delta.errors import InvalidInputError, NotALogError
-from persistent_delta.log.layout import PathLike, atomic_write_bytes
+from persistent_delta.log.layout import PathLike
 from persistent_delta.log.schema import ShardInfo
-from persistent_delta.trainer.sharding import LocalTable
 
-CHECKPOINT_FORMAT = "persistent_delta.shards/1"
+SHARD_FILES_FORMAT = "persistent_delta.shards/1"
 # a managed-collision table's (admitted raw id -> global slot) map of the rank, as two tensors
 ZCH_PREFIX, ZCH_RAW, ZCH_SLOT = "zch.", "zch.raw:", "zch.slot:"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.safetensors$")
-
-
-class ShardSource(Protocol):
-    """What :func:`save_local_shards` reads: a tracker (``PersistentDeltaTracker`` fits)."""
-
-    rank: int
-    curr_batch_idx: int
-
-    @property
-    def local_tables(self) -> Dict[str, LocalTable]: ...
-
-
-def save_local_shards(tracker: ShardSource, ckpt_dir: PathLike) -> str:
-    """Write this rank's shard of every tracked table to ``<ckpt_dir>/rank-<r>.safetensors``.
-
-    Call it on every rank (the training thread, between steps) with the same directory.
-
-    Args:
-        tracker: the rank's tracker (its ``local_tables`` and ``rank`` are used).
-        ckpt_dir: the checkpoint directory (created if missing).
-
-    Returns:
-        The path written.
-    """
-    tensors: Dict[str, torch.Tensor] = {}
-    shards: Dict[str, Dict[str, object]] = {}
-    for fqn, t in sorted(tracker.local_tables.items()):
-        tensors[fqn] = t.weights().detach().cpu().contiguous().clone()
-        shards[fqn] = {
-            "table_name": t.table_name, "sharding_type": t.sharding_type,
-            "row_offset": t.row_offset, "col_offset": t.col_offset, "local_rows": t.local_rows,
-            "local_cols": t.local_cols, "global_rows": t.global_rows, "global_cols": t.global_cols,
-        }
-    zch = getattr(tracker, "zch", None)  # managed-collision tables: this rank's raw id -> slot map too
-    for fqn, (raw, slots) in (zch.current_maps() if zch is not None else {}).items():
-        tensors[ZCH_RAW + fqn], tensors[ZCH_SLOT + fqn] = raw.contiguous(), slots.contiguous()
-    meta = {"format": CHECKPOINT_FORMAT, "rank": str(tracker.rank), "shards": json.dumps(shards),
-            "batch_idx": str(int(tracker.curr_batch_idx))}
-    path = os.path.join(os.fspath(ckpt_dir), f"rank-{tracker.rank}.safetensors")
-    atomic_write_bytes(path, safetensors_save(tensors, metadata=meta))
-    return path
 
 
 def _rank_files(ckpt_dir: str) -> List[str]:
@@ -85,7 +42,7 @@ def _rank_files(ckpt_dir: str) -> List[str]:
     if not names:
         raise NotALogError(
             f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
-            "persistent_delta.log.shard_files.save_local_shards)"
+            "persistent_delta.trainer.save_shards.save_local_shards)"
         )
     return names
 
@@ -107,7 +64,7 @@ def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
                 meta = f.metadata() or {}
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on a bad file
             raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
-        if meta.get("format") != CHECKPOINT_FORMAT:
+        if meta.get("format") != SHARD_FILES_FORMAT:
             raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
         b = meta.get("batch_idx")
         try:
@@ -145,7 +102,7 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
         try:
             with safe_open(path, "pt") as f:
                 meta = f.metadata() or {}
-                if meta.get("format") != CHECKPOINT_FORMAT:
+                if meta.get("format") != SHARD_FILES_FORMAT:
                     raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
                 shards = json.loads(meta["shards"])
                 for fqn in f.keys():

@@ -8,7 +8,7 @@ Design note
 -----------
 Every input covers, per rank, a half-open batch range ``[from, to)``:
 
-* a **base** -- a shard checkpoint (:func:`persistent_delta.log.shard_files.save_local_shards`)
+* a **base** -- a shard checkpoint (:func:`persistent_delta.trainer.save_shards.save_local_shards`)
   taken at batch ``b`` -- holds every batch up to ``b``: the next input starts at ``b + 1``;
 * an **increment** -- a replay output (``persistent-delta replay``; its manifest records the
   range read per rank) -- covers exactly its ranges.

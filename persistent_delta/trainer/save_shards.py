@@ -1,0 +1,58 @@
+"""Writing a rank's shard files (the format is :mod:`persistent_delta.log.shard_files`').
+
+Owns: :func:`save_local_shards`, the trainer side of the shard files a replica starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Protocol
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from persistent_delta.log.layout import PathLike, atomic_write_bytes
+from persistent_delta.log.shard_files import SHARD_FILES_FORMAT, ZCH_RAW, ZCH_SLOT
+from persistent_delta.trainer.sharding import LocalTable
+
+
+class ShardSource(Protocol):
+    """What :func:`save_local_shards` reads: a tracker (``PersistentDeltaTracker`` fits)."""
+
+    rank: int
+    curr_batch_idx: int
+
+    @property
+    def local_tables(self) -> Dict[str, LocalTable]: ...
+
+
+def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
+    """Write this rank's shard of every tracked table to ``<shard_dir>/rank-<r>.safetensors``.
+
+    Call it on every rank (the training thread, between steps) with the same directory.
+
+    Args:
+        tracker: the rank's tracker (its ``local_tables`` and ``rank`` are used).
+        shard_dir: the checkpoint directory (created if missing).
+
+    Returns:
+        The path written.
+    """
+    tensors: Dict[str, torch.Tensor] = {}
+    shards: Dict[str, Dict[str, object]] = {}
+    for fqn, t in sorted(tracker.local_tables.items()):
+        tensors[fqn] = t.weights().detach().cpu().contiguous().clone()
+        shards[fqn] = {
+            "table_name": t.table_name, "sharding_type": t.sharding_type,
+            "row_offset": t.row_offset, "col_offset": t.col_offset, "local_rows": t.local_rows,
+            "local_cols": t.local_cols, "global_rows": t.global_rows, "global_cols": t.global_cols,
+        }
+    zch = getattr(tracker, "zch", None)  # managed-collision tables: this rank's raw id -> slot map too
+    for fqn, (raw, slots) in (zch.current_maps() if zch is not None else {}).items():
+        tensors[ZCH_RAW + fqn], tensors[ZCH_SLOT + fqn] = raw.contiguous(), slots.contiguous()
+    meta = {"format": SHARD_FILES_FORMAT, "rank": str(tracker.rank), "shards": json.dumps(shards),
+            "batch_idx": str(int(tracker.curr_batch_idx))}
+    path = os.path.join(os.fspath(shard_dir), f"rank-{tracker.rank}.safetensors")
+    atomic_write_bytes(path, safetensors_save(tensors, metadata=meta))
+    return path
