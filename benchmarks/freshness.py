@@ -222,11 +222,11 @@ def run_freshness(name: str, every: int, steps: int, batches: List[Any], warmup:
 def _replica_behind(log: Any) -> bool:
     """Whether the ``replica`` consumer of ``log`` (rank 0's, read-only) has not yet committed
     past the newest publish."""
-    from persistent_delta.log import positions
+    from persistent_delta.log import position_rules
     from persistent_delta.log.schema import SNAPSHOTS
 
     def look(r: Any) -> bool:
-        return bool(positions.committed_offsets(r, SNAPSHOTS).get("replica", 0) < positions.bounds(r, SNAPSHOTS)[1])
+        return bool(position_rules.committed_offsets(r, SNAPSHOTS).get("replica", 0) < position_rules.bounds(r, SNAPSHOTS)[1])
 
     return bool(log.read(look))
 

@@ -223,7 +223,7 @@ class WriterOptions:
 @dataclass(frozen=True)
 class RetentionBound:
     """How far a registered consumer may fall behind the log end before it is expired (see
-    :mod:`persistent_delta.log.positions`). Off by default: a registered consumer then holds back
+    :mod:`persistent_delta.log.position_rules`). Off by default: a registered consumer then holds back
     ``delete_on_read`` retention without limit, like a durable subscription.
 
     Args:

@@ -27,7 +27,7 @@ from persistent_delta.log.schema import ShardInfo
 from persistent_delta.log import codec
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import SNAPSHOTS, Delivery
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from procs import popen_python, run_python
 
 
@@ -289,7 +289,7 @@ def paced_trainer(rank: int, world_size: int, root: str, go: str, steps: int) ->
     t.step()  # no more lookups of the last batch: make it complete for external readers
     t.close()
     with DeltaLog(t.path, readonly=True) as log:
-        return int(log.read(positions.lookups_end))
+        return int(log.read(position_rules.lookups_end))
 
 
 def _wait(path: str, timeout: float = 120.0) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import make_batches
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +47,7 @@ def read_state(rank_dir: str):
             for fqn, e in r.tables().items():
                 for rec in r.iter_records(e.table_id):  # decodes every record, checks its crc32c
                     batches.setdefault(rec.batch_idx, {}).setdefault(fqn, []).append(rec.ids.clone())
-            return batches, {k: v.offset for k, v in r.consumers().items()}, positions.lookups_end(r)
+            return batches, {k: v.offset for k, v in r.consumers().items()}, position_rules.lookups_end(r)
         return log.read(read)
 
 

@@ -51,13 +51,13 @@ def _trial(root: str, rng: random.Random, kill: bool) -> list:
 
 
 def _state(root: str) -> dict:
-    from persistent_delta.log import positions
+    from persistent_delta.log import position_rules
     from persistent_delta.log.deltalog import DeltaLog
 
     out = {}
     for r in (0, 1):
         with DeltaLog(os.path.join(root, f"rank-{r}"), readonly=True) as log:
-            out[r] = log.read(lambda t: (positions.bounds(t, "lookups"), {k: v.offset for k, v in t.consumers().items()},
+            out[r] = log.read(lambda t: (position_rules.bounds(t, "lookups"), {k: v.offset for k, v in t.consumers().items()},
                                          t.meta("curr_batch_idx"), t.meta("closed_end")))
     return out
 

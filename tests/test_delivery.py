@@ -19,7 +19,7 @@ from persistent_delta import (
     RetentionBound,
 )
 from persistent_delta.errors import InexactRangeError, LogFullError, NotALogError, ReadOnlyLogError
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.cli import main
 from persistent_delta.cli.offsets import describe
 from persistent_delta.cli.replay import replay
@@ -72,14 +72,14 @@ def test_bounds_never_cross_and_the_open_batch_is_legal(tmp_path):
     # the trainer read through its open batch 11 and retention deleted everything below 12
     log.write(lambda w: (w.set_consumer("trainer", ConsumerEntry.new(12, LOOKUPS, Delivery.IN_TRANSACTION)),
                          w.set_meta(META_LOG_START, 12)))
-    start, end = log.read(lambda r: positions.bounds(r, LOOKUPS))
+    start, end = log.read(lambda r: position_rules.bounds(r, LOOKUPS))
     assert start <= end, (start, end)  # was LOG-START 12 > LOG-END 11
     (rank,) = describe(str(tmp_path / "log"))
     assert rank.log_start <= rank.log_end
     entry = ConsumerEntry.new(end + 1, LOOKUPS, Delivery.IN_TRANSACTION)
-    assert positions.position_status(entry, start, end) == positions.OPEN_BATCH
+    assert position_rules.position_status(entry, start, end) == position_rules.OPEN_BATCH
     entry.offset = end + 2
-    assert positions.position_status(entry, start, end) == positions.PAST_END
+    assert position_rules.position_status(entry, start, end) == position_rules.PAST_END
     log.close()
 
 
@@ -124,8 +124,8 @@ def test_pending_rows_use_the_consumers_read_start(tmp_path):
     root = str(tmp_path / "log")
     log = tracker_log(root, batches=30)
     log.write(lambda w: w.set_consumer("late", ConsumerEntry.new(20, LOOKUPS, Delivery.POLL_COMMIT)))
-    want = log.read(lambda r: pending_stats(r, LOOKUPS, positions.read_start(r, 20), positions.lookups_end(r)))
-    naive = log.read(lambda r: pending_stats(r, LOOKUPS, 20, positions.lookups_end(r)))
+    want = log.read(lambda r: pending_stats(r, LOOKUPS, position_rules.read_start(r, 20), position_rules.lookups_end(r)))
+    naive = log.read(lambda r: pending_stats(r, LOOKUPS, 20, position_rules.lookups_end(r)))
     log.close()
     assert want[1] > naive[1]  # the window's earlier records are pending too
     (rank,) = describe(root)
@@ -143,13 +143,13 @@ def test_compaction_is_split_at_positions_and_stops_below_a_poller(tmp_path):
             AppendRecord(b, "t", _ids(b), (_ids(b).float() + b).unsqueeze(1))])])
     log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(4, LOOKUPS, Delivery.IN_TRANSACTION)))
     log.write(lambda w: w.set_consumer("p", ConsumerEntry.new(7, LOOKUPS, Delivery.POLL_COMMIT)))
-    assert log.read(lambda r: positions.safe_pieces(r, 0, 10)) == [(0, 4), (4, 7)]
+    assert log.read(lambda r: position_rules.safe_pieces(r, 0, 10)) == [(0, 4), (4, 7)]
 
     def reads(r):
         return {p: read_unique(r, UpdateMode.LAST, p) for p in range(0, 11)}
 
     before = log.read(reads)
-    log.write(lambda w: positions.safe_compact(w, UpdateMode.LAST, 0, 10))
+    log.write(lambda w: position_rules.safe_compact(w, UpdateMode.LAST, 0, 10))
     after = log.read(reads)
     stamps = log.read(lambda r: sorted({b for b, _, _ in r.iter_record_keys(r.table("t").table_id)}))
     assert stamps == [0, 4, 7, 8, 9]
@@ -165,9 +165,9 @@ def test_the_retention_bound_expires_a_dead_consumer_loudly(tmp_path, caplog):
     bound = RetentionBound(max_batches=10)
 
     def read_and_retain(w):
-        return positions.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True, bound=bound)
+        return position_rules.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True, bound=bound)
 
-    log.write(lambda w: positions.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True))
+    log.write(lambda w: position_rules.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True))
     assert log.read(log_start) == 0  # held back without a bound
     with caplog.at_level("WARNING"):
         log.write(read_and_retain)
@@ -176,7 +176,7 @@ def test_the_retention_bound_expires_a_dead_consumer_loudly(tmp_path, caplog):
     assert log.read(lambda r: r.consumer("ext")).expired
     log.close()
     (rank,) = describe(root)
-    assert {c.name: c.status for c in rank.consumers}["ext"] == positions.EXPIRED
+    assert {c.name: c.status for c in rank.consumers}["ext"] == position_rules.EXPIRED
     with DeltaConsumer(root, "ext", register=False) as c:
         with pytest.raises(OffsetOutOfRangeError, match="below the log start"):
             c.poll()

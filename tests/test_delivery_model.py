@@ -1,15 +1,15 @@
-"""Hypothesis state machine: the delivery rule (:mod:`persistent_delta.log.positions`) on a plain
+"""Hypothesis state machine: the delivery rule (:mod:`persistent_delta.log.position_rules`) on a plain
 LMDB log, without a DMP, against a simple reference.
 
 The log is driven the way the tracker drives it -- batches appended through
 ``writer.commit_tasks`` with one shared :class:`WindowFilter`, TorchRec's in-transaction
-``get_unique`` (``positions.consume``), ``DeltaConsumer``-style poll/commit reads, compaction
-through ``positions.safe_compact``, retention through ``positions.apply_retention`` and the model
+``get_unique`` (``position_rules.consume``), ``DeltaConsumer``-style poll/commit reads, compaction
+through ``position_rules.safe_compact``, retention through ``position_rules.apply_retention`` and the model
 checkpoint mark -- and every read is compared with the update-mode rule applied to the raw
 batches (plain Python dicts, not :mod:`persistent_delta.log.rows`).
 
 The reference for a read at position ``p`` up to ``end`` whose read start is ``s``
-(``positions.read_start``, reported by polls) on a log starting at ``L``:
+(``position_rules.read_start``, reported by polls) on a log starting at ``L``:
 
 * ``s <= p`` and never a lost row: every row touched in ``[max(p, L), end)`` is returned, and
   only rows touched in ``[max(s, L), end)`` are;
@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.read import results
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import OffsetOutOfRangeError
@@ -189,7 +189,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         return sorted(n for n, c in self.consumers.items() if c.delivery == kind)
 
     def _end(self) -> int:
-        return max(self.curr, self.start)  # positions.lookups_end of a tracker log
+        return max(self.curr, self.start)  # position_rules.lookups_end of a tracker log
 
     def _check_read(self, what: str, p: int, s: int, end: int, got: Rows, start: int) -> None:
         """A read at position ``p`` that reports read start ``s``, up to ``end``, the log start
@@ -232,16 +232,16 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     def _read_positions(self, r: ReadTxn):
         """What every registered consumer's next read returns now (without committing)."""
-        start, end = positions.bounds(r, LOOKUPS)
+        start, end = position_rules.bounds(r, LOOKUPS)
         out = {}
         for name, c in sorted(self.consumers.items()):
             if c.delivery == ITX:
-                s = positions.read_start(r, c.committed)
+                s = position_rules.read_start(r, c.committed)
                 out[name] = (s, as_rows(read_unique(r, self.mode, from_idx=s), self.mode))
                 continue
             for which, pos in (("committed", c.committed), ("uncommitted", c.pos)):
                 try:
-                    p = positions.serve_position(pos, start, end, LOOKUPS, None, name, "model")
+                    p = position_rules.serve_position(pos, start, end, LOOKUPS, None, name, "model")
                 except OffsetOutOfRangeError:
                     out[name, which] = "out of range"
                     continue
@@ -275,7 +275,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         no cut of safe_pieces (a position, the checkpoint floor) lies there."""
         cuts = {c.committed for c in self.consumers.values()} | ({self.cp} if self.cp is not None else set())
         positions = {self._end()} | {p for c in self.consumers.values() for p in (c.committed, c.pos)}
-        starts = self.log.read(lambda r: {s for p in positions if (s := positions.read_start(r, p)) < p})
+        starts = self.log.read(lambda r: {s for p in positions if (s := position_rules.read_start(r, p)) < p})
         return any(start < s < end and s not in cuts for s in starts)
 
     def _merges_below_the_log_start(self, start: int, end: int) -> bool:
@@ -316,7 +316,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         floor = min(live) if self.cp is None else min(min(live), self.cp)
         # a position inside a filtered window (or a compacted record) reads from further back:
         # retention keeps what that read needs
-        floor = self.log.read(lambda r: positions.read_start(r, floor))
+        floor = self.log.read(lambda r: position_rules.read_start(r, floor))
         return expired, max(self.start, floor)
 
     def _retain(self, k: Optional[int]) -> None:
@@ -342,7 +342,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def _check_retention(self, before_start: int) -> None:
         """Nothing at or above a live position or the checkpoint floor was deleted; expired
         consumers below the log start are refused by serve_position."""
-        start, end = self.log.read(lambda r: positions.bounds(r, LOOKUPS))
+        start, end = self.log.read(lambda r: position_rules.bounds(r, LOOKUPS))
         assert start == self.start, f"log start {start}, expected {self.start}"
         if start > before_start:
             for name, c in self.consumers.items():
@@ -354,13 +354,13 @@ class DeliveryMachine(RuleBasedStateMachine):
             assert entries[name].expired == c.expired, f"{name}: expired {entries[name].expired}, expected {c.expired}"
             if c.committed < start:  # (expired, or a poller that committed a stale position)
                 try:
-                    positions.serve_position(c.committed, start, end, LOOKUPS, None, name, "model")
+                    position_rules.serve_position(c.committed, start, end, LOOKUPS, None, name, "model")
                 except OffsetOutOfRangeError:
                     pass
                 else:
                     raise AssertionError(f"{name} at {c.committed} below the log start {start} was served")
             else:
-                assert positions.serve_position(c.committed, start, end, LOOKUPS, None, name, "model") == c.committed
+                assert position_rules.serve_position(c.committed, start, end, LOOKUPS, None, name, "model") == c.committed
 
     # ------------------------------------------------------------------ rules: the writer
     @rule(batches=st.lists(BATCH, min_size=1, max_size=4))
@@ -403,7 +403,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.registered += 1
 
         def add(w):
-            offset = positions.registration_offset(w, LOOKUPS, latest)
+            offset = position_rules.registration_offset(w, LOOKUPS, latest)
             w.set_consumer(name, ConsumerEntry.new(offset, LOOKUPS, kind))
             return offset
 
@@ -430,8 +430,8 @@ class DeliveryMachine(RuleBasedStateMachine):
                 delete_on_read = False  # (the read itself is still checked)
 
         def txn(w):
-            s = positions.read_start(w, w.consumer(name).offset)
-            rows = positions.consume(w, name, end, self.mode, compact=not self.window.enabled,
+            s = position_rules.read_start(w, w.consumer(name).offset)
+            rows = position_rules.consume(w, name, end, self.mode, compact=not self.window.enabled,
                                     delete_on_read=delete_on_read, bound=bound)
             return s, as_rows(rows, self.mode)
 
@@ -455,9 +455,9 @@ class DeliveryMachine(RuleBasedStateMachine):
             return self._skipped("B")
 
         def read(r):
-            start, end = positions.bounds(r, LOOKUPS)
+            start, end = position_rules.bounds(r, LOOKUPS)
             try:
-                p = positions.serve_position(pos, start, end, LOOKUPS, None, name, "model")
+                p = position_rules.serve_position(pos, start, end, LOOKUPS, None, name, "model")
             except OffsetOutOfRangeError:
                 return None
             d = results.read_range(r, 0, self.log.path, p, end)
@@ -507,7 +507,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         if KNOWN_BUG_E_COMPACTION_BELOW_THE_LOG_START and self._merges_below_the_log_start(start, start + length):
             return self._skipped("E")
         before = self.log.read(self._read_positions)
-        merged = self.log.write(lambda w: positions.safe_compact(w, self.mode, start, start + length))
+        merged = self.log.write(lambda w: position_rules.safe_compact(w, self.mode, start, start + length))
         event(f"compaction merged records: {bool(merged)}")
         after = self.log.read(self._read_positions)
         for key in before:
@@ -527,7 +527,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         live = [c.committed for n, c in self.consumers.items() if n not in expired]
         floor = min(live + ([self.cp] if self.cp is not None else []), default=0)  # (none live: nothing goes)
         kept = self.log.read(lambda r: self._keys_from(r, floor))
-        self.log.write(lambda w: positions.apply_retention(w, LOOKUPS, bound))
+        self.log.write(lambda w: position_rules.apply_retention(w, LOOKUPS, bound))
         self._retain(k)
         self._check_retention(start_before)
         event(f"retention raised the log start: {self.start > start_before}")
@@ -538,7 +538,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     @invariant()
     def bounds_and_positions(self) -> None:
         def look(r):
-            return positions.bounds(r, LOOKUPS), log_start(r), r.consumers()
+            return position_rules.bounds(r, LOOKUPS), log_start(r), r.consumers()
 
         (start, end), ls, entries = self.log.read(look)
         assert start <= end
@@ -550,9 +550,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         for name, entry in entries.items():
             c = self.consumers[name]
             assert (entry.offset, entry.delivery, entry.expired) == (c.committed, c.delivery, c.expired), name
-            status = positions.position_status(entry, start, end)
-            assert status != positions.PAST_END, f"{name} at {entry.offset} past the log end {end}"
-            assert (status == positions.EXPIRED) == c.expired
+            status = position_rules.position_status(entry, start, end)
+            assert status != position_rules.PAST_END, f"{name} at {entry.offset} past the log end {end}"
+            assert (status == position_rules.EXPIRED) == c.expired
             assert c.pos <= end + 1
 
 
@@ -586,14 +586,14 @@ def _append(log, mode, window, b: int, ids: List[int]) -> None:
 
 
 def _consume(log, mode, window, name: str, end: int, delete_on_read: bool = False) -> List[int]:
-    rows = log.write(lambda w: positions.consume(w, name, end, mode, compact=not window.enabled,
+    rows = log.write(lambda w: position_rules.consume(w, name, end, mode, compact=not window.enabled,
                                                 delete_on_read=delete_on_read))
     return rows["t"].ids.tolist()
 
 
 def _register(log, name: str, kind: Delivery, latest: bool) -> int:
     def add(w):
-        offset = positions.registration_offset(w, LOOKUPS, latest)
+        offset = position_rules.registration_offset(w, LOOKUPS, latest)
         w.set_consumer(name, ConsumerEntry.new(offset, LOOKUPS, kind))
         return offset
 
@@ -602,15 +602,15 @@ def _register(log, name: str, kind: Delivery, latest: bool) -> int:
 
 def _poll(log, pos: int) -> Tuple[int, int, List[int]]:
     def read(r):
-        start, end = positions.bounds(r, LOOKUPS)
-        at = positions.serve_position(pos, start, end, LOOKUPS, None, "p", "test")
+        start, end = position_rules.bounds(r, LOOKUPS)
+        at = position_rules.serve_position(pos, start, end, LOOKUPS, None, "p", "test")
         d = results.read_range(r, 0, log.path, at, end)
         return d.start_idx, d.end_idx, d.tables["t"].ids.tolist()
 
     return log.read(read)
 
 
-@pytest.mark.skipif(False, reason="known bug A (positions.safe_pieces): compaction across the window start "
+@pytest.mark.skipif(False, reason="known bug A (position_rules.safe_pieces): compaction across the window start "
                    "that a position inside a filtered window reads from loses rows")
 def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     mode = UpdateMode.FIRST
@@ -620,16 +620,16 @@ def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     _append(log, mode, window, 2, [0])
     _append(log, mode, window, 3, [0])  # 0 is in the window already: batch 3's record is empty
     assert _register(log, "late", ITX, latest=True) == 3  # on the open batch 3, inside the window
-    assert log.read(lambda r: positions.read_start(r, 3)) == 2  # reads from the window start
+    assert log.read(lambda r: position_rules.read_start(r, 3)) == 2  # reads from the window start
     _consume(log, mode, window, "default", 4)  # positions {late: 3, default: 4}
-    assert log.read(lambda r: positions.safe_pieces(r, 1, 3)) == [(1, 2), (2, 3)]  # 2: no position, a window start
-    log.write(lambda w: positions.safe_compact(w, mode, 1, 3))  # batch 2 now lives in a record at 1
+    assert log.read(lambda r: position_rules.safe_pieces(r, 1, 3)) == [(1, 2), (2, 3)]  # 2: no position, a window start
+    log.write(lambda w: position_rules.safe_compact(w, mode, 1, 3))  # batch 2 now lives in a record at 1
     # BUG A: id 0, touched in batch 3 (>= late's position), is never delivered: late reads from
     # 2, and the only record holding 0 was merged into batch 1's.
     assert 0 in _consume(log, mode, window, "late", 4)
 
 
-@pytest.mark.skipif(False, reason="known bug B (positions.consume/safe_pieces): get_unique compacts through the "
+@pytest.mark.skipif(False, reason="known bug B (position_rules.consume/safe_pieces): get_unique compacts through the "
                    "open batch; a consumer registered at the end then never reads that batch")
 def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     mode = UpdateMode.LAST  # the window filter is off: get_unique compacts
@@ -645,7 +645,7 @@ def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     assert ids == [2]
 
 
-@pytest.mark.skipif(False, reason="known bug C (positions.retention_floor): retention deletes part of the "
+@pytest.mark.skipif(False, reason="known bug C (position_rules.retention_floor): retention deletes part of the "
                    "filtered window a position reads from")
 def test_known_bug_c_retention_inside_a_window(tmp_path):
     mode = UpdateMode.FIRST
@@ -653,7 +653,7 @@ def test_known_bug_c_retention_inside_a_window(tmp_path):
     _append(log, mode, window, 1, [0])
     _append(log, mode, window, 2, [0])  # filtered (window 0): batch 2's record is empty
     assert _register(log, "p", POLL, latest=True) == 2  # a DeltaConsumer with reset="latest"
-    assert log.read(lambda r: positions.read_start(r, 2)) == 0
+    assert log.read(lambda r: position_rules.read_start(r, 2)) == 0
     _consume(log, mode, window, "default", 3, delete_on_read=True)  # floor min(2, 3) = 2: [0, 2) deleted
     _append(log, mode, window, 3, [7])
     start, end, ids = _poll(log, 2)
@@ -681,7 +681,7 @@ def test_known_bug_d_unmarked_record_hides_the_window_start(tmp_path, first):
     assert 0 in _consume(log, mode, window, "late", 3)
 
 
-@pytest.mark.skipif(False, reason="known bug E (positions.safe_pieces): a compaction that starts below the log "
+@pytest.mark.skipif(False, reason="known bug E (position_rules.safe_pieces): a compaction that starts below the log "
                    "start stamps the merged record below it, where reads from the log start miss it")
 def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     mode = UpdateMode.FIRST
@@ -691,8 +691,8 @@ def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     _append(log, mode, window, 2, [2])
     _append(log, mode, window, 3, [3])
     _consume(log, mode, window, "default", 4)
-    assert all(b <= 2 or a >= 2 for a, b in log.read(lambda r: positions.safe_pieces(r, 0, 4)))  # no piece crosses it
-    log.write(lambda w: positions.safe_compact(w, mode, 0, 4))  # e.g. tracker.compact(0, 4)
+    assert all(b <= 2 or a >= 2 for a, b in log.read(lambda r: position_rules.safe_pieces(r, 0, 4)))  # no piece crosses it
+    log.write(lambda w: position_rules.safe_compact(w, mode, 0, 4))  # e.g. tracker.compact(0, 4)
     assert _register(log, "new", ITX, latest=False) == 2  # at the log start
     # BUG E: batches 2 and 3 now live in a record stamped 0, below the log start 2.
     assert _consume(log, mode, window, "new", 4) == [2, 3]
@@ -711,11 +711,11 @@ def test_compaction_does_not_merge_across_a_filtered_window_start(tmp_path):
     _append(log, mode, window, 3, [7])  # 7 again, in the new window: its state at batch 3
     _append(log, mode, window, 4, [])
     assert _register(log, "late", ITX, latest=True) == 4  # inside the window that started at 3
-    assert log.read(lambda r: positions.read_start(r, 4)) == 3
+    assert log.read(lambda r: position_rules.read_start(r, 4)) == 3
     _consume(log, mode, window, "default", 5)
-    assert log.read(lambda r: positions.safe_pieces(r, 2, 4)) == [(2, 3), (3, 4)]
-    log.write(lambda w: positions.safe_compact(w, mode, 2, 4))
-    assert log.read(lambda r: positions.read_start(r, 4)) == 3
-    rows = log.write(lambda w: positions.consume(w, "late", 5, mode, compact=False, delete_on_read=False))
+    assert log.read(lambda r: position_rules.safe_pieces(r, 2, 4)) == [(2, 3), (3, 4)]
+    log.write(lambda w: position_rules.safe_compact(w, mode, 2, 4))
+    assert log.read(lambda r: position_rules.read_start(r, 4)) == 3
+    rows = log.write(lambda w: position_rules.consume(w, "late", 5, mode, compact=False, delete_on_read=False))
     assert rows["t"].ids.tolist() == [7]
     assert rows["t"].states.tolist() == [[3.0, 7.0]]  # batch 3's state, not batch 2's

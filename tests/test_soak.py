@@ -41,7 +41,7 @@ import pytest
 
 from harness import SPARSE_FQN, feature_names, make_batches
 from persistent_delta.cli import main as cli_main
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog
 from procs import REPO
 
@@ -273,7 +273,7 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
         assert p.returncode == 0 and "Traceback" not in err, f"{name} exited {p.returncode}:\n{err}"
     trainer = json.loads((tmp_path / "trainer.stdout").read_text().strip().splitlines()[-1])
     with DeltaLog(os.path.join(root, "rank-0"), readonly=True) as log:
-        end = log.read(positions.lookups_end)
+        end = log.read(position_rules.lookups_end)
     assert end == trainer["last_batch_idx"] + 1  # closed: the last batch is visible
 
     fed = _fed(trainer["last_batch_idx"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.config import WriterOptions
 from persistent_delta.log.schema import ConsumerEntry, Delivery
 from persistent_delta.log.deltalog import DeltaLog
@@ -75,9 +75,9 @@ def test_a_position_inside_a_window_is_redelivered_never_lost(tmp_path):
     log = log_with_consumer(str(tmp_path / "log"), mode)
     write_all(log, mode, raw, WindowFilter(mode))
     for pos in range(1, 13):
-        start = log.read(lambda r: positions.read_start(r, pos))
+        start = log.read(lambda r: position_rules.read_start(r, pos))
         assert start <= pos
-        got = log.read(lambda r: read_unique(r, mode, positions.read_start(r, pos))["t"])
+        got = log.read(lambda r: read_unique(r, mode, position_rules.read_start(r, pos))["t"])
         want = truth(raw, mode, pos, 100)
         assert set(want.ids.tolist()) <= set(got.ids.tolist()), pos  # nothing missed
         assert torch.equal(truth(raw, mode, start, 100).ids, got.ids)  # exactly the window's rows
@@ -93,7 +93,7 @@ def test_no_window_filter_for_last_mode_or_external_consumers(tmp_path):
         assert window.rows_dropped == 0
         starts = log.read(lambda r: {rec.window_start for rec in r.iter_records(r.table("t").table_id)})
         assert starts == {None}
-        assert log.read(lambda r: positions.read_start(r, 4)) == 4
+        assert log.read(lambda r: position_rules.read_start(r, 4)) == 4
         log.close()
 
 
@@ -362,10 +362,10 @@ def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
         AppendRecord(4, "u", torch.tensor([4])),  # a table the log does not hold yet
         AppendRecord(4, "t", torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.int64), kind=KIND_RAW_IDS),
     ]
-    entry, ids = log.read(lambda r: positions.consume_read_ids(r, "a", pending))
+    entry, ids = log.read(lambda r: position_rules.consume_read_ids(r, "a", pending))
     assert entry.offset == 2
     assert ids["t"].tolist() == [2, 3, 5, 7, 11] and ids["u"].tolist() == [4]
-    _, alone = log.read(lambda r: positions.consume_read_ids(r, "a"))
+    _, alone = log.read(lambda r: position_rules.consume_read_ids(r, "a"))
     assert alone["t"].tolist() == [3, 5, 7] and "u" not in alone
     log.close()
 
@@ -379,6 +379,6 @@ def test_consume_read_ids_reads_pending_records_of_a_table_no_longer_listed(tmp_
     commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(1, "t", torch.tensor([1, 2]))])])
     log.write(lambda w: delete_below(w, None))
     assert not log.read(lambda r: r.table("t").listed)
-    _, ids = log.read(lambda r: positions.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
+    _, ids = log.read(lambda r: position_rules.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
     assert ids["t"].tolist() == [4, 9]
     log.close()

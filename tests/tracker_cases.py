@@ -411,7 +411,7 @@ def compaction_and_settings_case(rank: int, world_size: int, root: str) -> Dict[
     checkpoint reads (the range is split at their positions); settings resolve from the
     environment for trackers as for stores."""
     from persistent_delta import Durability
-    from persistent_delta.log import positions
+    from persistent_delta.log import position_rules
     from persistent_delta.log.records import read_unique
 
     os.environ["PERSISTENT_DELTA_DURABILITY"] = "sync"
@@ -433,12 +433,12 @@ def compaction_and_settings_case(rank: int, world_size: int, root: str) -> Dict[
 
     def peek() -> Dict[str, Any]:
         def read(r: Any) -> Dict[str, Any]:
-            mode = positions.update_mode(r)
+            mode = position_rules.update_mode(r)
             out = {}
             for name, entry in r.consumers().items():
-                rows = read_unique(r, mode, positions.read_start(r, entry.offset))
+                rows = read_unique(r, mode, position_rules.read_start(r, entry.offset))
                 out[name] = {f: (u.ids.tolist(), u.states.tolist()) for f, u in rows.items()}
-            floor = positions.checkpoint_floor(r)
+            floor = position_rules.checkpoint_floor(r)
             out["restore"] = {f: u.ids.tolist() for f, u in read_unique(r, mode, floor).items()}
             return out
         return t.log.read(read)

@@ -4,7 +4,7 @@ Owns: the offsets tool's plans (describe, reset, register, delete) and their dry
 
 Anchor: Kafka's ``kafka-consumer-groups`` (``--describe``, ``--reset-offsets`` with a dry run by
 default). Every function here returns data (dataclasses); :mod:`persistent_delta.cli.main`
-renders it. Bounds, statuses and pending counts come from :mod:`persistent_delta.log.positions`
+renders it. Bounds, statuses and pending counts come from :mod:`persistent_delta.log.position_rules`
 (pending rows are counted from the same read start a consumer's poll would use).
 
 ``describe`` opens each rank's log read-only and never creates anything. The changing functions
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from persistent_delta.log import codec, positions
+from persistent_delta.log import codec, position_rules
 from persistent_delta.errors import InvalidInputError, UnknownConsumerError
 from persistent_delta.log.layout import PathLike, rank_paths
 from persistent_delta.log.lmdbenv import ConsumerClaims
@@ -51,7 +51,7 @@ class ConsumerOffsets:
     stored, before de-duplication; value bytes). ``log_start``/``log_end`` are those of the
     consumer's channel. ``lag_s`` (snapshots consumers): seconds from the oldest unread
     publish's ``publish()`` call to now, 0.0 when nothing is unread, None when the unread
-    records carry no time (written before times were stored) or for lookups. ``status`` is :func:`persistent_delta.log.positions.position_status`:
+    records carry no time (written before times were stored) or for lookups. ``status`` is :func:`persistent_delta.log.position_rules.position_status`:
     ``ok``, ``read the open batch`` (a trainer consumer that read the batch being recorded:
     legal, one past the end), ``below log start``, ``past log end`` or ``expired``.
     """
@@ -138,17 +138,17 @@ def _lag_s(r: ReadTxn, channel: str, begin: int, end: int, now: float) -> Option
 
 def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool) -> RankOffsets:
     now = time.time()
-    start, end = positions.bounds(r, LOOKUPS)
-    out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=positions.bounds(r, SNAPSHOTS)[1])
+    start, end = position_rules.bounds(r, LOOKUPS)
+    out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=position_rules.bounds(r, SNAPSHOTS)[1])
     for name, entry in sorted(r.consumers().items()):
-        start, end = positions.bounds(r, entry.channel)
-        begin = positions.read_start(r, entry.offset, entry.channel)
+        start, end = position_rules.bounds(r, entry.channel)
+        begin = position_rules.read_start(r, entry.offset, entry.channel)
         n, rows, nbytes = pending_stats(r, entry.channel, begin, end)
         out.consumers.append(ConsumerOffsets(
             name=name, channel=entry.channel, offset=entry.offset, log_start=start, log_end=end,
             lag=max(0, end - entry.offset), pending_records=n, pending_rows=rows, pending_bytes=nbytes,
             commit_time=entry.commit_time or None, registered_by=entry.registered_by,
-            status=positions.position_status(entry, start, end, positions.served_from(r, entry.channel)),
+            status=position_rules.position_status(entry, start, end, position_rules.served_from(r, entry.channel)),
             delivery=entry.delivery.value,
             lag_s=_lag_s(r, entry.channel, max(begin, entry.offset), end, now),
         ))
@@ -284,9 +284,9 @@ def reset_offsets(root: PathLike, consumer: str, target: ResetTarget, execute: b
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
         entry = r.consumer(consumer)
         if entry is None:
-            start, end = positions.bounds(r, LOOKUPS)
+            start, end = position_rules.bounds(r, LOOKUPS)
             return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
-        start, end = positions.bounds(r, entry.channel)
+        start, end = position_rules.bounds(r, entry.channel)
         new, note = target.resolve(entry.offset, start, end)
         if new == entry.offset and not entry.expired:
             return OffsetChange(rank, path, consumer, "unchanged", entry.offset, new, start, end, note), None
@@ -322,7 +322,7 @@ def register_consumer(
     check_channel(channel)
 
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
-        start, end = positions.bounds(r, channel)
+        start, end = position_rules.bounds(r, channel)
         entry = r.consumer(consumer)
         if entry is not None:
             return OffsetChange(rank, path, consumer, "exists", entry.offset, entry.offset, start, end), None
@@ -344,7 +344,7 @@ def delete_consumer(root: PathLike, consumer: str, execute: bool = False) -> Lis
 
     def plan(r: ReadTxn, rank: int, path: str) -> Tuple[OffsetChange, Optional[Callable[[WriteTxn], None]]]:
         entry = r.consumer(consumer)
-        start, end = positions.bounds(r, LOOKUPS if entry is None else entry.channel)
+        start, end = position_rules.bounds(r, LOOKUPS if entry is None else entry.channel)
         if entry is None:
             return OffsetChange(rank, path, consumer, "absent", None, None, start, end), None
         old = entry.offset

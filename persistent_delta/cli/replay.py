@@ -23,7 +23,7 @@ delta of each table that has rows is written as one safetensors file:
                                     (:class:`persistent_delta.log.zch_records.ZchDelta`; global slots)
 
 Exactness: on a log written without an out-of-process consumer the trainer stored each row
-once per read window (:mod:`persistent_delta.log.positions`), so a window starting inside such a
+once per read window (:mod:`persistent_delta.log.position_rules`), so a window starting inside such a
 read window cannot be answered exactly; replay refuses it (:class:`InexactRangeError`, naming
 the batch to start from) instead of labelling rows of earlier batches with the asked range.
 
@@ -54,7 +54,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log.layout import PathLike, atomic_write_bytes, rank_paths
@@ -132,14 +132,14 @@ def plan_ranges(
                 raise InvalidInputError(f"--from-batch {a} is after --to-batch {b} (the range is [from, to))")
 
             def explicit_range(r: ReadTxn, a: int = a, b: int = b) -> Tuple[int, int]:
-                start, end = positions.bounds(r, LOOKUPS)
+                start, end = position_rules.bounds(r, LOOKUPS)
                 if a < start:
                     raise OffsetOutOfRangeError(
                         f"rank {rank}: batches [{a}, {start}) were deleted from {log.path} (log start {start}); "
                         f"replay from --from-batch {start} or later"
                     )
                 if a < b:
-                    positions.check_exact(r, a, f"a replay of [{a}, {b})")
+                    position_rules.check_exact(r, a, f"a replay of [{a}, {b})")
                 return start, end
 
             _, end = log.read(explicit_range)
@@ -154,15 +154,15 @@ def plan_ranges(
                 raise UnknownConsumerError(f"consumer {consumer!r} is not registered in {log.path}")
             if entry.channel != LOOKUPS:
                 raise InvalidInputError(f"consumer {consumer!r} reads snapshots; replay exports lookups consumers only")
-            start, end = positions.bounds(r, LOOKUPS)
+            start, end = position_rules.bounds(r, LOOKUPS)
             if entry.offset < start:
                 raise OffsetOutOfRangeError(
                     f"consumer {consumer!r} is at batch {entry.offset} on rank {rank}, below the log start {start}: "
                     f"reset it (persistent-delta offsets ROOT --reset {consumer} --to-earliest --execute)"
                 )
             begin = entry.offset
-            while positions.read_start(r, begin) < begin:  # a fixed point: reading there is exact
-                begin = positions.read_start(r, begin)
+            while position_rules.read_start(r, begin) < begin:  # a fixed point: reading there is exact
+                begin = position_rules.read_start(r, begin)
             if begin < entry.offset:
                 notes.append(f"rank {rank}: consumer {consumer!r} is at batch {entry.offset}, inside a read window that "
                              f"the trainer filtered from batch {begin}: replaying from {begin} (at-least-once)")
@@ -308,7 +308,7 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
         ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
         report = ReplayReport(root=root, out_dir=final, consumer=consumer, ranges=ranges, window=window,
                               windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)
-        mode = next(iter(logs.values())).read(lambda r: positions.update_mode(r)).value
+        mode = next(iter(logs.values())).read(lambda r: position_rules.update_mode(r)).value
         touched: Dict[str, List[torch.Tensor]] = {}
         for i, (ws, we) in enumerate(report.windows):
             parts: Dict[str, List[TableDelta]] = {}
@@ -357,7 +357,7 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
 def _read_window(r: ReadTxn, rank: int, path: str, a: int, b: int, tables: Optional[Sequence[str]]) -> RankDelta:
     """One rank's part of one window, exactly ``[a, b)``: a window may not move back into an
     earlier one (it would export rows twice, labelled with the wrong range)."""
-    positions.check_exact(r, a, f"the window [{a}, {b}) (replay without --window, or from a read-window start)")
+    position_rules.check_exact(r, a, f"the window [{a}, {b}) (replay without --window, or from a read-window start)")
     return read_range(r, rank, path, a, b, LOOKUPS, tables)
 
 

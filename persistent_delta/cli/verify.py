@@ -17,7 +17,7 @@ Checks, per rank (each log opened read-only, one read transaction):
   per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
   ``snapshot_end``;
 * consumers: each entry decodes, its channel is known, its offset is not past the channel end
-  (:func:`persistent_delta.log.positions.position_status`).
+  (:func:`persistent_delta.log.position_rules.position_status`).
 
 Damage is an ``error`` (nonzero exit from the CLI); oddities that a valid log can show (records
 left below the log start, unlisted leftovers of an older table set) are ``warning``.
@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.log import codec, positions
+from persistent_delta.log import codec, position_rules
 from persistent_delta.errors import CorruptRecordError, PersistentDeltaError
 from persistent_delta.log.layout import PathLike, rank_of_dir, rank_paths
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn
@@ -251,9 +251,9 @@ class _Checker:
             except CorruptRecordError as exc:
                 self.bad(where, str(exc))
                 continue
-            start, end = positions.bounds(r, entry.channel)
-            status = positions.position_status(entry, start, end, positions.served_from(r, entry.channel))
-            if status == positions.PAST_END:
+            start, end = position_rules.bounds(r, entry.channel)
+            status = position_rules.position_status(entry, start, end, position_rules.served_from(r, entry.channel))
+            if status == position_rules.PAST_END:
                 self.bad(where, f"offset {entry.offset} is past the {entry.channel} end {end}")
 
 

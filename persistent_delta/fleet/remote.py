@@ -6,7 +6,7 @@ result types are :mod:`persistent_delta.read.results`' (the same :class:`DeltaPo
 :class:`~persistent_delta.DeltaConsumer`: ``merged()``, ``zch()`` and ``apply`` work unchanged;
 a managed-collision table's ``TableDelta.zch`` comes from the side records shipped with each
 range, by :func:`persistent_delta.log.zch_records.side_delta`, the local reader's rule); which
-batches a poll may deliver is :func:`persistent_delta.log.positions.poll_stops` (complete batches
+batches a poll may deliver is :func:`persistent_delta.log.position_rules.poll_stops` (complete batches
 only: every rank of the job); the message format is :mod:`persistent_delta.fleet.transport`'s.
 
 Design note
@@ -52,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Ty
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta.log import codec, positions
+from persistent_delta.log import codec, position_rules
 from persistent_delta.fleet import transport
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
@@ -171,7 +171,7 @@ class RemoteConsumer:
         self.job = transport.check_job(job)
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
-        if reset is not None and reset not in positions.RESET_POLICIES:
+        if reset is not None and reset not in position_rules.RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise InvalidInputError(f"wait must be a non-negative number of seconds, got {wait!r}")
@@ -590,11 +590,11 @@ class RemoteConsumer:
         known = {r: st for r, st in self._ranks.items() if st.pos is not None}
         positions = {r: int(st.pos) for r, st in known.items()}  # type: ignore[arg-type]
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
-        hard = positions.poll_stops(positions, ends, self._expected, None)
+        hard = position_rules.poll_stops(positions, ends, self._expected, None)
         if max_bytes is not None:
             cut = self._byte_cut(known, hard, max_bytes)
             hard = {r: max(positions[r], min(h, cut)) for r, h in hard.items()}
-        soft = {r: min(s, hard[r]) for r, s in positions.poll_stops(positions, ends, self._expected, max_batches).items()}
+        soft = {r: min(s, hard[r]) for r, s in position_rules.poll_stops(positions, ends, self._expected, max_batches).items()}
         common = self._common_stop(known, positions, hard, soft)
         out: Dict[int, RankDelta] = {}
         for rank, st in sorted(self._ranks.items()):

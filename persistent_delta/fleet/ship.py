@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from persistent_delta.log import codec, positions, zch_records
+from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import transport
 from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
@@ -283,7 +283,7 @@ class Shipper:
                 return RankTables(
                     rank=feed.rank, log_id=str(r.meta(META_LOG_ID)), world_size=None if meta is None else meta.world_size,
                     tracker=None if meta is None else meta.to_value(),
-                    modes={c: positions.update_mode(r, c).value for c in CHANNELS},
+                    modes={c: position_rules.update_mode(r, c).value for c in CHANNELS},
                     entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
             tables = log.read(read)
         self._conn.kv_put(self.job, "meta", transport.tables_key(feed.rank), tables.encode())

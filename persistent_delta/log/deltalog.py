@@ -2,7 +2,7 @@
 
 Owns: the transaction discipline and what "a log" is. It stores the entries of
 :mod:`persistent_delta.log.schema` and the records of :mod:`persistent_delta.log.codec`; what a
-position or a batch range *means* is :mod:`persistent_delta.log.positions`'s, and what a record
+position or a batch range *means* is :mod:`persistent_delta.log.position_rules`'s, and what a record
 operation does is :mod:`persistent_delta.log.records`'.
 
 Design note

@@ -3,14 +3,14 @@ delete.
 
 Owns: what each record operation does to the stored records (and the ``log_start`` mark that
 deletion leaves). The FIRST/LAST rule itself is :mod:`persistent_delta.log.rows`'; which range an
-operation may cover safely is :mod:`persistent_delta.log.positions`'s. Every function takes the
+operation may cover safely is :mod:`persistent_delta.log.position_rules`'s. Every function takes the
 transaction it runs in, so callers compose several operations into one commit.
 
 Compaction design note: per table, two or more records in ``[start_idx, end_idx)`` become one
 record stamped ``start_idx`` holding the unique rows by the update mode's rule. Reads that
 start at or before ``start_idx`` and end at or after ``end_idx`` get the same answer; a read
 that starts strictly inside the range would not, which is why callers go through
-:func:`persistent_delta.log.positions.safe_compact`.
+:func:`persistent_delta.log.position_rules.safe_compact`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 effects) and ``DeltaConsumer`` (registered, durable position), Kafka-consumer style.
 
 Owns: a reader's in-memory positions, which ranks a job has, and the poll/commit cycle. What a
-position means (bounds, read start, range checks, reset) is :mod:`persistent_delta.log.positions`'s;
+position means (bounds, read start, range checks, reset) is :mod:`persistent_delta.log.position_rules`'s;
 the result types are :mod:`persistent_delta.read.results`'.
 
 Design note
@@ -39,7 +39,7 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.log.alloc import ResultBuffers
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
@@ -72,7 +72,7 @@ from persistent_delta.log.schema import (
 
 logger = logging.getLogger(__name__)
 
-RESET_POLICIES = positions.RESET_POLICIES
+RESET_POLICIES = position_rules.RESET_POLICIES
 Start = Union[str, int]
 _R = TypeVar("_R", bound="DeltaReader")
 _RECHECK_S = 0.05  # a waiting poll re-reads the logs at least this often, events or not
@@ -233,7 +233,7 @@ class DeltaReader:
     def _first_position(self, rank: int, log: DeltaLog) -> int:
         if isinstance(self._start, int):
             return self._start
-        return log.read(lambda r: positions.registration_offset(r, self.channel, latest=self._start == "latest"))
+        return log.read(lambda r: position_rules.registration_offset(r, self.channel, latest=self._start == "latest"))
 
     def _job_tables(self) -> List[str]:
         """The job's table set: what each rank's tracker recorded at attach (a table-wise table
@@ -322,12 +322,12 @@ class DeltaReader:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
-        bounds = {rank: log.read(lambda r: (*positions.bounds(r, self.channel), positions.served_from(r, self.channel)))
+        bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel)))
                   for rank, log in self._logs.items()}
-        positions = {rank: positions.serve_position(self._positions[rank], a, b, self.channel, self.reset,
+        positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank], floor)
                      for rank, (a, b, floor) in bounds.items()}
-        stops = positions.poll_stops(positions, {rank: b for rank, (_, b, _) in bounds.items()}, self._expected, max_batches)
+        stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _) in bounds.items()}, self._expected, max_batches)
         if max_bytes is not None:
             cut = self._byte_cut(positions, stops, max_bytes)
             stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
@@ -375,7 +375,7 @@ class DeltaReader:
     def end_offsets(self) -> Dict[int, int]:
         """rank -> the channel's end now (one past the last complete batch)."""
         self._check()
-        return {rank: log.read(lambda r: positions.bounds(r, self.channel)[1]) for rank, log in self._logs.items()}
+        return {rank: log.read(lambda r: position_rules.bounds(r, self.channel)[1]) for rank, log in self._logs.items()}
 
     def seek(self, batch_idx: int, rank: Optional[int] = None) -> None:
         """Move the position (every rank's, or one rank's) to ``batch_idx``, in memory. The
@@ -512,8 +512,8 @@ class DeltaConsumer(DeltaReader):
             found = w.consumer(self.name)
             if found is not None:  # registered meanwhile by another process
                 return self._check_entry(rank, found)
-            offset = positions.registration_offset(w, self.channel, latest=self.reset == "latest")
-            positions.register(w, self.name, offset, self.channel, Delivery.POLL_COMMIT)
+            offset = position_rules.registration_offset(w, self.channel, latest=self.reset == "latest")
+            position_rules.register(w, self.name, offset, self.channel, Delivery.POLL_COMMIT)
             logger.info("registered consumer %r in %s at batch %d", self.name, log.path, offset)
             return offset
 

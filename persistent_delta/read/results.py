@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.deltalog import ReadTxn
@@ -402,8 +402,8 @@ def plan_range(
     memo: Optional[IdMemo] = None,
 ) -> RankPlan:
     """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``)."""
-    mode = positions.update_mode(r, channel)
-    start_idx = positions.read_start(r, start_idx, channel)
+    mode = position_rules.update_mode(r, channel)
+    start_idx = position_rules.read_start(r, start_idx, channel)
     end_idx = max(end_idx, start_idx)
     plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
     entries = r.tables()
@@ -433,7 +433,7 @@ def read_range(
 ) -> RankDelta:
     """Per-table unique rows of one rank's log for a read at ``start_idx`` up to ``end_idx``,
     with global ids. The result reports the range actually read: it starts at
-    :func:`~persistent_delta.log.positions.read_start` (the start of a filtered window the position
+    :func:`~persistent_delta.log.position_rules.read_start` (the start of a filtered window the position
     lies inside). Results own their memory (safe to keep after the transaction). ``memo``:
     the poll's :class:`~persistent_delta.log.rows.IdMemo`, shared by its ranks."""
     return plan_range(r, rank, path, start_idx, end_idx, channel, tables, memo).finish()

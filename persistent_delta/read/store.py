@@ -29,7 +29,7 @@ from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, 
 
 from persistent_delta.config import Durability, LogOptions
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.log.positions import safe_compact
+from persistent_delta.log.position_rules import safe_compact
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.records import (
     AppendRecord,
@@ -126,7 +126,7 @@ class LmdbDeltaStore(DeltaStore):
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Merge, per table, two or more records in ``[start_idx, end_idx)`` into one record
         stamped ``start_idx``. When consumers are registered in the log, the range is split at
-        their positions (:func:`persistent_delta.log.positions.safe_compact`), so no read changes.
+        their positions (:func:`persistent_delta.log.position_rules.safe_compact`), so no read changes.
 
         Raises:
             AssertionError: ``start_idx >= end_idx`` (the type TorchRec raises).

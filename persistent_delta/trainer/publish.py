@@ -2,7 +2,7 @@
 
 Owns: what a publish writes, and when. ``tracker.publish(consumer)`` takes the rows changed
 since ``consumer`` last read (exactly what ``get_unique(consumer)`` would return, through the
-same consume rule of :mod:`persistent_delta.log.positions`), reads their *current* values from this
+same consume rule of :mod:`persistent_delta.log.position_rules`), reads their *current* values from this
 rank's shards, and writes them to the snapshots channel (``KIND_SNAPSHOT`` records) stamped
 with the current batch index and the wall-clock time of the call (header ``"t"``). A serving
 process reads them with ``DeltaConsumer(root, name, channel="snapshots")`` and applies them
@@ -32,7 +32,7 @@ from typing import Dict, Optional, Sequence
 
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.log import codec, positions
+from persistent_delta.log import codec, position_rules
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
@@ -69,7 +69,7 @@ def capture(
     records (tables of ``tables`` only; empty tables are left out).
 
     ``pending``: lookups records handed to the writer and not committed yet; their rows are
-    unread too (:func:`persistent_delta.log.positions.consume_read_ids`). The :func:`commit` must
+    unread too (:func:`persistent_delta.log.position_rules.consume_read_ids`). The :func:`commit` must
     run after the writer committed them, with no log operation in between.
 
     ``buffers`` (fqn -> buffer, kept by the caller across publishes): encode each table's
@@ -83,7 +83,7 @@ def capture(
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
         InvalidInputError: a pending record holds a negative id (the log never does).
     """
-    entry, unread = positions.consume_read_ids(r, name, pending)
+    entry, unread = position_rules.consume_read_ids(r, name, pending)
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
@@ -119,7 +119,7 @@ def commit(
     Raises:
         ConsumerConflictError: the consumer moved since the capture (nothing is written).
     """
-    positions.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
+    position_rules.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
                             bound=bound)
     for fqn, value in cap.records.items():
         entry = w.table(fqn)
@@ -127,4 +127,4 @@ def commit(
             w.put_record(entry.table_id, cap.stamp, codec.checksum_record(value), channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
-        positions.apply_retention(w, SNAPSHOTS, bound)
+        position_rules.apply_retention(w, SNAPSHOTS, bound)

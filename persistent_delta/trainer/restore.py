@@ -10,7 +10,7 @@ earlier writer is gone, so its open batch is complete and is marked so (``closed
 ``tracker.state_dict()`` flushes, marks the checkpoint in the log (``checkpoint_floor`` = the
 first batch after it) and returns the batch index and log identity. Retention never deletes
 records at or after the floor, and compaction never merges across it
-(:mod:`persistent_delta.log.positions`). ``tracker.load_state_dict(sd)``, after restoring the model
+(:mod:`persistent_delta.log.position_rules`). ``tracker.load_state_dict(sd)``, after restoring the model
 from that checkpoint: the batches recorded after the checkpoint (``[floor, log end)``) belong
 to a timeline that was lost, so their records are replaced by one *re-delivery* record per
 table, stamped with a fresh batch index (indices are never reused), holding the ids those
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
-from persistent_delta.log import codec, positions
+from persistent_delta.log import codec, position_rules
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
 from persistent_delta.log.deltalog import DeltaLog, WriteTxn
 from persistent_delta.log.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
@@ -98,7 +98,7 @@ def open_tracker_log(
                     setattr(entry, k, v)
             w.stage_table(entry)
     for name in consumers:
-        positions.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
+        position_rules.register(w, name, 0, LOOKUPS, Delivery.IN_TRANSACTION)
     curr_meta = int(w.meta(META_CURR_BATCH, 0))
     complete = max(curr_meta, int(w.meta(META_CLOSED_END, 0)))  # batches below it were complete
     curr = max(curr_meta, last_appended(w))
@@ -178,7 +178,7 @@ def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:
     """Mark a model checkpoint taken at ``batch_idx``: records from ``batch_idx + 1`` on are
     kept for a restore. Returns the log id and the lookups consumers' positions."""
     w.set_meta(META_CHECKPOINT_FLOOR, batch_idx + 1)
-    return {"log_id": w.meta(META_LOG_ID), "offsets": positions.committed_offsets(w)}
+    return {"log_id": w.meta(META_LOG_ID), "offsets": position_rules.committed_offsets(w)}
 
 
 def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: str, path: str) -> int:

@@ -25,7 +25,7 @@ from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_M
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.trainer import publish, restore, topk
 from persistent_delta.trainer.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.trainer.capture import unregister_hooks
@@ -164,7 +164,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._closed or self.curr_compact_index >= self.curr_batch_idx:
             return
         end, mode = self.curr_batch_idx, self._update_mode
-        self._hand_off(self._take_batch(op=lambda w: positions.compact_behind(w, mode, end)))
+        self._hand_off(self._take_batch(op=lambda w: position_rules.compact_behind(w, mode, end)))
         self.curr_compact_index = end
 
     def _commit_recorded(self) -> None:
@@ -216,7 +216,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
-        rows = self._log.write(lambda w: positions.consume(w, name, end, mode, **self._read_rule))
+        rows = self._log.write(lambda w: position_rules.consume(w, name, end, mode, **self._read_rule))
         rows = read_states(self._mode, self._tables, rows)
         if fractions is not None:
             rows = {fqn: topk.top(self._mode, self._tables.get(fqn), r, fractions.get(fqn, 1.0), bool(sorted_by_indices))
@@ -236,7 +236,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._commit_recorded()
         end, rule = self.curr_batch_idx + 1, self._read_rule
         dor = rule["delete_on_read"] if delete_on_read is None else delete_on_read
-        return self._log.write(lambda w: positions.consume_exact(
+        return self._log.write(lambda w: position_rules.consume_exact(
             w, name, end, lambda start: read(w, start, end), empty, delete_on_read=dor, bound=rule["bound"]))
 
     def clear(self, consumer: Optional[str] = None) -> None:
@@ -245,7 +245,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         name = None if consumer is None else check_consumer_name(consumer)
         self._commit_recorded()
         self._window.reset()  # deleted rows must be recorded again
-        self._log.write(lambda w: positions.clear(w, name))
+        self._log.write(lambda w: position_rules.clear(w, name))
 
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Compact ``[start_idx, end_idx)`` now (one transaction), split at consumer positions
@@ -257,7 +257,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if start_idx >= end_idx:
             raise AssertionError(f"start_idx {start_idx} must be smaller than end_idx, but got {end_idx}")
         self._commit_recorded()
-        self._log.write(lambda w: positions.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
+        self._log.write(lambda w: position_rules.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
 
     # ------------------------------------------------------------------ publish, checkpoints
     def publish(self, consumer: str) -> Dict[str, int]:
@@ -322,7 +322,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def per_consumer_batch_idx(self) -> Dict[str, int]:
         """Committed position (next batch_idx to read) of every lookups consumer."""
         self._settle()
-        return self._log.read(positions.committed_offsets)
+        return self._log.read(position_rules.committed_offsets)
 
     def add_consumer(self, name: str, from_latest: bool = False) -> None:
         """Register a consumer (durably). It starts at position 0 (everything still in the
@@ -331,7 +331,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._settle()
         offset = self.curr_batch_idx + 1 if from_latest else 0
         self._claims.claim(name, "add it to the tracker")
-        self._log.write(lambda w: positions.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
+        self._log.write(lambda w: position_rules.register(w, name, offset, LOOKUPS, Delivery.IN_TRANSACTION))
         if name not in self._consumers:
             self._consumers.append(name)
 
@@ -339,7 +339,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
         self._settle()
-        self._log.write(lambda w: positions.unregister(w, name))
+        self._log.write(lambda w: position_rules.unregister(w, name))
         self._claims.release(name)
         if name in self._consumers:
             self._consumers.remove(name)

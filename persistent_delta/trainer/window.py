@@ -1,7 +1,7 @@
 """The window filter: the writer drops rows already recorded in the current read window.
 
 Owns: which captured rows the writer may leave out. Why leaving them out changes no answer, and
-where a reader inside a filtered window starts, is :mod:`persistent_delta.log.positions`'s.
+where a reader inside a filtered window starts, is :mod:`persistent_delta.log.position_rules`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.log import positions
+from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import WriteTxn
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.log.rows import first_or_last
@@ -34,7 +34,7 @@ class WindowFilter:
     While a ``POLL_COMMIT`` lookups consumer is registered the filter is off, so its polls are
     exactly-once. A position may still land inside a window filtered earlier (a consumer
     registered later that stops with ``poll(max_batches)``, an offset reset): every filtered
-    record carries its window start, and readers start from there (:func:`persistent_delta.log.positions.read_start`), so
+    record carries its window start, and readers start from there (:func:`persistent_delta.log.position_rules.read_start`), so
     such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
     row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
     filtered, nor records with a negative id (both are written whole). Linear in the ids
@@ -97,10 +97,10 @@ class WindowFilter:
         if not self.enabled:
             return records, lambda: None
         consumers = w.consumers()
-        if positions.has_poll_commit_reader(consumers):
+        if position_rules.has_poll_commit_reader(consumers):
             self.reset()  # exactly-once for consumers that poll and commit apart: no filtering
             return records, lambda: None
-        start = max((v.offset for v in positions.lookups_consumers(consumers).values()), default=0)
+        start = max((v.offset for v in position_rules.lookups_consumers(consumers).values()), default=0)
         old_seen, old_start = self._seen, self._start
         same_window = start == self._start
         self._seen = dict(old_seen) if same_window else {}
