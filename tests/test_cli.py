@@ -146,12 +146,12 @@ def test_subprocesses_module_and_tools(tmp_path, monkeypatch, capsys):
     assert code == 1 and stdout == "" and stderr.startswith("persistent-delta: error:"), stderr
     with DeltaConsumer(root, "ext", register=False) as c:
         assert c.committed() == {0: 0, 1: 0}
-    monkeypatch.setattr(sys, "argv", ["replay.py", root, "--from-batch", "2", "--to-batch", "6", "--window", "2",
+    monkeypatch.setattr(sys, "argv", ["replay.py", root, "--from-batch", "2", "--to-batch", "6", "--span", "2",
                                       "--out", out])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(os.path.join(REPO, "tools", "replay.py"), run_name="__main__")
     assert exit_info.value.code == 0
-    assert "2 window(s)" in capsys.readouterr().out and os.path.isfile(os.path.join(out, "manifest.json"))
+    assert "2 span(s)" in capsys.readouterr().out and os.path.isfile(os.path.join(out, "manifest.json"))
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
@@ -179,10 +179,10 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
     _fill(root, ranks=1)
     err = _Terminal() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    argv = ["replay", root, "--from-batch", "0", "--to-batch", "8", "--window", "2", "--dry-run"]
+    argv = ["replay", root, "--from-batch", "0", "--to-batch", "8", "--span", "2", "--dry-run"]
     assert main(argv, stdout=io.StringIO()) == 0
     assert main(["verify", root], stdout=io.StringIO()) == 0
     if tty:
-        assert "replay" in err.getvalue() and "window" in err.getvalue()
+        assert "replay" in err.getvalue() and "span" in err.getvalue()
     else:
         assert err.getvalue() == ""

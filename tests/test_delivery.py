@@ -96,7 +96,7 @@ def test_a_filtered_range_is_refused_by_replay_not_mislabelled(tmp_path, capsys)
     assert report.files[0].rows == len(touched(1, 21))
     # windows after the first would start inside the filtered window: refused too
     with pytest.raises(InexactRangeError):
-        replay(root, dry_run=True, from_batch=0, to_batch=21, window=5)
+        replay(root, dry_run=True, from_batch=0, to_batch=21, span=5)
 
 
 def test_an_unfiltered_log_answers_any_range_exactly(tmp_path):
@@ -104,7 +104,7 @@ def test_an_unfiltered_log_answers_any_range_exactly(tmp_path):
     tracker_log(root, batches=30, poller=True).close()
     report = replay(root, dry_run=True, from_batch=20, to_batch=21)
     assert report.ranges == {0: (20, 21)} and report.files[0].rows == len(touched(20, 21))
-    report = replay(root, dry_run=True, from_batch=1, to_batch=21, window=5)
+    report = replay(root, dry_run=True, from_batch=1, to_batch=21, span=5)
     assert [f.rows for f in report.files] == [len(touched(a, a + 5)) for a in (1, 6, 11, 16)]
 
 

@@ -60,7 +60,7 @@ def test_a_failed_replay_leaves_no_partial_output(tmp_path):
     _store(path, ["a", "b"])
     out = str(tmp_path / "out")
     # a shard checkpoint holding only rows [10, 20) of table "a": the snapshot of the changed rows
-    # (ids < 10) fails after every window file was written
+    # (ids < 10) fails after every span file was written
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
     from safetensors.torch import save_file
@@ -69,11 +69,11 @@ def test_a_failed_replay_leaves_no_partial_output(tmp_path):
                   {"a": {"table_name": "a", "sharding_type": "row_wise", "row_offset": 10, "col_offset": 0,
                          "local_rows": 10, "local_cols": 4, "global_rows": 20, "global_cols": 4}})})
     with pytest.raises(InvalidInputError, match="no shard for rows"):
-        replay(path, out, from_batch=0, to_batch=3, checkpoint=ckpt)
+        replay(path, out, from_batch=0, to_batch=3, shard_files=ckpt)
     assert not os.path.exists(out)  # it created out: it removed it
     os.makedirs(out)
     with pytest.raises(InvalidInputError):
-        replay(path, out, from_batch=0, to_batch=3, checkpoint=ckpt)
+        replay(path, out, from_batch=0, to_batch=3, shard_files=ckpt)
     assert os.listdir(out) == []  # an existing directory is left as it was
 
 
@@ -122,13 +122,13 @@ def test_cli_and_number_edges(tmp_path, capsys):
     save_file({"t": torch.zeros(4, 2)}, str(bad_ckpt / "rank-0.safetensors"),
               metadata={"format": "persistent_delta.shards/1", "rank": "0", "shards": "{not json"})
     assert main(["replay", path, "--from-batch", "0", "--to-batch", "3", "--out", str(tmp_path / "o"),
-                 "--checkpoint", str(bad_ckpt)]) == 1
+                 "--shard-files", str(bad_ckpt)]) == 1
     assert "malformed shard file" in capsys.readouterr().err
     save_file({"t": torch.zeros(4, 2)}, str(bad_ckpt / "rank-0.safetensors"),
               metadata={"format": "persistent_delta.shards/1", "rank": "0", "shards": json.dumps(
                   {"t": {"row_offset": 0, "col_offset": 0, "global_rows": 4, "global_cols": 10**12}})})
     assert main(["replay", path, "--from-batch", "0", "--to-batch", "3", "--out", str(tmp_path / "o"),
-                 "--checkpoint", str(bad_ckpt)]) == 1
+                 "--shard-files", str(bad_ckpt)]) == 1
 
 
 def test_logs_are_owner_only_unless_group_access(tmp_path):

@@ -34,7 +34,7 @@ def _setup(tmp_path, kind: str):
     for name, a, b, ckpt in (("inc1", b0 + 1, b1 + 1, "ckpt1"), ("inc2", b1 + 1, b2 + 1, "ckpt2"),
                              ("gap", b1 + 2, b2 + 1, "ckpt2"), ("overlap", b1, b2 + 1, "ckpt2")):
         outs[name] = str(tmp_path / name)
-        replay(root, outs[name], from_batch=a, to_batch=b, checkpoint=os.path.join(ck, ckpt))
+        replay(root, outs[name], from_batch=a, to_batch=b, shard_files=os.path.join(ck, ckpt))
     return ck, outs, out[0]["maps"], (b0, b1, b2)
 
 

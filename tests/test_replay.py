@@ -56,17 +56,17 @@ def _expected(root: str, ranks: int, start: int, end: int) -> Dict[str, Tuple[to
     return out
 
 
-def test_windows_read_back_equal_the_log(tmp_path):
+def test_spans_read_back_equal_the_log(tmp_path):
     root, out = str(tmp_path / "log"), str(tmp_path / "out")
     _fill(root)
     buf = io.StringIO()
-    assert main(["replay", root, "--from-batch", "2", "--to-batch", "9", "--window", "3", "--out", out], stdout=buf) == 0
-    assert "3 window(s)" in buf.getvalue()
+    assert main(["replay", root, "--from-batch", "2", "--to-batch", "9", "--span", "3", "--out", out], stdout=buf) == 0
+    assert "3 span(s)" in buf.getvalue()
     manifest = json.load(open(os.path.join(out, "manifest.json")))
-    assert [tuple(w) for w in manifest["windows"]] == [(2, 5), (5, 8), (8, 9)]
-    for ws, we in manifest["windows"]:
+    assert [tuple(w) for w in manifest["spans"]] == [(2, 5), (5, 8), (8, 9)]
+    for ws, we in manifest["spans"]:
         want = _expected(root, 2, ws, we)
-        files = sorted(glob.glob(os.path.join(out, f"window-{ws:012d}-{we:012d}", "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(out, f"span-{ws:012d}-{we:012d}", "*.safetensors")))
         assert [os.path.basename(f) for f in files] == [f"{fqn}.safetensors" for fqn in sorted(want)]
         for f in files:
             tensors, meta = load_export(f)
@@ -92,7 +92,7 @@ def test_dry_run_consumer_range_and_commit(tmp_path):
         assert c.committed() == {0: 4, 1: 4}  # no --commit: nothing moves
     report = replay(root, out, consumer="exp", commit=True)
     assert report.committed == {0: 10, 1: 10}
-    assert replay(root, out, consumer="exp").windows == []  # nothing pending any more
+    assert replay(root, out, consumer="exp").spans == []  # nothing pending any more
 
 
 def test_replay_refusals(tmp_path, capsys):
@@ -240,7 +240,7 @@ def test_trainer_replay_equals_get_unique_and_retention_held(tmp_path, capsys):
                 exports[name].append((s, e, out))
             snap = os.path.join(base, f"snapshot-{name}")
             assert main(["replay", root, "--from-batch", "0", "--to-batch", str(ranges[-1][1]), "--out", snap,
-                         "--checkpoint", os.path.join(base, f"ckpt-{name}")]) == 0
+                         "--shard-files", os.path.join(base, f"ckpt-{name}")]) == 0
             with DeltaConsumer(root, "ext") as c:  # the external consumer catches up and commits
                 c.poll()
                 ext_end[name] = c.commit()
@@ -254,7 +254,7 @@ def test_trainer_replay_equals_get_unique_and_retention_held(tmp_path, capsys):
             assert [(x[0], x[1]) for x in results[0][name]["reads"]][k] == (s, e)
             want = _global(results, name, k)
             got = {}
-            for f in glob.glob(os.path.join(out, "window-*", "*.safetensors")):
+            for f in glob.glob(os.path.join(out, "span-*", "*.safetensors")):
                 tensors, meta = load_export(f)
                 got[meta["fqn"]] = (tensors["ids"], tensors["states"])
             assert sorted(got) == sorted(fqn for fqn, v in want.items() if v[0].numel())

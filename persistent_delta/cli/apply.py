@@ -1,10 +1,10 @@
 """``persistent-delta apply``: build or continue a replica from a base and increments, in order.
 
-Owns: reading apply's inputs (shard checkpoints, replay outputs) into
+Owns: reading apply's inputs (shard-file directories, replay outputs) into
 :class:`persistent_delta.read.ordered.Piece` s. The order rule and the replica are
 :mod:`persistent_delta.read.ordered`'s.
 
-``apply INPUT... --out REPLICA [--replica PREV] [--dry-run]``: every INPUT is a shard checkpoint
+``apply INPUT... --out REPLICA [--replica PREV] [--dry-run]``: every INPUT is a shard-files directory
 directory (a base, first only) or a replay output directory (an increment); they are checked in
 the order given -- a gap, an overlap or an input out of order is refused, naming the input, the
 rank and the ranges, and nothing is written -- then applied, and the replica is written to
@@ -27,7 +27,7 @@ from persistent_delta.read.ordered import Piece, Replica, apply_pieces, base_pie
 
 
 def increment_piece(out_dir: PathLike) -> Piece:
-    """A replay output directory as an increment (its manifest's ranges; window files in order).
+    """A replay output directory as an increment (its manifest's ranges; span files in order).
 
     Raises:
         InvalidInputError: no manifest of a replay output, or a manifest naming missing files.
@@ -49,7 +49,7 @@ def increment_piece(out_dir: PathLike) -> Piece:
     for f in sorted((f for f in files if f.get("path")), key=lambda f: (f["kind"] != "delta", f["start_idx"], f["fqn"])):
         tensors, _ = load_export(os.path.join(path, f["path"]))
         if f["kind"] == "delta":
-            piece.windows.append((int(f["start_idx"]), f["fqn"], tensors))
+            piece.spans.append((int(f["start_idx"]), f["fqn"], tensors))
         elif f["kind"] == "snapshot":
             piece.snapshots.append((f["fqn"], tensors))
     return piece
@@ -83,7 +83,7 @@ def apply_inputs(inputs: Sequence[PathLike], out: Optional[PathLike] = None, rep
         InvalidInputError: an unreadable input, or no ``out``.
     """
     if not inputs:
-        raise InvalidInputError("give at least one input (a shard checkpoint or a replay output)")
+        raise InvalidInputError("give at least one input (a shard-files directory or a replay output)")
     dest = os.fspath(out) if out is not None else (os.fspath(replica) if replica is not None else None)
     if dest is None and not dry_run:
         raise InvalidInputError("--out REPLICA is required (or --dry-run)")

@@ -248,11 +248,11 @@ def _cmd_ship(args: argparse.Namespace) -> Output:
 
 
 def _cmd_replay(args: argparse.Namespace) -> Output:
-    bar = _Progress("replay", "window")
+    bar = _Progress("replay", "span")
     try:
         report = replay(
             args.root, args.out, from_batch=args.from_batch, to_batch=args.to_batch, consumer=args.consumer,
-            commit=args.commit, tables=args.tables, window=args.window, checkpoint=args.checkpoint,
+            commit=args.commit, tables=args.tables, span=args.span, shard_files=args.shard_files,
             dry_run=args.dry_run, progress=bar.total,
         )
     finally:
@@ -261,7 +261,7 @@ def _cmd_replay(args: argparse.Namespace) -> Output:
              "x".join(map(str, f.states_shape)) if f.states_shape else "-", "yes" if f.column_split else "no",
              f.path or "-"] for f in report.files]
     ranges = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in sorted(report.ranges.items()))
-    title = ("DRY RUN: nothing written. " if report.dry_run else "") + f"{len(report.windows)} window(s); {ranges}"
+    title = ("DRY RUN: nothing written. " if report.dry_run else "") + f"{len(report.spans)} span(s); {ranges}"
     notes = list(report.notes)
     if report.committed is not None:
         notes.append(f"committed {report.consumer!r}: {report.committed}")
@@ -369,16 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--consumer", metavar="C", help="replay the consumer's pending range instead")
     r.add_argument("--commit", action="store_true", help="with --consumer: commit the range end after writing")
     r.add_argument("--tables", nargs="+", metavar="FQN", help="only these tables")
-    r.add_argument("--window", type=int, metavar="N", help="batches per exported window (default: one window)")
+    r.add_argument("--span", type=int, metavar="N", help="batches per exported span (default: one span)")
     r.add_argument("--out", metavar="DIR", help="output directory")
-    r.add_argument("--checkpoint", metavar="CKPT", help="shard checkpoint dir: also write the changed rows' values")
+    r.add_argument("--shard-files", metavar="DIR", help="shard-files dir (save_local_shards): also write the changed rows' values")
     r.add_argument("--dry-run", action="store_true", help="print the summary; write and commit nothing")
     r.set_defaults(func=_cmd_replay)
 
     a = sub.add_parser("apply", parents=[fmt], help="apply a base and replay outputs to a replica, in order",
-                       description="Inputs: a shard checkpoint (a base, first) and replay output directories, in "
+                       description="Inputs: a shard-files directory (a base, first) and replay output directories, in "
                                    "batch order; a gap, an overlap or an input out of order is refused.")
-    a.add_argument("inputs", nargs="+", metavar="INPUT", help="shard checkpoint dir or replay output dir")
+    a.add_argument("inputs", nargs="+", metavar="INPUT", help="shard-files dir or replay output dir")
     a.add_argument("--out", metavar="REPLICA", help="replica file to write (default: --replica)")
     a.add_argument("--replica", metavar="PREV", help="continue this replica (inputs start where it ended)")
     a.add_argument("--dry-run", action="store_true", help="check the order only")

@@ -1,34 +1,34 @@
 """Offline replay and export: a batch range of every rank, merged, in global row ids.
 
-Owns: the replay export format (windows, files, manifest) and its commit step.
+Owns: the replay export format (spans, files, manifest) and its commit step.
 
 Design note
 -----------
 The range is either explicit (``[from_batch, to_batch)``, half-open, the same on every rank) or a
 consumer's pending range (per rank, from where its poll would start reading to the log end:
-``[read_start(offset), log end)``, reported as such). It is cut into windows of ``window``
-batches aligned on batch_idx (the same windows on every rank). For each window, each rank's log
+``[read_start(offset), log end)``, reported as such). It is cut into spans of ``span``
+batches aligned on batch_idx (the same spans on every rank). For each span, each rank's log
 is read in one read transaction (``results.read_range``: unique rows per table with the log's
 update mode), the ranks are merged per table (``results.merge_table``: row-wise shards
-concatenated, column-wise shards assembled into full rows when they can be), and the window's
+concatenated, column-wise shards assembled into full rows when they can be), and the span's
 delta of each table that has rows is written as one safetensors file:
 
-    <out>/window-<start:012d>-<end:012d>/<fqn>.safetensors
+    <out>/span-<start:012d>-<end:012d>/<fqn>.safetensors
         ids      int64 global row ids, ascending
         states   rows aligned with ids (when the log tracks states and they assemble)
         ids.col<c>, states.col<c>   per column shard, when a column-split table's
                                     slices cannot be assembled into full rows
         zch.raw_ids, zch.slot_ids, zch.unadmitted_raw_ids, zch.slots, zch.taken, zch.given,
-        zch.evicted_raw_ids         a managed-collision table's raw-id side of the window
+        zch.evicted_raw_ids         a managed-collision table's raw-id side of the span
                                     (:class:`persistent_delta.log.zch_records.ZchDelta`; global slots)
 
 Exactness: on a log written without an out-of-process consumer the trainer stored each row
-once per read window (:mod:`persistent_delta.log.position_rules`), so a window starting inside such a
+once per read window (:mod:`persistent_delta.log.position_rules`), so a span starting inside such a
 read window cannot be answered exactly; replay refuses it (:class:`InexactRangeError`, naming
 the batch to start from) instead of labelling rows of earlier batches with the asked range.
 
-With a checkpoint directory (:func:`persistent_delta.trainer.save_shards.save_local_shards`), the current
-values of every changed row (union over the windows) are written as an incremental snapshot,
+With a shard-files directory (:func:`persistent_delta.trainer.save_shards.save_local_shards`), the current
+values of every changed row (union over the spans) are written as an incremental snapshot,
 ``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
 lists everything, with the range read per rank (``ranges``) and overall (``from_batch``,
 ``to_batch``): ``persistent-delta apply`` (:mod:`persistent_delta.read.ordered`) checks them. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
@@ -66,15 +66,15 @@ from persistent_delta.log.zch_records import ZchDelta, merge_side
 
 logger = logging.getLogger(__name__)
 
-REPLAY_FORMAT = "persistent_delta.replay/1"
-# a managed-collision table's window file also holds these, as ``zch.<name>`` (see zchlog.ZchDelta)
+REPLAY_FORMAT = "persistent_delta.replay/2"  # /2: exports are cut into spans (was windows)
+# a managed-collision table's span file also holds these, as ``zch.<name>`` (see zch_records.ZchDelta)
 ZCH_TENSORS = ("raw_ids", "slot_ids", "unadmitted_raw_ids", "slots", "taken", "given", "evicted_raw_ids")
-ProgressFn = Callable[[int, int], None]  # (windows done, windows in all)
+ProgressFn = Callable[[int, int], None]  # (spans done, spans in all)
 
 
 @dataclass
 class ReplayFile:
-    """One table's export for one window (or the snapshot, ``kind == "snapshot"``)."""
+    """One table's export for one span (or the snapshot, ``kind == "snapshot"``)."""
 
     kind: str
     start_idx: int
@@ -95,8 +95,8 @@ class ReplayReport:
     out_dir: Optional[str]
     consumer: Optional[str]
     ranges: Dict[int, Tuple[int, int]]
-    window: Optional[int]
-    windows: List[Tuple[int, int]]
+    span: Optional[int]
+    spans: List[Tuple[int, int]]
     files: List[ReplayFile] = field(default_factory=list)
     dry_run: bool = False
     committed: Optional[Dict[int, int]] = None
@@ -172,14 +172,14 @@ def plan_ranges(
     return ranges, notes
 
 
-def plan_windows(ranges: Dict[int, Tuple[int, int]], window: Optional[int]) -> List[Tuple[int, int]]:
-    """Windows ``[ws, we)`` of ``window`` batches covering every rank's range (aligned on the
-    lowest start; one window when ``window`` is None); empty ones skipped."""
+def plan_spans(ranges: Dict[int, Tuple[int, int]], span: Optional[int]) -> List[Tuple[int, int]]:
+    """Spans ``[ws, we)`` of ``span`` batches covering every rank's range (aligned on the
+    lowest start; one span when ``span`` is None); empty ones skipped."""
     spans = [(a, b) for a, b in ranges.values() if b > a]
     if not spans:
         return []
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    step = hi - lo if window is None else window
+    step = hi - lo if span is None else span
     out = []
     for ws in range(lo, hi, step):
         we = min(ws + step, hi)
@@ -188,7 +188,7 @@ def plan_windows(ranges: Dict[int, Tuple[int, int]], window: Optional[int]) -> L
     return out
 
 
-def _window_tensors(m: MergedDelta) -> Dict[str, torch.Tensor]:
+def _span_tensors(m: MergedDelta) -> Dict[str, torch.Tensor]:
     tensors = {"ids": m.global_ids.contiguous()}
     if m.states is not None:
         tensors["states"] = m.states.contiguous()
@@ -230,8 +230,8 @@ def replay(
     consumer: Optional[str] = None,
     commit: bool = False,
     tables: Optional[Sequence[str]] = None,
-    window: Optional[int] = None,
-    checkpoint: Optional[PathLike] = None,
+    span: Optional[int] = None,
+    shard_files: Optional[PathLike] = None,
     dry_run: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> ReplayReport:
@@ -244,29 +244,29 @@ def replay(
         consumer: replay the consumer's pending range ``[offset, log end)`` per rank.
         commit: with ``consumer``, move its offsets to the range end after writing.
         tables: only these table fqns.
-        window: batches per window (default: one window).
-        checkpoint: a :func:`save_local_shards` directory: also write the changed rows' values.
+        span: batches per span (default: one span).
+        shard_files: a :func:`save_local_shards` directory: also write the changed rows' values.
         dry_run: read and merge, write nothing, commit nothing.
-        progress: called with (windows done, windows in all).
+        progress: called with (spans done, spans in all).
 
     Returns:
         A :class:`ReplayReport`.
 
     Raises:
         InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError: see :func:`plan_ranges`.
-        NotALogError: ``root`` (or ``checkpoint``) holds nothing usable.
+        NotALogError: ``root`` (or ``shard_files``) holds nothing usable.
     """
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise InvalidInputError(f"--window must be a positive int, got {window!r}")
+    if span is not None and (isinstance(span, bool) or not isinstance(span, int) or span < 1):
+        raise InvalidInputError(f"--span must be a positive int, got {span!r}")
     if out_dir is None and not dry_run:
         raise InvalidInputError("--out DIR is required (or --dry-run)")
     if commit and consumer is None:
         raise InvalidInputError("--commit needs --consumer")
     root = os.fspath(root)
     final = os.fspath(out_dir) if out_dir is not None else None
-    shards = load_shards(checkpoint) if checkpoint is not None else None
+    shards = load_shards(shard_files) if shard_files is not None else None
     if final is None or dry_run:
-        return _replay(root, final, final, from_batch, to_batch, consumer, commit, tables, window, shards, dry_run,
+        return _replay(root, final, final, from_batch, to_batch, consumer, commit, tables, span, shards, dry_run,
                        progress)
     # Files are staged and moved into place only when everything was written: a failed replay
     # leaves no partial output (and removes an output directory it created).
@@ -274,7 +274,7 @@ def replay(
     os.makedirs(final, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".replay-", dir=final)
     try:
-        report = _replay(root, stage, final, from_batch, to_batch, consumer, commit, tables, window, shards, False,
+        report = _replay(root, stage, final, from_batch, to_batch, consumer, commit, tables, span, shards, False,
                          progress, publish=lambda rep: _publish(stage, final, rep))
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -299,24 +299,24 @@ def _publish(stage: str, final: str, report: "ReplayReport") -> None:
 
 
 def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Optional[int], to_batch: Optional[int],
-            consumer: Optional[str], commit: bool, tables: Optional[Sequence[str]], window: Optional[int],
+            consumer: Optional[str], commit: bool, tables: Optional[Sequence[str]], span: Optional[int],
             shards: Optional[Dict[str, List[Tuple[ShardInfo, torch.Tensor]]]], dry_run: bool,
             progress: Optional[ProgressFn], publish: Optional[Callable[["ReplayReport"], None]] = None) -> "ReplayReport":
     logs = {rank: DeltaLog(path, readonly=True) for rank, path in rank_paths(root).items()}
     try:
         check_table_filter(tables, sorted({fqn for log in logs.values() for fqn in log.tables()}))
         ranges, notes = plan_ranges(logs, from_batch, to_batch, consumer)
-        report = ReplayReport(root=root, out_dir=final, consumer=consumer, ranges=ranges, window=window,
-                              windows=plan_windows(ranges, window), dry_run=dry_run, notes=notes)
+        report = ReplayReport(root=root, out_dir=final, consumer=consumer, ranges=ranges, span=span,
+                              spans=plan_spans(ranges, span), dry_run=dry_run, notes=notes)
         mode = next(iter(logs.values())).read(lambda r: position_rules.update_mode(r)).value
         touched: Dict[str, List[torch.Tensor]] = {}
-        for i, (ws, we) in enumerate(report.windows):
+        for i, (ws, we) in enumerate(report.spans):
             parts: Dict[str, List[TableDelta]] = {}
             for rank, log in logs.items():
                 a, b = max(ws, ranges[rank][0]), min(we, ranges[rank][1])
                 if a >= b:
                     continue
-                delta = log.read(lambda r: _read_window(r, rank, log.path, a, b, tables))
+                delta = log.read(lambda r: _read_span(r, rank, log.path, a, b, tables))
                 for fqn, t in delta.tables.items():
                     parts.setdefault(fqn, []).append(t)
             for fqn, ps in sorted(parts.items()):
@@ -329,18 +329,18 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
                 touched.setdefault(fqn, []).append(m.global_ids)
                 if z is not None:  # reassigned slots were re-initialised, looked up or not
                     touched[fqn].append(z.slots)
-                report.files.append(_export_window(m, ws, we, mode, out, dry_run, z))
+                report.files.append(_export_span(m, ws, we, mode, out, dry_run, z))
             if progress is not None:
-                progress(i + 1, len(report.windows))
+                progress(i + 1, len(report.spans))
     finally:
         for log in logs.values():
             log.close()
     if shards is not None:
-        lo = min((w[0] for w in report.windows), default=0)
-        hi = max((w[1] for w in report.windows), default=0)
+        lo = min((w[0] for w in report.spans), default=0)
+        hi = max((w[1] for w in report.spans), default=0)
         for fqn, ids_list in sorted(touched.items()):
             if fqn not in shards:
-                report.notes.append(f"{fqn}: not in the checkpoint; no snapshot written")
+                report.notes.append(f"{fqn}: not in the shard files; no snapshot written")
                 continue
             ids = torch.unique(torch.cat(ids_list), sorted=True)
             report.files.append(_export_snapshot(fqn, ids, full_rows(fqn, shards[fqn], ids), lo, hi, out, dry_run))
@@ -354,16 +354,16 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
     return report
 
 
-def _read_window(r: ReadTxn, rank: int, path: str, a: int, b: int, tables: Optional[Sequence[str]]) -> RankDelta:
-    """One rank's part of one window, exactly ``[a, b)``: a window may not move back into an
+def _read_span(r: ReadTxn, rank: int, path: str, a: int, b: int, tables: Optional[Sequence[str]]) -> RankDelta:
+    """One rank's part of one span, exactly ``[a, b)``: a span may not move back into an
     earlier one (it would export rows twice, labelled with the wrong range)."""
-    position_rules.check_exact(r, a, f"the window [{a}, {b}) (replay without --window, or from a read-window start)")
+    position_rules.check_exact(r, a, f"the span [{a}, {b}) (replay without --span, or from a read-window start)")
     return read_range(r, rank, path, a, b, LOOKUPS, tables)
 
 
-def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool,
+def _export_span(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str], dry_run: bool,
                    z: Optional[ZchDelta] = None) -> ReplayFile:
-    tensors = _window_tensors(m)
+    tensors = _span_tensors(m)
     if z is not None:  # a managed-collision table: its raw ids, reassignments and evictions
         tensors.update({f"zch.{k}": getattr(z, k).contiguous() for k in ZCH_TENSORS})
     states = tensors.get("states")
@@ -371,7 +371,7 @@ def _export_window(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[st
                    states_shape=list(states.shape) if states is not None else None,
                    column_split=m.column_split, path=None)
     if not dry_run and out is not None:
-        f.path = os.path.join(out, f"window-{ws:012d}-{we:012d}", f"{file_name(m.fqn)}.safetensors")
+        f.path = os.path.join(out, f"span-{ws:012d}-{we:012d}", f"{file_name(m.fqn)}.safetensors")
         meta = {
             "format": REPLAY_FORMAT, "kind": "delta", "fqn": m.fqn, "start_idx": str(ws), "end_idx": str(we),
             "update_mode": mode, "global_rows": str(m.global_rows), "global_cols": str(m.global_cols),

@@ -8,7 +8,7 @@ Design note
 -----------
 Every input covers, per rank, a half-open batch range ``[from, to)``:
 
-* a **base** -- a shard checkpoint (:func:`persistent_delta.trainer.save_shards.save_local_shards`)
+* a **base** -- a shard-files directory (:func:`persistent_delta.trainer.save_shards.save_local_shards`)
   taken at batch ``b`` -- holds every batch up to ``b``: the next input starts at ``b + 1``;
 * an **increment** -- a replay output (``persistent-delta replay``; its manifest records the
   range read per rank) -- covers exactly its ranges.
@@ -22,9 +22,9 @@ remembers where it ended (:attr:`Replica.next_batch`), so a later apply continue
 the same rule holds across calls.
 
 :class:`Replica` is what the inputs build: full tables (global rows; a base loads every row, an
-increment's ``snapshot/`` files -- replay with ``--checkpoint`` -- overwrite the changed rows,
+increment's ``snapshot/`` files -- replay with ``--shard-files`` -- overwrite the changed rows,
 newest last) and a managed-collision table's raw-id map (:class:`~persistent_delta.log.zch_records.RawIdMap`,
-fed the slot reassignments of every window, in order).
+fed the slot reassignments of every span, in order).
 """
 
 from __future__ import annotations
@@ -53,24 +53,24 @@ class OrderError(InvalidInputError):
 
 @dataclass
 class Piece:
-    """One input: a base (shard checkpoint) or an increment (replay output), with the ranges
+    """One input: a base (shard-files directory) or an increment (replay output), with the ranges
     it covers per rank (a base: ``[0, batch_idx + 1)``)."""
 
     path: str
     kind: str  # "base" | "increment"
     ranges: Ranges
-    # increment content, in window order: (fqn, tensors of a window file), and snapshot files
-    windows: List[Tuple[int, str, Dict[str, torch.Tensor]]] = field(default_factory=list)
+    # increment content, in span order: (fqn, tensors of a span file), and snapshot files
+    spans: List[Tuple[int, str, Dict[str, torch.Tensor]]] = field(default_factory=list)
     snapshots: List[Tuple[str, Dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
-def base_piece(ckpt_dir: PathLike) -> Piece:
-    """A shard checkpoint as a base.
+def base_piece(shard_dir: PathLike) -> Piece:
+    """A shard-files directory as a base.
 
     Raises:
         OrderError: a rank file does not record the batch it was taken at.
     """
-    path = os.fspath(ckpt_dir)
+    path = os.fspath(shard_dir)
     batches = shard_batches(path)
     missing = sorted(r for r, b in batches.items() if b is None)
     if missing:
@@ -192,7 +192,7 @@ def apply_pieces(pieces: Sequence[Piece], replica: Optional[Replica] = None) -> 
                 raw, slots = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
                 rep.raw_ids.apply(ZchDelta(fqn, 0, 0, slots=slots, taken=torch.full_like(raw, -1), given=raw))
             continue
-        for _, fqn, tensors in p.windows:
+        for _, fqn, tensors in p.spans:
             if "zch.slots" in tensors:
                 rep.raw_ids.apply(ZchDelta(fqn, 0, 0, slots=tensors["zch.slots"], taken=tensors["zch.taken"],
                                            given=tensors["zch.given"]))
@@ -201,7 +201,7 @@ def apply_pieces(pieces: Sequence[Piece], replica: Optional[Replica] = None) -> 
             ids, values = tensors["ids"], tensors["values"]
             if table is None or table.shape[1:] != values.shape[1:] or (ids.numel() and int(ids.max()) >= table.shape[0]):
                 raise InvalidInputError(f"{p.path}: {fqn}: snapshot rows do not fit the replica's table (apply a base "
-                                        "shard checkpoint first)")
+                                        "shard-files directory first)")
             table[ids.long()] = values.to(table.dtype)
     rep.next_batch = nxt
     return rep
