@@ -1,0 +1,55 @@
+"""The package rules of ``[tool.persistent_delta.packages]`` (pyproject.toml) hold for every import,
+and the README's package picture is the one drawn from that table."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("packages_tool", os.path.join(REPO, "tools", "packages.py"))
+packages = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(packages)
+
+
+def test_every_import_keeps_the_package_rules():
+    bad = packages.violations(packages.load_rules())
+    assert not bad, "\n".join(bad)
+
+
+def test_readers_fleet_and_cli_never_reach_the_trainer():
+    rules = packages.load_rules()
+    for name in ("log", "read", "fleet", "cli"):
+        assert "trainer" not in rules[name].imports, name
+
+
+def test_the_readme_shows_the_picture_drawn_from_the_rules():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert packages.picture(packages.load_rules()) in readme, "run `python tools/packages.py` and paste it into README.md"
+
+
+def _write(root, rel, text):
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_the_checker_sees_an_upward_import_a_private_name_and_a_cycle(tmp_path):
+    """The checks above can fail: a log module importing the trainer, a private name used
+    across modules and an import cycle are each reported."""
+    pkg = str(tmp_path / "persistent_delta")
+    _write(pkg, "__init__.py", "")
+    _write(pkg, "errors.py", "")
+    _write(pkg, "log/__init__.py", "")
+    _write(pkg, "log/codec.py", "from persistent_delta.trainer.writer import Writer\n")
+    _write(pkg, "trainer/__init__.py", "")
+    _write(pkg, "trainer/writer.py", "from persistent_delta.log import codec\nx = codec._SECRET\n")
+    _write(pkg, "read/__init__.py", "")
+    _write(pkg, "read/a.py", "from persistent_delta.read.b import _helper\n")
+    _write(pkg, "read/b.py", "from persistent_delta.read import a\n")
+    bad = "\n".join(packages.violations(packages.load_rules(), pkg))
+    assert "log.codec:1 imports trainer.writer" in bad
+    assert "codec._SECRET" in bad
+    assert "private names ['_helper']" in bad
+    assert "import cycle" in bad
