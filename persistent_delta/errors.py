@@ -99,6 +99,10 @@ class InexactRangeError(PersistentDeltaError):
     recorded earlier in it. The message names the exact alternatives."""
 
 
+class OrderError(InvalidInputError):
+    """Inputs that cannot be applied in this order: a gap, an overlap, or an input out of order."""
+
+
 class UnsupportedTrackingError(InvalidInputError, AssertionError):
     """A tracking mode the model cannot serve, refused as TorchRec refuses it (an
     ``AssertionError`` there, with the same text), e.g. EMBEDDING on an EmbeddingBagCollection."""
@@ -110,6 +114,12 @@ class UnsupportedModeError(InvalidInputError, NotImplementedError):
 
 
 class TransportError(PersistentDeltaError):
-    """The stream (NATS JetStream) could not be reached in time, or refused a request; the
-    message names the server and what was asked. Shippers retry; remote consumers raise it
-    from the call that needed the server."""
+    """The stream (NATS JetStream, or another transport) could not be reached in time, or
+    refused a request; the message names the server and what was asked. Shippers retry;
+    remote consumers raise it from the call that needed the server."""
+
+
+class KeyConflictError(PersistentDeltaError):
+    """A compare-and-set on a key-value bucket of the stream lost: the key exists (create) or
+    is no longer at the revision given (update). Read the key again and decide; a remote
+    consumer's claim on its name is the one caller today."""

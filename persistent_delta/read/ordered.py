@@ -38,17 +38,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from persistent_delta.errors import InvalidInputError
+from persistent_delta.errors import InvalidInputError, OrderError
 from persistent_delta.log.layout import PathLike, atomic_write_bytes
 from persistent_delta.log.shard_files import full_rows, load_raw_id_maps, load_shards, shard_batches
 from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
 REPLICA_FORMAT = "persistent_delta.replica/1"
 Ranges = Dict[int, Tuple[int, int]]
-
-
-class OrderError(InvalidInputError):
-    """Inputs that cannot be applied in this order: a gap, an overlap, or an input out of order."""
 
 
 @dataclass
