@@ -311,16 +311,17 @@ def _shipper(args: argparse.Namespace) -> subprocess.Popen:  # type: ignore[type
 
 def _stream_caught_up(args: argparse.Namespace) -> bool:
     """Whether the stream holds every published batch of the local logs."""
-    from persistent_delta.fleet import transport
+    from persistent_delta.fleet import subjects, wire
+    from persistent_delta.fleet.transport import open_transport
     from persistent_delta.read.consumer import DeltaReader
 
     with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:
         local = reader.end_offsets()
-    conn = transport.Connection(args.server)
+    conn = open_transport(args.server)
     try:
         for rank, end in local.items():
-            last = conn.last_message("demo", transport.end_subject("demo", "snapshots", rank))
-            if last is None or transport.Marker.decode(last[2], last[0], "demo").end != end:
+            last = conn.last_message("demo", subjects.end_subject("demo", "snapshots", rank))
+            if last is None or wire.Marker.decode(last.data, last.seq, "demo").end != end:
                 return False
         return True
     finally:

@@ -23,7 +23,7 @@ def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish
             big_rows: int = 0, base: str = "") -> Dict[str, Any]:
     """Train ``steps`` steps, publish every ``publish_every`` (and at the end), save the final
     local shards to ``out/rank-<r>.pt``. ``start_flag``: wait for that file before training.
-    ``base``: ``"URL JOB STEP"``: publish a base snapshot to the stream right after the publish
+    ``base``: ``"URL JOB STEP"``: upload a base to the stream right after the publish
     of that step."""
     dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", num_tables=TABLES,
                               rows=max(ROWS, big_rows), dim=DIM, seed=SEED)
@@ -40,10 +40,10 @@ def trainer(rank: int, world_size: int, root: str, out: str, steps: int, publish
         if (i + 1) % publish_every == 0 or i + 1 == steps:
             t.publish("serving")
             if base and i + 1 == int(base.split()[2]):
-                from persistent_delta.fleet.ship import publish_base
+                from persistent_delta.fleet.ship import upload_base
 
                 url, job, _ = base.split()
-                publish_base(url, job, rank, t.curr_batch_idx, {f: lt.weights() for f, lt in t.local_tables.items()})
+                upload_base(url, job, rank, t.curr_batch_idx, {f: lt.weights() for f, lt in t.local_tables.items()})
         if step_sleep:
             time.sleep(step_sleep)
     elapsed = time.monotonic() - t0

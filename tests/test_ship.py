@@ -29,7 +29,8 @@ from persistent_delta.errors import FormatMismatchError, InvalidInputError, LogL
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.fleet.ship import Shipper
-from persistent_delta.fleet import transport
+from persistent_delta.fleet import nats, subjects, wire
+from persistent_delta.fleet.transport import StreamOptions
 from procs import REPO, other_uid
 from ship_cases import assemble, trainer
 
@@ -129,11 +130,11 @@ def stream_caught_up(root: str, url: str, job: str, channel: str) -> bool:
     """Whether the stream holds every batch of the local logs' channel (ends equal)."""
     with DeltaReader(root, channel=channel) as r:
         local = r.end_offsets()
-    conn = transport.Connection(url)
+    conn = nats.Connection(url)
     try:
         for rank, end in local.items():
-            last = conn.last_message(job, transport.end_subject(job, channel, rank))
-            if last is None or transport.Marker.decode(last[2], last[0], "test").end != end:
+            last = conn.last_message(job, subjects.end_subject(job, channel, rank))
+            if last is None or wire.Marker.decode(last.data, last.seq, "test").end != end:
                 return False
         return True
     finally:
@@ -252,7 +253,7 @@ def test_remote_replica_is_bit_exact_through_shipper_and_consumer_kills(tmp_path
     check_contiguous(read_polls(os.path.join(out, "replica.polls")), killed_at=3)
     assert len(replica_starts(out)) == 2  # started, SIGKILLed, started again
 
-    # a replica joining late starts from the base snapshot published at step 30, then follows
+    # a replica joining late starts from the base uploaded at step 30, then follows
     with RemoteConsumer(nats_server.url, job, "late", channel=SNAPSHOTS, wait=30) as late:
         tables = late.bootstrap()
         assert set(late.position().values()) == {31}  # just past the base's publish
@@ -389,7 +390,7 @@ def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path,
     reset="earliest" it moves to the first range still whole on the stream and reads exactly the
     rows of the log over the range it reports. A new consumer starts at the first range there."""
     root = str(tmp_path / "log")
-    limit = transport.StreamOptions(max_bytes=256 << 10)
+    limit = StreamOptions(max_bytes=256 << 10)
 
     def write_and_ship(batches: range) -> None:
         with LmdbDeltaStore(os.path.join(root, "rank-0"), updateMode=UpdateMode.LAST) as store:
@@ -405,7 +406,7 @@ def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path,
             assert c.poll().ranges() == {0: (0, 5)}
             c.commit()
     write_and_ship(range(5, 40))  # 35 x 16 KiB more than the stream keeps: [5, ...) is dropped
-    conn = transport.Connection(nats_server.url)
+    conn = nats.Connection(nats_server.url)
     try:
         info = conn.stream_state("job-lim")
     finally:
@@ -431,7 +432,7 @@ def test_key_listings_are_complete_while_keys_are_written(nats_server):
     rewrite their statistics every second. Every listing holds every live key, and a deleted
     key is not listed. (nats-py's own ``keys()`` returned partial or empty listings here: 7 of
     300 with one key written every millisecond, which once emptied `offsets`' shipper table.)"""
-    conn, writer = transport.Connection(nats_server.url), transport.Connection(nats_server.url)
+    conn, writer = nats.Connection(nats_server.url), nats.Connection(nats_server.url)
     stop = threading.Event()
 
     def rewrite() -> None:
@@ -441,20 +442,20 @@ def test_key_listings_are_complete_while_keys_are_written(nats_server):
             i += 1
 
     try:
-        conn.ensure_job("job-k", transport.StreamOptions())
+        conn.ensure_job("job-k", StreamOptions())
         for key in ("ship.0.snapshots", "ship.1.snapshots", "tables.0", "gone"):
             conn.kv_put("job-k", "meta", key, b"v" * 200)
         conn.kv_delete("job-k", "meta", "gone")
         t = threading.Thread(target=rewrite)
         t.start()
         try:
-            listings = [conn.kv_keys("job-k", "meta") for _ in range(400)]
+            listings = [list(conn.kv_entries("job-k", "meta")) for _ in range(400)]
         finally:
             stop.set()
             t.join()
         bad = [k for k in listings if sorted(k) != ["ship.0.snapshots", "ship.1.snapshots", "tables.0"]]
         assert not bad, f"{len(bad)} of {len(listings)} listings wrong, e.g. {bad[0]}"
-        assert conn.kv_keys("job-k", "offsets") == []
+        assert list(conn.kv_entries("job-k", "offsets")) == []
     finally:
         conn.close()
         writer.close()
@@ -518,14 +519,14 @@ def test_remote_poll_max_bytes_cuts_at_range_ends_and_reads_at_least_one(tmp_pat
 
 def test_subjects_are_injective_and_valid_for_any_fqn():
     fqns = ["a.b", "a_b", "a b", "a*b", "a>b", "ü.ß", "x" * 400, "", "A.B", "a..b", "t"]
-    subjects = [transport.data_subject("j", "lookups", 0, f) for f in fqns]
-    assert len(set(subjects)) == len(fqns)
-    for f, s in zip(fqns, subjects):
+    names = [subjects.data_subject("j", "lookups", 0, f) for f in fqns]
+    assert len(set(names)) == len(fqns)
+    for f, s in zip(fqns, names):
         tokens = s.split(".")
         assert len(tokens) == 5 and all(t and all(c.isalnum() or c in "-_" for c in t) for t in tokens), s
-        assert transport.fqn_of_subject(s) == f
+        assert subjects.fqn_of_subject(s) == f
     with pytest.raises(Exception):
-        transport.check_job("a.b")
+        subjects.check_job("a.b")
 
 
 def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_path, nats_server):
@@ -538,11 +539,11 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
             store.append(b, "t", torch.tensor([b, 10 + b]), torch.full((2, 4), float(b)))
     with Shipper(root, nats_server.url, "job-e", channels=["lookups"], max_batches=2) as s:
         s.run(idle_exit_s=0.3)
-    conn = transport.Connection(nats_server.url)
+    conn = nats.Connection(nats_server.url)
     try:
         rows = {"t": UniqueRows(ids=torch.tensor([0]), states=torch.full((1, 4), 99.0))}
-        parts, marker, _ = transport.encode_range("job-e", "other-epoch", "lookups", 0, 0, 2, rows, 1 << 20, {"log_end": 6})
-        assert not conn.publish_all(parts + [marker])
+        parts, marker, _ = wire.encode_range("job-e", "other-epoch", "lookups", 0, 0, 2, rows, 1 << 20, {"log_end": 6})
+        assert not conn.send_all(parts + [marker])
         with RemoteConsumer(nats_server.url, "job-e", "r", wait=10) as c:
             p = c.poll()
             assert p.ranges() == {0: (0, 6)}
@@ -550,9 +551,9 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
             c.commit()
             with pytest.raises(LogLockedError):
                 RemoteConsumer(nats_server.url, "job-e", "r")
-        bad = transport.Message(transport.end_subject("job-e", "lookups", 0), marker.payload,
-                                {**marker.headers, "PD-Format": "999", "Nats-Msg-Id": "x"})
-        assert not conn.publish_all([bad])
+        bad = wire.Message(subjects.end_subject("job-e", "lookups", 0), marker.payload,
+                           {**marker.headers, "PD-Format": "999"}, "x")
+        assert not conn.send_all([bad])
         with RemoteConsumer(nats_server.url, "job-e", "r", wait=10) as c:
             with pytest.raises(FormatMismatchError):
                 c.poll()
@@ -612,7 +613,7 @@ def _cluster_case(tmp_path, cluster, batches: int) -> None:
     root = str(tmp_path / "log")
     store = LmdbDeltaStore(os.path.join(root, "rank-0"), updateMode=UpdateMode.LAST)
     shipper = Shipper(root, cluster.urls, "job-g", channels=["lookups"], max_batches=2,
-                      stream=transport.StreamOptions(replicas=3)).start()
+                      stream=StreamOptions(replicas=3)).start()
     victim = random.Random(7).randrange(3)
     for b in range(batches):
         store.append(b, "t", torch.tensor([b % 7, 100 + b]), torch.full((2, 4), float(b)))

@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("ship", parents=[fmt], help="ship this host's rank logs to a NATS JetStream stream",
                        description="One per host, beside the trainer: a registered consumer of each local rank log; "
-                                   "publishes complete batches and commits locally only after the stream acknowledged "
+                                   "sends complete batches and commits locally only after the stream acknowledged "
                                    "them. Runs until SIGTERM/SIGINT.")
     s.add_argument("root", help="log root on this host (holding its rank-<r>/)")
     add_connect_arguments(s)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence
 
 from persistent_delta.log import codec
-from persistent_delta.fleet import transport
+from persistent_delta.fleet import subjects
 from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownConsumerError
 from persistent_delta.fleet.remote import lock_key, offsets_key
-from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
+from persistent_delta.fleet.wire import Marker
 
 
 @dataclass
@@ -56,30 +57,30 @@ class RemoteChange:
     new: Optional[int]
 
 
-def _ends(conn: Connection, job: str, channel: str, ranks: Sequence[int]) -> Dict[int, int]:
+def _ends(conn: Transport, job: str, channel: str, ranks: Sequence[int]) -> Dict[int, int]:
     out = {}
     for r in ranks:
-        last = conn.last_message(job, transport.end_subject(job, channel, r))
-        out[r] = 0 if last is None else Marker.decode(last[2], last[0], f"job {job}").end
+        last = conn.last_message(job, subjects.end_subject(job, channel, r))
+        out[r] = 0 if last is None else Marker.decode(last.data, last.seq, f"job {job}").end
     return out
 
 
-def _offsets(conn: Connection, job: str) -> List[Dict[str, Any]]:
+def _offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
     out = []
-    for key, (value, _) in conn.kv_entries(job, "offsets").items():
+    for key, (value, _) in conn.kv_entries(job, subjects.OFFSETS).items():
         d = codec.unpack(value, f"remote offsets {key}")
         if isinstance(d, dict):
             out.append(d)
     return out
 
 
-def describe_remote(server: Union[str, Sequence[str]], job: str, options: Optional[ConnectOptions] = None
+def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None
                     ) -> Dict[str, List[Any]]:
     """Every remote consumer (per rank: offset, the stream's end, lag in batches, last commit,
     whether a process holds it now) and every shipper (statistics) of ``job``."""
-    conn = Connection(server, options)
+    conn = open_transport(server, options)
     try:
-        locks = set(conn.kv_keys(job, "locks"))
+        locks = set(conn.kv_entries(job, subjects.LOCKS))
         consumers: List[RemoteConsumerRow] = []
         for d in _offsets(conn, job):
             ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
@@ -90,7 +91,7 @@ def describe_remote(server: Union[str, Sequence[str]], job: str, options: Option
                                                    None if pos is None else max(0, ends[r] - pos), d.get("time"),
                                                    lock_key(str(d["name"])) in locks))
         shippers: List[ShipperRow] = []
-        for key, (value, _) in conn.kv_entries(job, "meta", transport.SHIPPER_KEYS).items():
+        for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
             s = codec.unpack(value, f"shipper state {key}")
             if not isinstance(s, dict):
                 continue
@@ -105,7 +106,7 @@ def describe_remote(server: Union[str, Sequence[str]], job: str, options: Option
         conn.close()
 
 
-def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action: str, target: Optional[str] = None,
+def change_remote(server: ServerSpec, job: str, name: str, action: str, target: Optional[str] = None,
                   batch: Optional[int] = None, channel: Optional[str] = None, execute: bool = False,
                   options: Optional[ConnectOptions] = None) -> List[RemoteChange]:
     """Reset (``target``: ``earliest``, ``latest`` or ``batch``) or delete a remote
@@ -115,9 +116,9 @@ def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action
         UnknownConsumerError: nothing stored for ``name`` (and ``channel``).
         LogLockedError: a process holds the consumer now.
     """
-    conn = Connection(server, options)
+    conn = open_transport(server, options)
     try:
-        if conn.kv_get(job, "locks", lock_key(name)) is not None:
+        if conn.kv_get(job, subjects.LOCKS, lock_key(name)) is not None:
             raise LogLockedError(f"remote consumer {name!r} of job {job!r} is running; stop it first")
         found = [d for d in _offsets(conn, job) if d.get("name") == name and (channel is None or d.get("channel") == channel)]
         if not found:
@@ -132,8 +133,8 @@ def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action
                 for r, v in sorted(ranks.items()):
                     nv: Dict[str, Any]
                     if target == "latest":
-                        last = conn.last_message(job, transport.end_subject(job, ch, r))
-                        m = None if last is None else Marker.decode(last[2], last[0], f"job {job}")
+                        last = conn.last_message(job, subjects.end_subject(job, ch, r))
+                        m = None if last is None else Marker.decode(last.data, last.seq, f"job {job}")
                         nv = {"pos": ends[r], "seq": 1 if m is None else m.seq + 1, "epoch": None if m is None else m.epoch}
                     elif target == "earliest":
                         nv = {"pos": None, "seq": 1, "epoch": None}
@@ -146,12 +147,12 @@ def change_remote(server: Union[str, Sequence[str]], job: str, name: str, action
                     changes.append(RemoteChange(name, ch, r, "reset", v.get("pos"),
                                                 None if new_pos is None else int(new_pos)))
                 if execute:
-                    conn.kv_put(job, "offsets", offsets_key(name, ch),
+                    conn.kv_put(job, subjects.OFFSETS, offsets_key(name, ch),
                                 codec.pack({"name": name, "channel": ch, "ranks": new_ranks, "time": time.time()}))
             elif action == "delete":
                 changes += [RemoteChange(name, ch, r, "delete", v.get("pos"), None) for r, v in sorted(ranks.items())]
                 if execute:
-                    conn.kv_delete(job, "offsets", offsets_key(name, ch))
+                    conn.kv_delete(job, subjects.OFFSETS, offsets_key(name, ch))
             else:
                 raise InvalidInputError(f"unknown action {action!r}")
         return changes

@@ -1,4 +1,4 @@
-"""Remote consumers: a job's deltas read from its JetStream stream, on any host.
+"""Remote consumers: a job's deltas read from its stream, on any host.
 
 Owns: a remote consumer's positions (per rank, in batch indices, stored and replicated in
 the job's ``offsets`` bucket), its one-active-process claim, and its poll/commit cycle. The
@@ -7,7 +7,8 @@ result types are :mod:`persistent_delta.read.results`' (the same :class:`DeltaPo
 a managed-collision table's ``TableDelta.zch`` comes from the side records shipped with each
 range, by :func:`persistent_delta.log.zch_records.side_delta`, the local reader's rule); which
 batches a poll may deliver is :func:`persistent_delta.log.position_rules.poll_stops` (complete batches
-only: every rank of the job); the message format is :mod:`persistent_delta.fleet.transport`'s.
+only: every rank of the job); the message format is :mod:`persistent_delta.fleet.wire`'s, read
+through a :class:`~persistent_delta.fleet.transport.Transport` (NATS JetStream for a server URL).
 
 Design note
 -----------
@@ -47,17 +48,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, TypeVar, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, TypeVar
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta.log import codec, position_rules
-from persistent_delta.fleet import transport
+from persistent_delta.fleet import subjects, wire
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     FormatMismatchError,
     InvalidInputError,
+    KeyConflictError,
     LogClosedError,
     LogLockedError,
     NotALogError,
@@ -79,7 +81,8 @@ from persistent_delta.log.schema import (
     check_table_filter,
 )
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker, RangeAssembler, RankTables, SideRecord
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
+from persistent_delta.fleet.wire import Marker, RangeAssembler, RankTables, SideRecord
 from persistent_delta.log.zch_records import is_managed, side_delta
 
 logger = logging.getLogger(__name__)
@@ -114,11 +117,11 @@ class _RankState:
 
 
 def offsets_key(name: str, channel: str) -> str:
-    return f"{transport.token(name)}.{channel}"
+    return f"{subjects.token(name)}.{channel}"
 
 
 def lock_key(name: str) -> str:
-    return transport.token(name)
+    return subjects.token(name)
 
 
 class RemoteConsumer:
@@ -126,7 +129,7 @@ class RemoteConsumer:
     :class:`~persistent_delta.DeltaConsumer`. Not thread-safe; one active process per name.
 
     Args:
-        server: ``nats://HOST:PORT`` (or several / a list: a cluster).
+        server: ``nats://HOST:PORT`` (or several / a list: a cluster); None with ``transport``.
         job: the job's name on the stream.
         name: the consumer name (as for local consumers).
         channel: ``"lookups"`` (default) or ``"snapshots"``.
@@ -144,16 +147,18 @@ class RemoteConsumer:
         read_threads: torch intra-op threads of its polls, ``merged()`` and ``apply_poll``
             (``LogOptions.read_threads``: default 1, or ``PERSISTENT_DELTA_READ_THREADS``;
             0: the process's setting).
+        transport: read through this transport instead of a connection to ``server`` (the
+            consumer closes it on :meth:`close`).
 
     Raises:
         TransportError: the server cannot be reached within ``wait``.
-        NotALogError: no shipper has published the job's table metadata within ``wait``.
+        NotALogError: no shipper has stored the job's table metadata within ``wait``.
         LogLockedError: another process uses the name.
     """
 
     def __init__(
         self,
-        server: Union[str, Sequence[str]],
+        server: Optional[ServerSpec],
         job: str,
         name: str,
         channel: str = LOOKUPS,
@@ -161,37 +166,43 @@ class RemoteConsumer:
         tables: Optional[Sequence[str]] = None,
         wait: float = 0.0,
         connect: Optional[ConnectOptions] = None,
-        stream: Optional[transport.StreamOptions] = None,
+        stream: Optional[StreamOptions] = None,
         max_buffer_bytes: int = 256 << 20,
         retry_s: float = 30.0,
         read_threads: Optional[int] = None,
+        transport: Optional[Transport] = None,
     ) -> None:
         self._closed = True
         self._read_threads = LogOptions.resolve(read_threads=read_threads).read_threads
-        self.job = transport.check_job(job)
+        self.job = subjects.check_job(job)
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
         if reset is not None and reset not in position_rules.RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise InvalidInputError(f"wait must be a non-negative number of seconds, got {wait!r}")
+        if server is None and transport is None:
+            raise InvalidInputError("a remote consumer needs a server URL or a transport")
         check_table_filter(tables, None)
         self.reset = reset
         self._tables_filter = list(tables) if tables is not None else None
         self._max_buffer = int(max_buffer_bytes)
         self._retry_s = float(retry_s)
         self._lost = False
-        self.last_error = ""
-        self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped  # the last transport failure a poll retried over ("" when the last poll reached the server)
+        self.last_error = ""  # the last transport failure a poll retried over ("" when the last poll reached the server)
+        self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._ranks: Dict[int, _RankState] = {}
         self._meta: Dict[int, RankTables] = {}
         self._expected: Optional[Set[int]] = None
-        self.conn = Connection(server, connect, wait=wait)
+        if transport is None:
+            assert server is not None  # checked above
+            transport = open_transport(server, connect, wait=wait)
+        self.conn: Transport = transport
         self.server = ",".join(self.conn.servers)
         try:
-            self.conn.ensure_job(self.job, stream or transport.StreamOptions())
+            self.conn.ensure_job(self.job, stream or StreamOptions())
             deadline = time.monotonic() + wait
             self._claim(deadline)
             self._closed = False
@@ -199,7 +210,7 @@ class RemoteConsumer:
             if self._tables_filter is not None:
                 check_table_filter(self._tables_filter, self._job_tables())
             self._load_positions()
-            self.conn.watch(transport.ends_filter(self.job, self.channel), self._wake)
+            self.conn.watch(subjects.ends_filter(self.job, self.channel), self._wake)
         except BaseException:
             self.close()
             raise
@@ -212,17 +223,18 @@ class RemoteConsumer:
         key = lock_key(self.name)
         while True:
             try:
-                rev = self.conn.kv_create(self.job, "locks", key, value)
+                rev = self.conn.kv_create(self.job, subjects.LOCKS, key, value)
+                break
+            except KeyConflictError:
+                pass  # held by another process: wait for it to go, within the deadline
             except TransportError:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
                 continue
-            if rev is not None:
-                break
             if time.monotonic() >= deadline:
-                held = self.conn.kv_get(self.job, "locks", key)
-                who = codec.unpack(held[0], "lock") if held else {}
+                held = self.conn.kv_get(self.job, subjects.LOCKS, key)
+                who = codec.unpack(held.value, "lock") if held else {}
                 raise LogLockedError(
                     f"consumer {self.name!r} of job {self.job!r} is in use by pid {who.get('pid') if isinstance(who, dict) else '?'} "
                     f"on {who.get('host') if isinstance(who, dict) else '?'}; close it, or wait for its claim to expire "
@@ -241,14 +253,15 @@ class RemoteConsumer:
             if conn is None:
                 return
             try:
-                rev = conn.kv_update(self.job, "locks", key, self._lock_value, self._lock_rev)
-                if rev is None:  # expired meanwhile (server down longer than the TTL): take it again
-                    rev = conn.kv_create(self.job, "locks", key, self._lock_value)
-                if rev is None:
-                    self._lost = True
-                    logger.error("remote consumer %r of job %s lost its claim to another process", self.name, self.job)
-                    return
+                try:
+                    rev = conn.kv_update(self.job, subjects.LOCKS, key, self._lock_value, self._lock_rev)
+                except KeyConflictError:  # expired meanwhile (server down longer than the TTL): take it again
+                    rev = conn.kv_create(self.job, subjects.LOCKS, key, self._lock_value)
                 self._lock_rev = rev
+            except KeyConflictError:
+                self._lost = True
+                logger.error("remote consumer %r of job %s lost its claim to another process", self.name, self.job)
+                return
             except (TransportError, AttributeError):
                 continue
 
@@ -268,11 +281,11 @@ class RemoteConsumer:
                 break
             time.sleep(0.1)
         if not self._meta:
-            raise NotALogError(f"job {self.job!r} on {self.server}: no shipper has published table metadata yet; start "
+            raise NotALogError(f"job {self.job!r} on {self.server}: no shipper has stored table metadata yet; start "
                                "`persistent-delta ship ROOT --server ... --job ...` on the trainer hosts, or pass wait=")
 
     def _refresh_meta(self) -> None:
-        for key, (value, _) in self.conn.kv_entries(self.job, "meta", transport.TABLES_KEYS).items():
+        for key, (value, _) in self.conn.kv_entries(self.job, subjects.META, subjects.TABLES_KEYS).items():
             rt = RankTables.decode(value, f"job {self.job} {key}")
             self._meta[rt.rank] = rt
             if rt.world_size is not None and self._expected is None:
@@ -285,7 +298,7 @@ class RemoteConsumer:
         return sorted({fqn for rt in self._meta.values() for fqn in rt.entries})
 
     def missing_ranks(self) -> List[int]:
-        """Ranks of the job whose shipper has not published yet."""
+        """Ranks of the job whose shipper has not stored its table metadata yet."""
         return sorted((self._expected or set()) - set(self._meta))
 
     @property
@@ -297,10 +310,10 @@ class RemoteConsumer:
         return _RankState(rank, None, 1, None, RangeAssembler(self.job, self.channel, rank))
 
     def _load_positions(self) -> None:
-        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
+        got = self._retrying(lambda: self.conn.kv_get(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel)))
         stored: Dict[str, Any] = {}
         if got is not None:
-            d = codec.unpack(got[0], "remote offsets")
+            d = codec.unpack(got.value, "remote offsets")
             stored = d.get("ranks", {}) if isinstance(d, dict) else {}
         for rank, st in self._ranks.items():
             entry = stored.get(str(rank))
@@ -315,12 +328,12 @@ class RemoteConsumer:
 
     def _to_latest(self, st: _RankState) -> None:
         last = self._retrying(lambda: self.conn.last_message(
-            self.job, transport.end_subject(self.job, self.channel, st.rank)))
+            self.job, subjects.end_subject(self.job, self.channel, st.rank)))
         self._clear(st)
         if last is None:
             st.pos, st.seq, st.epoch = None, 1, None
             return
-        m = Marker.decode(last[2], last[0], self._where(st.rank))
+        m = Marker.decode(last.data, last.seq, self._where(st.rank))
         st.pos, st.seq, st.epoch = m.end, m.seq + 1, m.epoch
         st.resume_seq = st.seq
 
@@ -354,23 +367,23 @@ class RemoteConsumer:
     def bootstrap(self) -> Dict[str, torch.Tensor]:
         """A full base state from the stream, for a replica that joins late or after its
         position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
-        from every rank's base snapshot (:func:`persistent_delta.fleet.ship.publish_base`), and
+        from every rank's base (:func:`persistent_delta.fleet.ship.upload_base`), and
         every rank's position moved just past the base's publish (in memory; ``commit`` stores
         it). Apply the polls that follow to the returned tables.
 
         Raises:
-            NotALogError: a rank of the job has no base snapshot on the stream.
+            NotALogError: a rank of the job has no base on the stream.
             InvalidInputError: the ranks' bases were taken at different publishes.
         """
         self._check()
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
         for rank in sorted(self._expected or self._meta):
-            buf = self._retrying(lambda: self.conn.object_get(self.job, transport.base_name(rank)))
+            buf = self._retrying(lambda: self.conn.object_get(self.job, subjects.base_name(rank)))
             if buf is None:
-                raise NotALogError(f"job {self.job!r}: rank {rank} has no base snapshot on {self.server}; publish one "
-                                   "with persistent_delta.fleet.ship.publish_base on every rank")
-            stamp, tables = transport.decode_base(buf, self._where(rank))
+                raise NotALogError(f"job {self.job!r}: rank {rank} has no base on {self.server}; upload one "
+                                   "with persistent_delta.fleet.ship.upload_base on every rank")
+            stamp, tables = wire.decode_base(buf, self._where(rank))
             stamps[rank] = stamp
             meta = self._meta[rank]
             for fqn, values in tables.items():
@@ -381,8 +394,8 @@ class RemoteConsumer:
                 r0, c0 = (shard.row_offset, shard.col_offset) if shard is not None else (0, 0)
                 t[r0:r0 + values.shape[0], c0:c0 + values.shape[1]] = values
         if len(set(stamps.values())) > 1:
-            raise InvalidInputError(f"job {self.job!r}: the ranks' base snapshots were taken at different publishes "
-                                    f"{stamps}; publish them at the same step on every rank")
+            raise InvalidInputError(f"job {self.job!r}: the ranks' bases were taken at different publishes "
+                                    f"{stamps}; upload them at the same step on every rank")
         for rank, stamp in stamps.items():
             st = self._ranks[rank]
             self._clear(st)
@@ -395,8 +408,8 @@ class RemoteConsumer:
         out = {}
         for rank in self._ranks:
             last = self._retrying(lambda: self.conn.last_message(
-                self.job, transport.end_subject(self.job, self.channel, rank)))
-            out[rank] = 0 if last is None else Marker.decode(last[2], last[0], self._where(rank)).end
+                self.job, subjects.end_subject(self.job, self.channel, rank)))
+            out[rank] = 0 if last is None else Marker.decode(last.data, last.seq, self._where(rank)).end
         return out
 
     def _retrying(self, fn: Callable[[], _T]) -> _T:
@@ -424,7 +437,7 @@ class RemoteConsumer:
         ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
                  for r, pos in positions.items()}
         value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time()})
-        self._retrying(lambda: self.conn.kv_put(self.job, "offsets", offsets_key(self.name, self.channel), value))
+        self._retrying(lambda: self.conn.kv_put(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel), value))
         return dict(positions)
 
     def committed(self) -> Dict[int, int]:
@@ -434,11 +447,11 @@ class RemoteConsumer:
             UnknownConsumerError: nothing stored for this name and channel.
         """
         self._check()
-        got = self._retrying(lambda: self.conn.kv_get(self.job, "offsets", offsets_key(self.name, self.channel)))
+        got = self._retrying(lambda: self.conn.kv_get(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel)))
         if got is None:
             raise UnknownConsumerError(f"remote consumer {self.name!r} ({self.channel}) of job {self.job!r} has no "
                                        "committed position")
-        d = codec.unpack(got[0], "remote offsets")
+        d = codec.unpack(got.value, "remote offsets")
         return {int(r): int(v["pos"]) for r, v in d["ranks"].items()} if isinstance(d, dict) else {}
 
     # ------------------------------------------------------------------ reading
@@ -447,15 +460,15 @@ class RemoteConsumer:
 
     def _fill(self, st: _RankState) -> None:
         """Read rank ``st``'s stream messages into complete buffered ranges (bounded)."""
-        subject = transport.rank_filter(self.job, self.channel, st.rank)
-        end_subject = transport.end_subject(self.job, self.channel, st.rank)
+        subject = subjects.rank_filter(self.job, self.channel, st.rank)
+        end_subject = subjects.end_subject(self.job, self.channel, st.rank)
         while st.gap is None and st.buffered < self._max_buffer:
             msgs, more = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
                                               min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)))
             if not msgs:
                 return
             for seq, subj, headers, data in msgs:
-                transport.check_format(headers, self._where(st.rank))  # refused again by the next poll, never skipped
+                wire.check_format(headers, self._where(st.rank))  # refused again by the next poll, never skipped
                 st.seq = seq + 1
                 if subj != end_subject:
                     st.assembler.add_part(headers, data)
@@ -650,7 +663,7 @@ class RemoteConsumer:
         start = min([pos] + [r.marker.start for r in taken])
         end = taken[-1].marker.end if taken else pos
         meta = self._meta.get(st.rank)
-        rd = RankDelta(rank=st.rank, path=f"{self.server}/{transport.stream_name(self.job)}/{self.channel}/rank-{st.rank}",
+        rd = RankDelta(rank=st.rank, path=f"{self.server}/{subjects.stream_name(self.job)}/{self.channel}/rank-{st.rank}",
                        start_idx=start, end_idx=end)
         for r in taken:
             for stamp, t in r.marker.info.get("publishes", []):
@@ -703,7 +716,7 @@ class RemoteConsumer:
         self.conn = None  # type: ignore[assignment]
         if getattr(self, "_lock_rev", None) is not None and not self._lost:
             try:
-                conn.kv_delete(self.job, "locks", lock_key(self.name))
+                conn.kv_delete(self.job, subjects.LOCKS, lock_key(self.name))
             except TransportError:
                 pass  # it expires by itself
         conn.close()

@@ -1,9 +1,12 @@
-"""The shipper: each local rank log of a job, shipped to the job's JetStream stream.
+"""The shipper: each local rank log of a job, shipped to the job's stream.
 
 Owns: moving complete batches from the local logs to the stream, and when the local position
 may advance. One shipper per host, beside the trainer (its own process: ``persistent-delta
 ship ROOT --server nats://HOST:PORT --job NAME``, or a thread of the trainer:
-:meth:`Shipper.start`). What goes on the stream, and how, is :mod:`persistent_delta.fleet.transport`'s.
+:meth:`Shipper.start`); a rank's base (:func:`upload_base`). What goes on the stream is
+:mod:`persistent_delta.fleet.wire`'s, under :mod:`persistent_delta.fleet.subjects`' names; it
+is sent through a :class:`~persistent_delta.fleet.transport.Transport` (NATS JetStream for a
+server URL).
 
 Design note
 -----------
@@ -11,7 +14,7 @@ For each local rank log and channel the shipper is a registered consumer
 (:class:`~persistent_delta.DeltaConsumer` named ``ship-<job>-<channel>``, reading that rank
 only: it never waits for other hosts' ranks). A round polls at most ``max_batches`` batches
 (cut at multiples of ``max_batches``, so ranks shipped at different paces still cut their
-ranges at the same batches), publishes the range's parts (on the lookups channel with the
+ranges at the same batches), sends the range's parts (on the lookups channel with the
 side records of managed-collision tables over the same range, read from the log in a
 transaction of their own: :func:`persistent_delta.log.zch_records.shipped_side`), then its marker,
 and commits the local position **only after the stream acknowledged all of them** (at most
@@ -33,7 +36,7 @@ whole (as for any out-of-process lookups consumer); ship ``--channels snapshots`
 keep the trainer's window filter.
 
 Statistics (per rank and channel: position, log end, lag, bytes, retries) are in
-:meth:`Shipper.stats` and published every second in the job's ``meta`` bucket
+:meth:`Shipper.stats` and stored every second in the job's ``meta`` bucket
 (``persistent-delta offsets --server``).
 """
 
@@ -45,12 +48,12 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from persistent_delta.log import codec, position_rules, zch_records
-from persistent_delta.fleet import transport
+from persistent_delta.fleet import subjects, wire
 from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
@@ -58,7 +61,8 @@ from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.fleet.transport import ConnectOptions, Connection, Marker, RankTables, StreamOptions
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
+from persistent_delta.fleet.wire import Marker, RankTables
 from persistent_delta.log.watch import FileWatch
 
 logger = logging.getLogger(__name__)
@@ -69,13 +73,13 @@ _IDLE_WAIT_S = 0.05
 _COMMIT_EVERY_S = 0.1
 
 
-def publish_base(
-    server: Union[str, Sequence[str]], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
-    connect: Optional[ConnectOptions] = None, replicas: int = 1,
+def upload_base(
+    server: Optional[ServerSpec], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
+    connect: Optional[ConnectOptions] = None, replicas: int = 1, transport: Optional[Transport] = None,
 ) -> None:
-    """Publish a rank's **base snapshot** to the job's object store, so that a replica joining
-    late (or after its position expired) can start from a full state without the trainer's
-    disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.fleet.remote.RemoteConsumer.bootstrap>`).
+    """Upload a rank's **base** (its full tables) to the job's object store, so that a replica
+    joining late (or after its position expired) can start from a full state without the
+    trainer's disk (:meth:`RemoteConsumer.bootstrap <persistent_delta.fleet.remote.RemoteConsumer.bootstrap>`).
 
     Call it on every rank at the same step, right after ``tracker.publish(...)``, with
     ``stamp = tracker.curr_batch_idx`` (the stamp that publish used) and ``tables = {fqn:
@@ -84,20 +88,37 @@ def publish_base(
     the rank's previous base. Blocks until the server stored it (the trainer's step waits:
     call it on demand or every few thousand steps, not every step).
 
+    Args:
+        server: ``nats://HOST:PORT`` (or several / a list: a cluster); None with ``transport``.
+        job: the job's name on the stream.
+        rank: this rank.
+        stamp: the publish the tables are as of.
+        tables: fqn -> this rank's full local shard.
+        connect: authentication/TLS for ``server``.
+        replicas: replicas of the object store, where this call creates it.
+        transport: send through this transport instead of a connection to ``server`` (it is
+            left open).
+
     Raises:
         TransportError: the server is unreachable.
+        InvalidInputError: neither ``server`` nor ``transport`` given.
     """
-    conn = Connection(server, connect)
+    data = wire.encode_base(stamp, tables)
+    if transport is not None:
+        transport.object_put(subjects.check_job(job), subjects.base_name(rank), data, replicas=replicas)
+        return
+    if server is None:
+        raise InvalidInputError("upload_base needs a server URL or a transport")
+    conn = open_transport(server, connect)
     try:
-        conn.object_put(transport.check_job(job), transport.base_name(rank), transport.encode_base(stamp, tables),
-                        replicas=replicas)
+        conn.object_put(subjects.check_job(job), subjects.base_name(rank), data, replicas=replicas)
     finally:
         conn.close()
 
 
 def shipper_name(job: str, channel: str) -> str:
     """The consumer name a shipper registers in each rank log."""
-    return f"ship-{transport.check_job(job)}-{channel}"
+    return f"ship-{subjects.check_job(job)}-{channel}"
 
 
 @dataclass
@@ -142,7 +163,8 @@ class Shipper:
 
     Args:
         root: the log root on this host (``<root>/rank-<r>``: only the ranks this host has).
-        server: ``nats://HOST:PORT`` (or several, comma-separated, or a list: a cluster).
+        server: ``nats://HOST:PORT`` (or several, comma-separated, or a list: a cluster); None
+            with ``transport``.
         job: the job's name on the stream (``[A-Za-z0-9_-]{1,64}``).
         channels: which channels to ship (default both).
         ranks: only these local ranks (default: every rank directory of the job here).
@@ -150,6 +172,11 @@ class Shipper:
         stream: the stream's replicas and limits when this shipper creates it.
         max_batches: batches per shipped range at most (ranges are cut at its multiples).
         options: :class:`LogOptions` for opening the logs.
+        transport: ship through this transport instead of a connection to ``server`` (the
+            shipper closes it on :meth:`close`).
+
+    Raises:
+        InvalidInputError: a bad argument, or neither ``server`` nor ``transport`` given.
 
     Not thread-safe: use it from one thread (``run``), or let :meth:`start` run it in one.
     """
@@ -157,7 +184,7 @@ class Shipper:
     def __init__(
         self,
         root: PathLike,
-        server: Union[str, Sequence[str]],
+        server: Optional[ServerSpec],
         job: str,
         channels: Sequence[str] = CHANNELS,
         ranks: Optional[Sequence[int]] = None,
@@ -165,9 +192,12 @@ class Shipper:
         stream: Optional[StreamOptions] = None,
         max_batches: int = 16,
         options: Optional[LogOptions] = None,
+        transport: Optional[Transport] = None,
     ) -> None:
         self.root = os.fspath(root)
-        self.job = transport.check_job(job)
+        self.job = subjects.check_job(job)
+        if server is None and transport is None:
+            raise InvalidInputError("a shipper needs a server URL or a transport")
         self.server = server
         self.channels = [check_channel(c) for c in channels]
         if not self.channels:
@@ -181,7 +211,7 @@ class Shipper:
         self._options = options
         self._read_threads = (options or LogOptions.resolve()).read_threads
         self._feeds: Dict[Tuple[int, str], _Feed] = {}
-        self._conn: Optional[Connection] = None
+        self._conn: Optional[Transport] = transport
         self._ready = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -237,7 +267,8 @@ class Shipper:
             return True
         try:
             if self._conn is None:
-                self._conn = Connection(self.server, self._connect)
+                assert self.server is not None  # checked by __init__ when no transport is given
+                self._conn = open_transport(self.server, self._connect)
             self._conn.ensure_job(self.job, self._stream)
             self._ready = True
             return True
@@ -252,21 +283,21 @@ class Shipper:
         caught up with what the stream already acknowledged."""
         assert self._conn is not None
         conn, rank = self._conn, feed.rank
-        prev = conn.kv_get(self.job, "meta", transport.shipper_key(rank, feed.channel))
+        prev = conn.kv_get(self.job, subjects.META, subjects.shipper_key(rank, feed.channel))
         epoch = ""
         if prev is not None and not feed.new_registration:
-            state = codec.unpack(prev[0], "shipper state")
+            state = codec.unpack(prev.value, "shipper state")
             if isinstance(state, dict) and state.get("log_id") == feed.log_id:
                 epoch = str(state.get("epoch", ""))
         if not epoch:
-            epoch = transport.new_epoch(feed.log_id)
+            epoch = subjects.new_epoch(feed.log_id)
         feed.epoch = feed.stats.epoch = epoch
-        conn.kv_put(self.job, "meta", transport.shipper_key(rank, feed.channel), self._state(feed))
-        self._publish_tables(feed)
-        last = conn.last_message(self.job, transport.end_subject(self.job, feed.channel, rank))
+        conn.kv_put(self.job, subjects.META, subjects.shipper_key(rank, feed.channel), self._state(feed))
+        self._store_tables(feed)
+        last = conn.last_message(self.job, subjects.end_subject(self.job, feed.channel, rank))
         pos = feed.consumer.position()[rank]
         if last is not None:
-            m = Marker.decode(last[2], last[0], f"stream {transport.stream_name(self.job)}")
+            m = Marker.decode(last.data, last.seq, f"stream {subjects.stream_name(self.job)}")
             if m.epoch == epoch and m.end > pos:
                 logger.info("shipper %s: rank %d %s: the stream has up to batch %d already; local position %d -> %d",
                             self.job, rank, feed.channel, m.end, pos, m.end)
@@ -275,7 +306,7 @@ class Shipper:
         feed.new_registration = False
         feed.synced = True
 
-    def _publish_tables(self, feed: _Feed) -> None:
+    def _store_tables(self, feed: _Feed) -> None:
         assert self._conn is not None
         with DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options) as log:
             def read(r: Any) -> RankTables:
@@ -286,20 +317,20 @@ class Shipper:
                     modes={c: position_rules.update_mode(r, c).value for c in CHANNELS},
                     entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
             tables = log.read(read)
-        self._conn.kv_put(self.job, "meta", transport.tables_key(feed.rank), tables.encode())
+        self._conn.kv_put(self.job, subjects.META, subjects.tables_key(feed.rank), tables.encode())
 
     def _state(self, feed: _Feed) -> bytes:
         return codec.pack({"epoch": feed.epoch, "log_id": feed.log_id, "host": socket.gethostname(), "pid": os.getpid(),
                            "time": time.time(), "stats": asdict(feed.stats)})
 
     # ------------------------------------------------------------------ shipping
-    def _publish(self, feed: _Feed, msgs: List[transport.Message]) -> bool:
-        """Publish until every message is acknowledged (True), or the shipper is stopped."""
+    def _send(self, feed: _Feed, msgs: List[wire.Message]) -> bool:
+        """Send until every message is acknowledged (True), or the shipper is stopped."""
         assert self._conn is not None
         pending = msgs
         pause = 0.05
         while pending:
-            failed = self._conn.publish_all(pending)
+            failed = self._conn.send_all(pending)
             if not failed:
                 return True
             feed.stats.retries += len(failed)
@@ -338,16 +369,16 @@ class Shipper:
                            "expired the shipper); remote consumers get OffsetOutOfRangeError or their reset policy",
                            self.job, rank, feed.channel, pos, d.start_idx)
         rows = {fqn: t.rows for fqn, t in d.tables.items()}
-        chunk = max(1024, self._conn.max_payload - transport._HEADROOM)
+        chunk = wire.chunk_size(self._conn.max_payload)
         info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
         # replicated tables: per row, the publish its value comes from (parts of their own)
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
             if feed.channel == LOOKUPS else None
-        parts, marker, row_bytes = transport.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                          d.end_idx, rows, chunk, info, side, stamps)
-        if not (self._publish(feed, parts) and self._publish(feed, [marker])):
+        parts, marker, row_bytes = wire.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
+                                                     d.end_idx, rows, chunk, info, side, stamps)
+        if not (self._send(feed, parts) and self._send(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0
         feed.dirty = True  # acknowledged: the local commit may follow (see _commit)
@@ -361,7 +392,7 @@ class Shipper:
         st.last_shipped = time.time()
         return max(1, d.end_idx - pos)
 
-    def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[transport.SideRecord]]:
+    def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[wire.SideRecord]]:
         """The side records of the managed-collision tables over the range just polled
         (:func:`zch_records.shipped_side`: at most two records per table). They are read in a
         transaction of their own: the range is below the log end and at or above this
@@ -371,7 +402,7 @@ class Shipper:
         if feed.log is None:
             feed.log = DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options)
 
-        def read(r: Any) -> Dict[str, List[transport.SideRecord]]:
+        def read(r: Any) -> Dict[str, List[wire.SideRecord]]:
             entries = r.tables()
             return {fqn: zch_records.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
 
@@ -429,7 +460,7 @@ class Shipper:
             return
         feed.stats_sent = now
         try:
-            self._conn.kv_put(self.job, "meta", transport.shipper_key(feed.rank, feed.channel), self._state(feed))
+            self._conn.kv_put(self.job, subjects.META, subjects.shipper_key(feed.rank, feed.channel), self._state(feed))
         except TransportError:
             pass
 
@@ -473,11 +504,11 @@ class Shipper:
     # ------------------------------------------------------------------ stats, lifecycle
     def stats(self) -> List[Dict[str, Any]]:
         """Per rank and channel: position, log end, lag in batches, ranges, batches, messages,
-        row and payload bytes, publish retries, last ship time, last error."""
+        row and payload bytes, send retries, last ship time, last error."""
         return [asdict(f.stats) for _, f in sorted(self._feeds.items())]
 
     def close(self) -> None:
-        """Stop, close every log handle and the connection. Idempotent."""
+        """Stop, close every log handle and the transport. Idempotent."""
         if self._closed:
             return
         self.stop()
