@@ -14,7 +14,7 @@ tensor bytes) per second and its ratio to the raw page-cache write:
 * ``log_write_preencoded``: records encoded once up front, then one ``DeltaLog.write`` per step
   (``store.write_records``): the LMDB part alone;
 * ``tracker_writer``: the tracker's ``BackgroundWriter`` (dedup FIRST + encode + group commit)
-  fed one ``WriteTask`` per step, timed until its barrier (payload = captured bytes; it
+  fed one ``StepWrite`` per step, timed until its barrier (payload = captured bytes; it
   writes fewer bytes after dedup).
 
 Configurations are interleaved over ``--reps`` repetitions (the order rotates); the ratio to
@@ -118,7 +118,8 @@ def _log_preencoded(path: str, steps: List[Step], n: int, durability: Durability
 def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability) -> Tuple[float, Dict[str, Any]]:
     from persistent_delta.config import LogOptions
     from persistent_delta.log.deltalog import DeltaLog
-    from persistent_delta.trainer.writer import BackgroundWriter, WriteTask
+    from persistent_delta.trainer.operations import StepWrite
+    from persistent_delta.trainer.writer import BackgroundWriter
 
     lg = DeltaLog(os.path.join(path, "log"), update_mode=UpdateMode.FIRST.value,
                   options=LogOptions.resolve(durability=durability))
@@ -127,7 +128,7 @@ def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability
         t0 = time.perf_counter()
         for k in range(n):
             recs = [AppendRecord(k, f, i, s) for f, i, s in steps[k % len(steps)]]
-            wr.submit(WriteTask(records=recs, meta={"curr_batch_idx": k + 1}))
+            wr.submit(StepWrite(records=recs, curr_batch_idx=k + 1))
         wr.barrier()
         dt = time.perf_counter() - t0
         return dt, wr.stats()

@@ -32,7 +32,8 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
-from persistent_delta.trainer.writer import WriteTask, commit_tasks
+from persistent_delta.trainer.operations import StepWrite
+from persistent_delta.trainer.writer import commit_operations
 path, n = sys.argv[1], int(sys.argv[2])
 log = DeltaLog(path, update_mode="none")
 log.write(lambda w: (w.set_meta(META_TRACKER, TrackerMeta("id_only", "none", ["t"], 0, 1).to_value()),
@@ -44,7 +45,7 @@ out = []
 for b in range(1, n + 1):
     time.sleep(rng.uniform(0.005, 0.025))
     ids = torch.randint(0, 100000, (2048,))
-    commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(b, "t", ids)], meta={META_CURR_BATCH: b + 1})])
+    commit_operations(log, UpdateMode.NONE, [StepWrite(records=[AppendRecord(b, "t", ids)], curr_batch_idx=b + 1)])
     out.append(time.time())
 print(json.dumps(out), flush=True)
 log.close()

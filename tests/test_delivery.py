@@ -20,6 +20,7 @@ from persistent_delta import (
 )
 from persistent_delta.errors import InexactRangeError, LogFullError, NotALogError, ReadOnlyLogError
 from persistent_delta.log import position_rules
+from persistent_delta.trainer import consume
 from persistent_delta.cli import main
 from persistent_delta.cli.offsets import describe
 from persistent_delta.cli.replay import replay
@@ -38,7 +39,8 @@ from persistent_delta.log.schema import (
 )
 from persistent_delta.log import codec
 from persistent_delta.trainer.window import WindowFilter
-from persistent_delta.trainer.writer import WriteTask, commit_tasks
+from persistent_delta.trainer.operations import StepWrite
+from persistent_delta.trainer.writer import commit_operations
 
 
 def _ids(b: int) -> torch.Tensor:
@@ -58,8 +60,8 @@ def tracker_log(path: str, batches: int = 30, poller: bool = False) -> DeltaLog:
     for b in range(1, batches + 1):
         ids = _ids(b)
         states = (ids.float() * 1000 + b).unsqueeze(1).repeat(1, 2)
-        commit_tasks(log, UpdateMode.FIRST, [WriteTask(records=[AppendRecord(b, "t", ids, states)],
-                                                       meta={META_CURR_BATCH: b + 1})], window)
+        commit_operations(log, UpdateMode.FIRST, [StepWrite(records=[AppendRecord(b, "t", ids, states)],
+                                                            curr_batch_idx=b + 1)], window)
     return log
 
 
@@ -139,7 +141,7 @@ def test_pending_rows_use_the_consumers_read_start(tmp_path):
 def test_compaction_is_split_at_positions_and_stops_below_a_poller(tmp_path):
     log = DeltaLog(str(tmp_path / "log"), update_mode=UpdateMode.LAST.value)
     for b in range(10):
-        commit_tasks(log, UpdateMode.LAST, [WriteTask(records=[
+        commit_operations(log, UpdateMode.LAST, [StepWrite(records=[
             AppendRecord(b, "t", _ids(b), (_ids(b).float() + b).unsqueeze(1))])])
     log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(4, LOOKUPS, Delivery.IN_TRANSACTION)))
     log.write(lambda w: w.set_consumer("p", ConsumerEntry.new(7, LOOKUPS, Delivery.POLL_COMMIT)))
@@ -165,9 +167,9 @@ def test_the_retention_bound_expires_a_dead_consumer_loudly(tmp_path, caplog):
     bound = RetentionBound(max_batches=10)
 
     def read_and_retain(w):
-        return position_rules.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True, bound=bound)
+        return consume.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True, bound=bound)
 
-    log.write(lambda w: position_rules.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True))
+    log.write(lambda w: consume.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True))
     assert log.read(log_start) == 0  # held back without a bound
     with caplog.at_level("WARNING"):
         log.write(read_and_retain)

@@ -2,9 +2,9 @@
 LMDB log, without a DMP, against a simple reference.
 
 The log is driven the way the tracker drives it -- batches appended through
-``writer.commit_tasks`` with one shared :class:`WindowFilter`, TorchRec's in-transaction
-``get_unique`` (``position_rules.consume``), ``DeltaConsumer``-style poll/commit reads, compaction
-through ``position_rules.safe_compact``, retention through ``position_rules.apply_retention`` and the model
+``writer.commit_operations`` with one shared :class:`WindowFilter`, TorchRec's in-transaction
+``get_unique`` (``consume.consume``), ``DeltaConsumer``-style poll/commit reads, compaction
+through ``position_rules.safe_compact``, retention through ``position_rules.enforce_retention`` and the model
 checkpoint mark -- and every read is compared with the update-mode rule applied to the raw
 batches (plain Python dicts, not :mod:`persistent_delta.log.rows`).
 
@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta.log import position_rules
+from persistent_delta.trainer import consume
 from persistent_delta.read import results
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import OffsetOutOfRangeError
@@ -59,7 +60,8 @@ from persistent_delta.log.schema import (
     TrackerMeta,
 )
 from persistent_delta.trainer.window import WindowFilter
-from persistent_delta.trainer.writer import WriteTask, commit_tasks
+from persistent_delta.trainer.operations import StepWrite
+from persistent_delta.trainer.writer import commit_operations
 
 TABLES = ("t0", "t1")
 ROWS = 20  # small id range: ids repeat across batches, so the filter and FIRST/LAST matter
@@ -300,7 +302,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         return {(fqn, b, s) for fqn, e in r.tables().items() for b, s, _ in r.iter_record_keys(e.table_id, start)}
 
     def _retention_start(self, k: Optional[int], moved: Optional[Tuple[str, int]] = None) -> Tuple[Set[str], int]:
-        """The model of apply_retention (after ``moved`` = (consumer, position) committed): the
+        """The model of enforce_retention (after ``moved`` = (consumer, position) committed): the
         consumers expired afterwards, and the log start."""
         committed = {n: c.committed for n, c in self.consumers.items()}
         expired = {n for n, c in self.consumers.items() if c.expired}
@@ -382,7 +384,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             self.raw.append((b, fqn, list(ids), states))
         if self.mode != UpdateMode.LAST and not self._names(POLL):
             self.filterable.add(b)
-        commit_tasks(self.log, self.mode, [WriteTask(records=records, meta={META_CURR_BATCH: b})], self.window)
+        commit_operations(self.log, self.mode, [StepWrite(records=records, curr_batch_idx=b)], self.window)
         self.curr = b
 
     @rule()
@@ -431,7 +433,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
         def txn(w):
             s = position_rules.read_start(w, w.consumer(name).offset)
-            rows = position_rules.consume(w, name, end, self.mode, compact=not self.window.enabled,
+            rows = consume.consume(w, name, end, self.mode, compact=not self.window.enabled,
                                     delete_on_read=delete_on_read, bound=bound)
             return s, as_rows(rows, self.mode)
 
@@ -527,7 +529,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         live = [c.committed for n, c in self.consumers.items() if n not in expired]
         floor = min(live + ([self.cp] if self.cp is not None else []), default=0)  # (none live: nothing goes)
         kept = self.log.read(lambda r: self._keys_from(r, floor))
-        self.log.write(lambda w: position_rules.apply_retention(w, LOOKUPS, bound))
+        self.log.write(lambda w: position_rules.enforce_retention(w, LOOKUPS, bound))
         self._retain(k)
         self._check_retention(start_before)
         event(f"retention raised the log start: {self.start > start_before}")
@@ -582,11 +584,11 @@ def _tracker_log(tmp_path, mode: UpdateMode):
 def _append(log, mode, window, b: int, ids: List[int]) -> None:
     states = torch.tensor([[float(b), float(x)] for x in ids]).reshape(len(ids), 2)
     rec = AppendRecord(b, "t", torch.tensor(ids, dtype=torch.int64), None if mode == UpdateMode.NONE else states)
-    commit_tasks(log, mode, [WriteTask(records=[rec], meta={META_CURR_BATCH: b})], window)
+    commit_operations(log, mode, [StepWrite(records=[rec], curr_batch_idx=b)], window)
 
 
 def _consume(log, mode, window, name: str, end: int, delete_on_read: bool = False) -> List[int]:
-    rows = log.write(lambda w: position_rules.consume(w, name, end, mode, compact=not window.enabled,
+    rows = log.write(lambda w: consume.consume(w, name, end, mode, compact=not window.enabled,
                                                 delete_on_read=delete_on_read))
     return rows["t"].ids.tolist()
 
@@ -629,7 +631,7 @@ def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     assert 0 in _consume(log, mode, window, "late", 4)
 
 
-@pytest.mark.skipif(False, reason="known bug B (position_rules.consume/safe_pieces): get_unique compacts through the "
+@pytest.mark.skipif(False, reason="known bug B (trainer.consume.consume/safe_pieces): get_unique compacts through the "
                    "open batch; a consumer registered at the end then never reads that batch")
 def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     mode = UpdateMode.LAST  # the window filter is off: get_unique compacts
@@ -662,7 +664,7 @@ def test_known_bug_c_retention_inside_a_window(tmp_path):
     assert 0 in ids
 
 
-@pytest.mark.skipif(False, reason="known bug D (window.WindowFilter.apply / writer.dedup_records): a batch's "
+@pytest.mark.skipif(False, reason="known bug D (window.WindowFilter.filter / writer.dedup_records): a batch's "
                    "records merged by the dedup keep the first record's window start, None when that one passed the "
                    "filter unmarked (empty, or ids beyond max_rows)")
 @pytest.mark.parametrize("first", [[], [500]], ids=["empty lookup", "ids beyond max_rows"])
@@ -674,7 +676,7 @@ def test_known_bug_d_unmarked_record_hides_the_window_start(tmp_path, first):
     # batch 2 looks table t up twice: the first record passes the filter unmarked, the second
     # is filtered (0 is in the window already); the writer's dedup merges them, window start None
     recs = [AppendRecord(2, "t", torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids), 2)) for ids in (first, [0])]
-    commit_tasks(log, mode, [WriteTask(records=recs, meta={META_CURR_BATCH: 2})], window)
+    commit_operations(log, mode, [StepWrite(records=recs, curr_batch_idx=2)], window)
     assert _register(log, "late", ITX, latest=True) == 2  # on the open batch 2, inside the window
     # BUG D: read_start(2) is 2 (should be 0, the window start), so id 0, touched in batch 2 at
     # late's position, is never delivered to late.
@@ -716,6 +718,6 @@ def test_compaction_does_not_merge_across_a_filtered_window_start(tmp_path):
     assert log.read(lambda r: position_rules.safe_pieces(r, 2, 4)) == [(2, 3), (3, 4)]
     log.write(lambda w: position_rules.safe_compact(w, mode, 2, 4))
     assert log.read(lambda r: position_rules.read_start(r, 4)) == 3
-    rows = log.write(lambda w: position_rules.consume(w, "late", 5, mode, compact=False, delete_on_read=False))
+    rows = log.write(lambda w: consume.consume(w, "late", 5, mode, compact=False, delete_on_read=False))
     assert rows["t"].ids.tolist() == [7]
     assert rows["t"].states.tolist() == [[3.0, 7.0]]  # batch 3's state, not batch 2's

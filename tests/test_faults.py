@@ -18,7 +18,8 @@ from persistent_delta import LmdbDeltaStore
 from persistent_delta.config import LogOptions
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.records import AppendRecord
-from persistent_delta.trainer.writer import BackgroundWriter, WriteTask
+from persistent_delta.trainer.operations import StepWrite
+from persistent_delta.trainer.writer import BackgroundWriter
 from procs import fill_filesystem, popen_python
 
 
@@ -69,19 +70,19 @@ def test_writer_reports_disk_full_keeps_the_queue_and_resumes(small_fs):
     """The training loop chooses: fail (WriterError on the next submit) or wait (resume())."""
     log = DeltaLog(os.path.join(small_fs, "log"), update_mode="none", options=LogOptions(map_size=64 << 20))
     writer = BackgroundWriter(log, UpdateMode.NONE)
-    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.arange(100))]))
+    writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.arange(100))]))
     writer.barrier()
     filler = _fill(small_fs)
-    writer.submit(WriteTask(records=[AppendRecord(1, "t", torch.arange(200_000))]))
+    writer.submit(StepWrite(records=[AppendRecord(1, "t", torch.arange(200_000))]))
     with pytest.raises(WriterError, match="No space|no space") as info:
         writer.barrier()
     assert isinstance(info.value.__cause__, LogFullError)
     with pytest.raises(WriterError):
-        writer.submit(WriteTask(records=[AppendRecord(2, "t", torch.arange(10))]))
+        writer.submit(StepWrite(records=[AppendRecord(2, "t", torch.arange(10))]))
     assert writer.stats()["queue_depth"] == 1  # the failed step is kept, not dropped
     os.unlink(filler)
     writer.resume()  # retries the kept step
-    writer.submit(WriteTask(records=[AppendRecord(2, "t", torch.arange(10))]))
+    writer.submit(StepWrite(records=[AppendRecord(2, "t", torch.arange(10))]))
     writer.close()
     batches = log.read(lambda r: [b for b, _, _ in r.iter_record_keys(r.table("t").table_id)])
     assert batches == [0, 1, 2]

@@ -23,7 +23,8 @@ from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.records import AppendRecord, delete_below
 from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
 from persistent_delta.trainer.window import WindowFilter
-from persistent_delta.trainer.writer import WriteTask, commit_tasks
+from persistent_delta.trainer.operations import StepWrite
+from persistent_delta.trainer.writer import commit_operations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,7 @@ class Rank:
         self.batch += 1
         ids = _ids(self.batch, self.rank)
         rec = AppendRecord(self.batch, "t", ids, ids.float().unsqueeze(1) + 1000 * self.batch)
-        commit_tasks(self.log, UpdateMode.FIRST, [WriteTask(records=[rec], meta={META_CURR_BATCH: self.batch + 1})],
+        commit_operations(self.log, UpdateMode.FIRST, [StepWrite(records=[rec], curr_batch_idx=self.batch + 1)],
                      self.window)
 
 

@@ -8,13 +8,16 @@ import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import position_rules
+from persistent_delta.trainer import consume
 from persistent_delta.config import WriterOptions
 from persistent_delta.log.schema import ConsumerEntry, Delivery
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.records import AppendRecord, read_unique
 from persistent_delta.trainer.window import WindowFilter
-from persistent_delta.trainer.writer import BackgroundWriter, WriteTask, commit_tasks
+from persistent_delta.errors import InvalidInputError
+from persistent_delta.trainer.operations import Compaction, StepWrite
+from persistent_delta.trainer.writer import BackgroundWriter, commit_operations
 
 
 def batches(n, seed=0, rows=40, size=30):
@@ -44,9 +47,20 @@ def log_with_consumer(path, mode, delivery_=Delivery.IN_TRANSACTION):
     return log
 
 
+class HeldCopy:
+    """A device copy the writer waits for (it calls ``synchronize()`` before its transaction,
+    in its own thread): ``run`` runs there."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def synchronize(self):
+        self.run()
+
+
 def write_all(log, mode, raw, window):
     for b, ids, st in raw:
-        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(b, "t", ids, None if mode == UpdateMode.NONE else st)])], window)
+        commit_operations(log, mode, [StepWrite(records=[AppendRecord(b, "t", ids, None if mode == UpdateMode.NONE else st)])], window)
 
 
 @pytest.mark.parametrize("slot_rows", [1 << 22, 8])  # direct-address dedup, and the sort fallback
@@ -115,7 +129,7 @@ def test_backpressure_bounds_the_queue_and_drops_nothing(tmp_path):
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(max_pending_bytes=1 << 20, max_pending_steps=2))
     depths = []
     for b in range(40):
-        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.arange(50_000) + b)], dedup=False))
+        writer.submit(StepWrite(records=[AppendRecord(b, "t", torch.arange(50_000) + b)], dedup=False))
         depths.append(writer.stats()["queue_depth"])
     writer.barrier()
     stats = writer.stats()
@@ -132,16 +146,16 @@ def test_group_commit_and_stats(tmp_path):
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE)
     gate = threading.Event()
-    # hold the writer inside a commit so that later tasks queue up and go in one transaction
-    writer.submit(WriteTask(op=lambda w: gate.wait(10)))
+    # hold the writer inside a commit so that later steps queue up and go in one transaction
+    writer.submit(StepWrite(events=[HeldCopy(lambda: gate.wait(10))]))
     time.sleep(0.1)
     for b in range(10):
-        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.tensor([b, b]))], meta={"curr_batch_idx": b}))
+        writer.submit(StepWrite(records=[AppendRecord(b, "t", torch.tensor([b, b]))], curr_batch_idx=b))
     gate.set()
     writer.barrier()
     stats = writer.stats()
     writer.close()
-    assert stats["tasks"] == 11 and stats["commits"] <= 3
+    assert stats["operations"] == 11 and stats["commits"] <= 3
     assert log.read(lambda r: r.meta("curr_batch_idx")) == 9
     assert log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)]) == [[b] for b in range(10)]
     log.close()
@@ -163,13 +177,10 @@ def test_a_retried_or_failed_commit_does_not_leave_rows_in_the_window(tmp_path):
     write_all(log, mode, raw[:4], window)  # ~3 MB into a 256 KiB map: grows (and retries) on the way
     assert log.stat()["map_size"] > size0
 
-    def fail(w):
-        raise RuntimeError("boom")
-
-    try:
-        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(5, "t", raw[4][1], raw[4][2])], op=fail)], window)
-    except RuntimeError:
-        pass
+    # a record the codec refuses fails the transaction after the window filter saw the first one
+    bad = AppendRecord(5, "u", torch.tensor([-1]), torch.zeros(1, 64))
+    with pytest.raises(InvalidInputError):
+        commit_operations(log, mode, [StepWrite(records=[AppendRecord(5, "t", raw[4][1], raw[4][2]), bad])], window)
     write_all(log, mode, raw[4:], window)
     assert_reads_truth(log, mode, raw, 0)
     log.close()
@@ -183,10 +194,10 @@ def test_linger_groups_steps_until_enough_are_queued(tmp_path):
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=4, linger_s=30.0))
     for b in range(3):
-        writer.submit(WriteTask(records=[AppendRecord(b, "t", torch.tensor([b]))]))
+        writer.submit(StepWrite(records=[AppendRecord(b, "t", torch.tensor([b]))]))
     time.sleep(0.3)
     assert _committed(log) == [] and writer.stats()["commits"] == 0  # still gathering
-    writer.submit(WriteTask(records=[AppendRecord(3, "t", torch.tensor([3]))]))
+    writer.submit(StepWrite(records=[AppendRecord(3, "t", torch.tensor([3]))]))
     deadline = time.monotonic() + 10
     while writer.stats()["commits"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -198,7 +209,7 @@ def test_large_steps_do_not_linger(tmp_path):
     """Steps above linger_bytes are processed at once (overlapping training), not deferred."""
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0, linger_bytes=4096))
-    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.arange(1000))]))  # 8 KB
+    writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.arange(1000))]))  # 8 KB
     deadline = time.monotonic() + 10
     while not _committed(log) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -209,7 +220,7 @@ def test_large_steps_do_not_linger(tmp_path):
 def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=0.2))
-    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.tensor([0]))]))
+    writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.tensor([0]))]))
     deadline = time.monotonic() + 10
     while not _committed(log) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -218,7 +229,7 @@ def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
 
     log2 = DeltaLog(str(tmp_path / "log2"), update_mode="none")
     writer = BackgroundWriter(log2, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0))
-    writer.submit(WriteTask(records=[AppendRecord(0, "t", torch.tensor([0]))]))
+    writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.tensor([0]))]))
     t0 = time.monotonic()
     writer.barrier()
     assert time.monotonic() - t0 < 5 and _committed(log2) == [0]  # flush commits at once
@@ -251,7 +262,7 @@ def test_the_file_stays_near_peak_live_data_with_read_and_delete_every_10_steps(
             step += 1
             recs = [AppendRecord(step, f"t{t}", torch.randperm(4000, generator=g)[:1000], torch.randn(1000, 32, generator=g))
                     for t in range(4)]
-            writer.submit(WriteTask(records=recs))
+            writer.submit(StepWrite(records=recs))
             time.sleep(0.002)
         writer.barrier()
         live = log.read(lambda r: sum(len(v) for _, v in r.iter_raw()))
@@ -274,7 +285,7 @@ def test_the_writer_thread_keeps_its_own_torch_threads_and_leaves_the_others(tmp
         log = log_with_consumer(str(tmp_path), UpdateMode.FIRST)
         writer = BackgroundWriter(log, UpdateMode.FIRST, WriterOptions(torch_threads=torch_threads))
         seen = []
-        writer.submit(WriteTask(op=lambda w: seen.append(torch.get_num_threads()), prompt=True))
+        writer.submit(StepWrite(events=[HeldCopy(lambda: seen.append(torch.get_num_threads()))]))
         writer.barrier()
         later = []
         t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -316,15 +327,13 @@ def test_window_never_filters_a_negative_id_away(tmp_path):
     """A negative id is invalid input: the record reaches the codec's check whole (a typed
     error), instead of being read as another row of the window's table (-1 as the last) and
     dropped as already recorded."""
-    from persistent_delta.errors import InvalidInputError
-
     mode = UpdateMode.NONE
     log = log_with_consumer(str(tmp_path / "log"), mode)
     window = WindowFilter(mode)
-    commit_tasks(log, mode, [WriteTask(records=[AppendRecord(1, "t", torch.tensor([9, 3]))])], window)
+    commit_operations(log, mode, [StepWrite(records=[AppendRecord(1, "t", torch.tensor([9, 3]))])], window)
     with pytest.raises(InvalidInputError, match="non-negative"):
-        commit_tasks(log, mode, [WriteTask(records=[AppendRecord(2, "t", torch.tensor([4, -1]))], dedup=False)], window)
-    commit_tasks(log, mode, [WriteTask(records=[AppendRecord(3, "t", torch.tensor([4, 9]))])], window)
+        commit_operations(log, mode, [StepWrite(records=[AppendRecord(2, "t", torch.tensor([4, -1]))], dedup=False)], window)
+    commit_operations(log, mode, [StepWrite(records=[AppendRecord(3, "t", torch.tensor([4, 9]))])], window)
     got = log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)])
     assert got == [[9, 3], [4]]  # the failed batch left nothing in the window
     log.close()
@@ -332,20 +341,55 @@ def test_window_never_filters_a_negative_id_away(tmp_path):
 
 def test_pending_records_are_the_uncommitted_ones_until_an_op_is_queued(tmp_path):
     """What a publish reads instead of waiting: the records submitted and not committed, in
-    order; None once a task with a log operation is queued (it may move a consumer)."""
+    order; None once a log operation is queued (it may move a consumer or merge records)."""
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0))
     recs = [AppendRecord(b, "t", torch.tensor([b, b + 1])) for b in range(3)]
     for r in recs:
-        writer.submit(WriteTask(records=[r]))
+        writer.submit(StepWrite(records=[r]))
     time.sleep(0.2)
     assert _committed(log) == []  # lingering: nothing in the log yet
     assert writer.pending_records() == recs
-    writer.submit(WriteTask(records=[AppendRecord(3, "t", torch.tensor([9]))], op=lambda w: None))
+    writer.submit(StepWrite(records=[AppendRecord(3, "t", torch.tensor([9]))]))
+    assert writer.pending_records() == recs + [writer.queued()[-1].records[0]]
+    writer.submit(Compaction(end=3))
     assert writer.pending_records() is None
     writer.barrier()
-    assert _committed(log) == [0, 1, 2, 3] and writer.pending_records() == []
+    assert _committed(log) == [0, 3] and writer.pending_records() == []  # [0, 3) compacted after the appends
     writer.close()
+
+
+def test_the_queue_holds_the_named_operations_and_runs_each_by_its_type(tmp_path):
+    """What the writer runs is what was submitted, by name: a step's records, a publish (its
+    consumer moves, the snapshot end follows) and a compaction, written in order in one group;
+    anything else is refused at submit."""
+    from persistent_delta.log.schema import META_SNAPSHOT_END
+    from persistent_delta.trainer.operations import PublishWrite
+    from persistent_delta.trainer.publish import Captured
+
+    log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
+    writer = BackgroundWriter(log, UpdateMode.NONE)
+    gate = threading.Event()
+    writer.submit(StepWrite(events=[HeldCopy(lambda: gate.wait(10))]))  # holds the writer
+    step = StepWrite(records=[AppendRecord(b, "t", torch.tensor([b])) for b in range(3)], curr_batch_idx=3)
+    entry = log.read(lambda r: r.consumer("a"))
+    published = PublishWrite(Captured(name="a", entry=entry, end=3, stamp=2, publish_time=0.0),
+                             compact=False, delete_on_read=False)
+    compaction = Compaction(end=3)
+    for op in (step, published, compaction):
+        writer.submit(op)
+    with pytest.raises(InvalidInputError, match="StepWrite, PublishWrite or Compaction"):
+        writer.submit(lambda w: None)
+    assert writer.queued()[1:] == [step, published, compaction]
+    assert writer.pending_records() is None  # a publish is queued: a reader waits for it
+    gate.set()
+    writer.barrier()
+    assert writer.queued() == [] and writer.pending_records() == []
+    assert log.read(lambda r: (r.consumer("a").offset, r.meta(META_SNAPSHOT_END))) == (3, 3)
+    # in order: the compaction ran after the publish moved "a" to 3, so [3, 3) had nothing to merge
+    assert log.read(lambda r: [rec.ids.tolist() for rec in r.iter_records(r.table("t").table_id)]) == [[0], [1], [2]]
+    writer.close()
+    log.close()
 
 
 def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
@@ -354,7 +398,7 @@ def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
     log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
     log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(2, "lookups", Delivery.IN_TRANSACTION)))
     for b, ids in ((1, [50, 51]), (2, [5, 7]), (3, [7, 3])):
-        commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(b, "t", torch.tensor(ids))])])
+        commit_operations(log, UpdateMode.NONE, [StepWrite(records=[AppendRecord(b, "t", torch.tensor(ids))])])
     pending = [
         AppendRecord(1, "t", torch.tensor([60])),  # below where its read starts (read_start: 2): read already
         AppendRecord(3, "t", torch.tensor([3, 5])),  # also in the log (a commit in flight): once
@@ -362,10 +406,10 @@ def test_consume_read_ids_adds_the_pending_records_to_the_log(tmp_path):
         AppendRecord(4, "u", torch.tensor([4])),  # a table the log does not hold yet
         AppendRecord(4, "t", torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.int64), kind=KIND_RAW_IDS),
     ]
-    entry, ids = log.read(lambda r: position_rules.consume_read_ids(r, "a", pending))
+    entry, ids = log.read(lambda r: consume.consume_read_ids(r, "a", pending))
     assert entry.offset == 2
     assert ids["t"].tolist() == [2, 3, 5, 7, 11] and ids["u"].tolist() == [4]
-    _, alone = log.read(lambda r: position_rules.consume_read_ids(r, "a"))
+    _, alone = log.read(lambda r: consume.consume_read_ids(r, "a"))
     assert alone["t"].tolist() == [3, 5, 7] and "u" not in alone
     log.close()
 
@@ -376,9 +420,9 @@ def test_consume_read_ids_reads_pending_records_of_a_table_no_longer_listed(tmp_
     from persistent_delta.log.records import delete_below
 
     log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
-    commit_tasks(log, UpdateMode.NONE, [WriteTask(records=[AppendRecord(1, "t", torch.tensor([1, 2]))])])
+    commit_operations(log, UpdateMode.NONE, [StepWrite(records=[AppendRecord(1, "t", torch.tensor([1, 2]))])])
     log.write(lambda w: delete_below(w, None))
     assert not log.read(lambda r: r.table("t").listed)
-    _, ids = log.read(lambda r: position_rules.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
+    _, ids = log.read(lambda r: consume.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
     assert ids["t"].tolist() == [4, 9]
     log.close()

@@ -1,9 +1,10 @@
-"""Delivery: what a consumer position means. The one home of the rule.
+"""Position rules: what a consumer position means. The one home of the rule.
 
 Owns: channel bounds, where a read at a position starts, whether a position or a range can be
 served (exactly), the retention floor and the retention bound, which compactions are safe, and
-TorchRec's consume rule. The tracker, :class:`~persistent_delta.DeltaConsumer`, replay, the
-offsets tool and verify all ask this module; none of them decides it on its own.
+consumer registration. The tracker (its consume operations: :mod:`persistent_delta.trainer.consume`),
+:class:`~persistent_delta.DeltaConsumer`, replay, the offsets tool and verify all ask this module;
+none of them decides it on its own.
 
 Design note
 -----------
@@ -51,25 +52,21 @@ The merged record says which batches it covers, so a position that later lands i
 from __future__ import annotations
 
 import logging
-from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Collection, Dict, List, Optional, Tuple
 
-import torch
-from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
+from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import codec
 from persistent_delta.config import RetentionBound
-from persistent_delta.errors import ConsumerConflictError, InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
+from persistent_delta.errors import InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.records import (
-    AppendRecord,
     compact_range,
     delete_below,
     last_appended,
     log_start,
-    read_unique,
     snapshot_start,
 )
-from persistent_delta.log.rows import unique_ids
 from persistent_delta.log.schema import (
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
@@ -84,7 +81,6 @@ from persistent_delta.log.schema import (
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 RESET_POLICIES = ("earliest", "latest")
 
@@ -319,7 +315,7 @@ def _expire(w: WriteTxn, bound: RetentionBound, channel: str) -> List[str]:
     return doomed
 
 
-def apply_retention(w: WriteTxn, channel: str, bound: Optional[RetentionBound] = None) -> Tuple[int, int]:
+def enforce_retention(w: WriteTxn, channel: str, bound: Optional[RetentionBound] = None) -> Tuple[int, int]:
     """``delete_on_read``: expire the channel's consumers beyond ``bound``, then delete the
     channel below its retention floor. Returns (records, bytes) deleted."""
     if bound is not None and bound.enabled:
@@ -392,158 +388,7 @@ def compact_behind(w: WriteTxn, mode: UpdateMode, end: int) -> Dict[str, int]:
     return safe_compact(w, mode, max(committed_offsets(w).values(), default=0), end)
 
 
-# ------------------------------------------------------------------------------ TorchRec's read
-
-
-def consume(
-    w: WriteTxn,
-    name: str,
-    end: int,
-    mode: UpdateMode,
-    *,
-    compact: bool,
-    delete_on_read: bool,
-    bound: Optional[RetentionBound] = None,
-) -> Dict[str, UniqueRows]:
-    """TorchRec's ``get_unique(consumer)`` inside one write transaction: compact
-    ``[largest position, end)`` (when ``compact``), read the consumer's rows from its position,
-    commit ``end`` as its position, apply retention (when ``delete_on_read``).
-
-    An in-transaction consumer below the log start (cleared, or expired) reads from the log
-    start: its reset policy is "earliest" (TorchRec has no out-of-range error); expiry is
-    logged.
-
-    The same rule in two transactions (a read now, the commit later, as ``publish()`` does):
-    :func:`consume_read_ids` then :func:`consume_commit`.
-
-    Raises:
-        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
-    """
-    entry = _lookups_consumer(w, name)
-    if compact:
-        _compact_for_read(w, mode, end)
-    rows = read_unique(w, mode, from_idx=read_start(w, entry.offset))
-    _commit_read(w, name, entry, end, delete_on_read, bound)
-    return rows
-
-
-def consume_read_ids(
-    r: ReadTxn, name: str, pending: Sequence[AppendRecord] = ()
-) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
-    """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
-    read), in ``r``, nothing written: for a reader that takes the rows' current values instead
-    (a publish). Commit it with :func:`consume_commit` and the entry returned.
-
-    ``pending``: lookups records handed to the writer but not committed yet, read by the same
-    rule as the log's (from :func:`read_start`; side records are not read). The writer must
-    commit them before this read's :func:`consume_commit` (in the same transaction or an
-    earlier one), so that the read need not wait for them. A pending record may also be in the
-    log already (a commit in flight): its ids count once.
-
-    Raises:
-        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
-    """
-    entry = _lookups_consumer(r, name)
-    start = read_start(r, entry.offset)
-    extra: Dict[str, List[torch.Tensor]] = {}
-    for rec in pending:
-        if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= start and rec.ids.numel():
-            extra.setdefault(rec.fqn, []).append(rec.ids)
-    rows = read_unique(r, UpdateMode.NONE, from_idx=start, extra_ids=extra)
-    out = {fqn: u.ids for fqn, u in rows.items()}
-    for fqn, parts in extra.items():  # tables the pending records create, or list again
-        if fqn not in out:
-            out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
-    return entry, out
-
-
-def consume_commit(
-    w: WriteTxn,
-    name: str,
-    read: ConsumerEntry,
-    end: int,
-    mode: UpdateMode,
-    *,
-    compact: bool,
-    delete_on_read: bool,
-    bound: Optional[RetentionBound] = None,
-) -> None:
-    """The write half of :func:`consume`: commit ``end`` as ``name``'s position after a
-    :func:`consume_read_ids` that returned ``read``, compacting and applying retention as
-    :func:`consume` does.
-
-    Raises:
-        UnknownConsumerError: the consumer was unregistered since.
-        ConsumerConflictError: its position moved since the read (what was read is stale).
-    """
-    entry = _lookups_consumer(w, name, warn=False)
-    if entry.offset != read.offset or entry.expired != read.expired:
-        raise ConsumerConflictError(
-            f"consumer {name!r} of {w.path} moved from {read.offset} to {entry.offset} between its read and its "
-            "commit; the rows read are not committed"
-        )
-    if compact:
-        _compact_for_read(w, mode, end)
-    _commit_read(w, name, entry, end, delete_on_read, bound)
-
-
-def consume_exact(
-    w: WriteTxn,
-    name: str,
-    end: int,
-    read: Callable[[int], T],
-    empty: T,
-    *,
-    delete_on_read: bool,
-    bound: Optional[RetentionBound] = None,
-) -> T:
-    """The consume rule for readers of records the window filter never touches (a table's
-    side records: raw ids, slot reassignments): ``read(start)`` over ``[start, end)`` from the
-    consumer's position exactly (or the log start, when its batches were deleted), then commit
-    ``end`` and apply retention as :func:`consume` does. Nothing to read gives ``empty`` and
-    leaves the position.
-
-    Raises:
-        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
-    """
-    entry = _lookups_consumer(w, name)
-    start = max(entry.offset, log_start(w))
-    out = empty
-    if start < end:
-        out = read(start)
-        w.set_consumer(name, entry.committed(end))
-    if delete_on_read:
-        apply_retention(w, LOOKUPS, bound)
-    return out
-
-
-def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True) -> ConsumerEntry:
-    consumers = lookups_consumers(r.consumers())
-    entry = consumers.get(name)
-    if entry is None:
-        raise UnknownConsumerError(
-            f"consumer {name} not present in {sorted(consumers)}: it is not registered in {r.path}; add it with "
-            "add_consumer()"
-        )
-    if warn and entry.expired:
-        logger.warning("consumer %r of %s was expired by the retention bound; it reads from the log start %d",
-                       name, r.path, log_start(r))
-    return entry
-
-
-def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
-    # TorchRec compacts [largest offset, end). It never changes an answer; it only makes
-    # later reads of that range cheaper.
-    offsets = [v.offset for v in lookups_consumers(w.consumers()).values()]
-    safe_compact(w, mode, max(0, max(offsets, default=0)), end)
-
-
-def _commit_read(
-    w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound]
-) -> None:
-    w.set_consumer(name, entry.committed(end))
-    if delete_on_read:
-        apply_retention(w, LOOKUPS, bound)
+# ------------------------------------------------------------------------------ registration
 
 
 def register(w: WriteTxn, name: str, offset: int, channel: str, how: Delivery) -> bool:

@@ -53,6 +53,26 @@ class AppendRecord:
     unique: bool = False  # no id twice (set by the window filter; lets the writer skip its dedup)
 
 
+def is_row_id(smallest: int) -> bool:
+    """Whether ids whose smallest is ``smallest`` are row ids: the one rule for ids, which every
+    id the log stores follows (a row id is a non-negative shard-local index)."""
+    return smallest >= 0
+
+
+def check_row_ids(fqn: str, smallest: int) -> None:
+    """Raise unless ids of ``fqn`` whose smallest is ``smallest`` are row ids (:func:`is_row_id`).
+
+    Args:
+        fqn: the table the ids belong to (for the message).
+        smallest: the smallest of the ids.
+
+    Raises:
+        InvalidInputError: ``smallest`` is negative.
+    """
+    if not is_row_id(smallest):
+        raise InvalidInputError(f"ids of {fqn!r} must be non-negative row ids, got {smallest}")
+
+
 def validate_record(rec: AppendRecord, mode: UpdateMode) -> None:
     """Raise :class:`InvalidInputError` unless ``rec`` can be stored under ``mode``."""
     check_batch_idx(rec.batch_idx)
@@ -64,8 +84,8 @@ def validate_record(rec: AppendRecord, mode: UpdateMode) -> None:
         raise InvalidInputError(f"ids of {rec.fqn!r} must have an integer dtype, got {ids.dtype}")
     if ids.dim() != 1:
         raise InvalidInputError(f"ids of {rec.fqn!r} must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.numel() and ids.dtype.is_signed and bool((ids < 0).any()):
-        raise InvalidInputError(f"ids of {rec.fqn!r} must be non-negative row ids")
+    if ids.numel() and ids.dtype.is_signed:
+        check_row_ids(rec.fqn, int(ids.min()))
     states = rec.states
     if states is None:
         if mode != UpdateMode.NONE:

@@ -167,6 +167,11 @@ class Capture:
         self.pending: List[AppendRecord] = []
         self.events: List[Any] = []
 
+    def add(self, record: AppendRecord) -> None:
+        """Add a record captured by another hook (a managed-collision table's side records) to
+        the batch being recorded."""
+        self.pending.append(record)
+
     def take(self) -> Tuple[List[AppendRecord], List[Any]]:
         """The records and device events captured so far (and forget them)."""
         out = (self.pending, self.events)

@@ -2,7 +2,7 @@
 
 Owns: what a publish writes, and when. ``tracker.publish(consumer)`` takes the rows changed
 since ``consumer`` last read (exactly what ``get_unique(consumer)`` would return, through the
-same consume rule of :mod:`persistent_delta.log.position_rules`), reads their *current* values from this
+same consume rule, :mod:`persistent_delta.trainer.consume`), reads their *current* values from this
 rank's shards, and writes them to the snapshots channel (``KIND_SNAPSHOT`` records) stamped
 with the current batch index and the wall-clock time of the call (header ``"t"``). A serving
 process reads them with ``DeltaConsumer(root, name, channel="snapshots")`` and applies them
@@ -19,10 +19,11 @@ A publish runs in two parts:
   records (one copy of the row bytes, into buffers the tracker reuses from publish to publish;
   the checksum is left to the writer). The values are those of the moment of the call;
   training may change the tables as soon as it returns.
-* :func:`commit`, in the writer's transaction (or at once without a background writer): moves
-  the consumer past the rows read, writes the records and the new snapshot end, and applies
-  retention -- all in one transaction, so a crash leaves either the whole publish or none of
-  it (the consumer then reads the same rows again at the next publish).
+* :func:`write_publish`, in the writer's transaction (the tracker hands the writer a
+  :class:`~persistent_delta.trainer.operations.PublishWrite`; without a background writer it
+  runs at once): moves the consumer past the rows read, writes the records and the new snapshot
+  end, and enforces retention -- all in one transaction, so a crash leaves either the whole
+  publish or none of it (the consumer then reads the same rows again at the next publish).
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import codec, position_rules
 from persistent_delta.config import RetentionBound
-from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
-from persistent_delta.log.records import AppendRecord
+from persistent_delta.log.records import AppendRecord, check_row_ids
 from persistent_delta.log.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
+from persistent_delta.trainer import consume
 from persistent_delta.trainer.sharding import LocalTable
 
 
 @dataclass
 class Captured:
-    """A publish captured by :func:`capture`, waiting for :func:`commit`."""
+    """A publish captured by :func:`capture`, waiting for :func:`write_publish`."""
 
     name: str
     entry: ConsumerEntry  # the consumer as read
@@ -69,27 +70,27 @@ def capture(
     records (tables of ``tables`` only; empty tables are left out).
 
     ``pending``: lookups records handed to the writer and not committed yet; their rows are
-    unread too (:func:`persistent_delta.log.position_rules.consume_read_ids`). The :func:`commit` must
-    run after the writer committed them, with no log operation in between.
+    unread too (:func:`persistent_delta.trainer.consume.consume_read_ids`). The
+    :func:`write_publish` must run after the writer committed them, with no log operation in
+    between.
 
     ``buffers`` (fqn -> buffer, kept by the caller across publishes): encode each table's
     record into its buffer, replaced by a larger one (``BUFFER_HEADROOM``) when too small, so
     that a steady stream of publishes reuses warm memory instead of allocating, zeroing and
     page-faulting its record bytes afresh each time. The caller must not capture into the
-    same buffers again before this capture's :func:`commit` has run (the tracker waits for its
+    same buffers again before this capture's :func:`write_publish` has run (the tracker waits for its
     writer first); their memory is the largest publish so far, per table.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
         InvalidInputError: a pending record holds a negative id (the log never does).
     """
-    entry, unread = position_rules.consume_read_ids(r, name, pending)
+    entry, unread = consume.consume_read_ids(r, name, pending)
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
             continue
-        if int(ids[0]) < 0:  # (ascending: the smallest)
-            raise InvalidInputError(f"table {fqn!r}: id {int(ids[0])} recorded; ids must be non-negative")
+        check_row_ids(fqn, int(ids[0]))  # (ascending: the smallest) before gathering rows by them
         weights = tables[fqn].weights()
         into = None
         if buffers is not None:
@@ -99,12 +100,12 @@ def capture(
             if into is None or len(into) < size:
                 into = buffers[fqn] = bytearray(int(size * BUFFER_HEADROOM))
         out.records[fqn] = codec.encode_gathered(ids, weights, ids, codec.KIND_SNAPSHOT, publish_time,
-                                                 checksum=False, into=into)  # (checksum: by the writer, commit)
+                                                 checksum=False, into=into)  # (checksum: by the writer, write_publish)
         out.rows[fqn] = int(ids.numel())
     return out
 
 
-def commit(
+def write_publish(
     w: WriteTxn,
     cap: Captured,
     mode: UpdateMode,
@@ -113,18 +114,18 @@ def commit(
     delete_on_read: bool,
     bound: Optional[RetentionBound] = None,
 ) -> None:
-    """Commit a captured publish inside ``w``: the consumer's new position (the consume rule's
+    """Write a captured publish inside ``w``: the consumer's new position (the consume rule's
     write half), the snapshot records, the snapshot end, and retention of both channels.
 
     Raises:
         ConsumerConflictError: the consumer moved since the capture (nothing is written).
     """
-    position_rules.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
-                            bound=bound)
+    consume.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
+                           bound=bound)
     for fqn, value in cap.records.items():
         entry = w.table(fqn)
         if entry is not None:
             w.put_record(entry.table_id, cap.stamp, codec.checksum_record(value), channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
-        position_rules.apply_retention(w, SNAPSHOTS, bound)
+        position_rules.enforce_retention(w, SNAPSHOTS, bound)

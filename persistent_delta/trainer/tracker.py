@@ -1,15 +1,18 @@
 """``PersistentDeltaTracker``: TorchRec's ``ModelDeltaTracker`` on a durable log -- a facade.
 
 Owns: the wiring of TorchRec's hooks and API to the modules that hold the rules. Capture and
-hooks: :mod:`.capture`; commits off the training thread: :mod:`.writer` and :mod:`.window`;
-what a read returns and what retention and compaction may do: :mod:`.delivery`; publish:
-:mod:`.publish`; checkpoints and restore: :mod:`.restore`; top-k: :mod:`.topk`; ZCH raw ids: :mod:`.zch`.
+hooks: :mod:`.capture`; what the writer runs: :mod:`.operations`; commits off the training
+thread: :mod:`.writer` and :mod:`.window`; TorchRec's consume rule: :mod:`.consume`; what a
+position means and what retention and compaction may do:
+:mod:`persistent_delta.log.position_rules`; publish: :mod:`.publish`; checkpoints and restore:
+:mod:`.restore`; top-k: :mod:`.topk`; ZCH raw ids: :mod:`.zch_capture`.
 
 ``DMP.forward`` calls ``step()`` before the lookups, so batch ``b``'s records carry ``b``. The
 hot path (``record_lookup``) keeps references; ``step()`` hands the finished batch, with the
-new batch index, to the background writer. Every read (``get_unique``, ``publish``) commits
-what was recorded, then runs TorchRec's consume rule (a publish's commit is queued to the
-writer once its values are captured). Deliberate differences from TorchRec: see the README.
+new batch index, to the background writer as a :class:`~.operations.StepWrite`. Every read
+(``get_unique``, ``publish``) commits what was recorded, then runs TorchRec's consume rule (a
+publish is queued to the writer as a :class:`~.operations.PublishWrite` once its values are
+captured). Deliberate differences from TorchRec: see the README.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, Updat
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.log import position_rules
-from persistent_delta.trainer import publish, restore, topk
+from persistent_delta.trainer import consume, publish, restore, topk
 from persistent_delta.trainer.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.trainer.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
@@ -45,7 +48,8 @@ from persistent_delta.log.schema import (
     check_consumer_name,
 )
 from persistent_delta.trainer.sharding import LocalTable, local_tables
-from persistent_delta.trainer.writer import BackgroundWriter, WriteTask, commit_tasks
+from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
+from persistent_delta.trainer.writer import BackgroundWriter, commit_operations
 from persistent_delta.trainer.window import WindowFilter
 from persistent_delta.trainer.zch_capture import ZchCapture
 
@@ -97,9 +101,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._claims = ConsumerClaims(self.path)  # one active user per consumer name: us, for ours
         world = dist.get_world_size() if dist.is_initialized() else (1 if config.rank is None else None)
         want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank, world)
+        self._capture = Capture(self._mode, self.feature_to_fqn)
         self.zch = ZchCapture(  # this rank's managed-collision tables (raw ids, slot reassignments)
             model, {f: (t.table_name, t.row_offset, t.local_rows) for f, t in self._tables.items()},
-            lambda rec: self._capture.pending.append(rec), lambda: self.curr_batch_idx, config)
+            self._capture.add, self._recording_batch_idx, config)
         shards = {f: {**t.metadata(self._discovery.module_kind(f)), **self.zch.describe(f)} for f, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
         try:
@@ -112,7 +117,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._log.close()
             raise
         self.curr_compact_index = self.curr_batch_idx
-        self._capture = Capture(self._mode, self.feature_to_fqn)
         self._window = WindowFilter(self._update_mode)
         # TorchRec's consume rule, as every read applies it (compaction is moot when the
         # window filter already stores each row once per window).
@@ -136,18 +140,23 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         finished batch to the writer."""
         self._check()
         self.curr_batch_idx += 1
-        self._hand_off(self._take_batch())
+        self._hand_off(self._take_step())
 
-    def _take_batch(self, op: Any = None, **task: Any) -> WriteTask:
+    def _recording_batch_idx(self) -> int:
+        """The batch being recorded (what a side record captured now is stamped with)."""
+        return self.curr_batch_idx
+
+    def _take_step(self) -> StepWrite:
         """The records captured so far, with the batch index to persist alongside them."""
         records, events = self._capture.take()
-        return WriteTask(records=records, meta={META_CURR_BATCH: self.curr_batch_idx}, events=events, op=op, **task)
+        return StepWrite(records=records, curr_batch_idx=self.curr_batch_idx, events=events)
 
-    def _hand_off(self, task: WriteTask) -> None:
+    def _hand_off(self, op: Operation) -> None:
+        """Queue ``op`` for the writer thread, or, without one, commit it now."""
         if self._writer is not None:
-            self._writer.submit(task)
+            self._writer.submit(op)
         else:
-            commit_tasks(self._log, self._update_mode, [task], self._window)
+            commit_operations(self._log, self._update_mode, [op], self._window)
 
     def record_lookup(self, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module] = None,
                       raw_ids: Optional[torch.Tensor] = None) -> None:
@@ -163,21 +172,22 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         ``[largest consumer position, curr_batch_idx)`` for the writer thread, once per batch."""
         if self._closed or self.curr_compact_index >= self.curr_batch_idx:
             return
-        end, mode = self.curr_batch_idx, self._update_mode
-        self._hand_off(self._take_batch(op=lambda w: position_rules.compact_behind(w, mode, end)))
+        end = self.curr_batch_idx
+        self._hand_off(Compaction(end))  # the batch being recorded stays captured: it is not in [.., end)
         self.curr_compact_index = end
 
     def _commit_recorded(self) -> None:
         """Commit everything recorded so far, the current batch included (no fsync)."""
         self._check()
-        self._hand_off(self._take_batch())
+        self._hand_off(self._take_step())
         self._settle()
 
     def _unsettled(self) -> List[AppendRecord]:
         """The records handed to the writer and not committed yet, for a read that adds them to
         the log's instead of waiting (publish); or, after waiting for the writer (:meth:`_settle`),
-        none. It waits when the queue holds a log operation (an earlier publish's commit: its
-        record buffers are still in use, and it moves the consumer) or device copies in flight."""
+        none. It waits when the queue holds a log operation (an earlier :class:`PublishWrite`: its
+        record buffers are still in use, and it moves the consumer; a :class:`Compaction`) or
+        device copies in flight."""
         pending = None if self._writer is None else self._writer.pending_records()
         if pending is None:
             self._settle()
@@ -216,7 +226,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
-        rows = self._log.write(lambda w: position_rules.consume(w, name, end, mode, **self._read_rule))
+        rows = self._log.write(lambda w: consume.consume(w, name, end, mode, **self._read_rule))
         rows = read_states(self._mode, self._tables, rows)
         if fractions is not None:
             rows = {fqn: topk.top(self._mode, self._tables.get(fqn), r, fractions.get(fqn, 1.0), bool(sorted_by_indices))
@@ -230,13 +240,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def consume_exact(self, consumer: str, read: Callable[[ReadTxn, int, int], T], empty: T,
                       delete_on_read: Optional[bool] = None) -> T:
         """Run ``read(txn, start, end)`` over ``consumer``'s unread batches (the current one
-        included) and commit its position (:func:`.delivery.consume_exact`): for readers of side
+        included) and commit its position (:func:`.consume.consume_exact`): for readers of side
         records such as :mod:`.raw_ids`. ``delete_on_read`` defaults to the tracker's."""
         name = check_consumer_name(consumer)
         self._commit_recorded()
         end, rule = self.curr_batch_idx + 1, self._read_rule
         dor = rule["delete_on_read"] if delete_on_read is None else delete_on_read
-        return self._log.write(lambda w: position_rules.consume_exact(
+        return self._log.write(lambda w: consume.consume_exact(
             w, name, end, lambda start: read(w, start, end), empty, delete_on_read=dor, bound=rule["bound"]))
 
     def clear(self, consumer: Optional[str] = None) -> None:
@@ -249,7 +259,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def compact(self, start_idx: int, end_idx: int) -> None:
         """Compact ``[start_idx, end_idx)`` now (one transaction), split at consumer positions
-        and the checkpoint floor (logged) so no read changes (:func:`.delivery.safe_compact`).
+        and the checkpoint floor (logged) so no read changes
+        (:func:`persistent_delta.log.position_rules.safe_compact`).
 
         Raises:
             AssertionError: ``start_idx >= end_idx`` (the type TorchRec raises).
@@ -266,9 +277,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         consumer's position) in one transaction in the background (``flush()`` waits)."""
         name, t = check_consumer_name(consumer), time.time()
         self._check()
-        self._hand_off(self._take_batch())
+        self._hand_off(self._take_step())
         pending = self._unsettled()
-        end, stamp, mode = self.curr_batch_idx + 1, self.curr_batch_idx, self._update_mode
+        end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
         try:
             cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
                                                            self._publish_buffers, pending))
@@ -276,8 +287,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             if pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
             raise
-        self._hand_off(self._take_batch(op=lambda w: publish.commit(w, cap, mode, **self._read_rule),
-                                        op_bytes=cap.nbytes, prompt=True))
+        self._hand_off(PublishWrite(cap, **self._read_rule))
         return cap.rows
 
     def state_dict(self) -> Dict[str, Any]:

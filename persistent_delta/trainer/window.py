@@ -14,7 +14,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import WriteTxn
-from persistent_delta.log.records import AppendRecord
+from persistent_delta.log.records import AppendRecord, is_row_id
 from persistent_delta.log.rows import first_or_last
 
 
@@ -25,8 +25,8 @@ class WindowFilter:
     ``get_unique`` compacts from). For ``UpdateMode.FIRST`` and ``NONE`` a repeated id inside
     the window can never change any consumer's answer -- every consumer reads from an offset
     at or below the window start, and keeps each id's first occurrence -- so the writer does
-    not write it: this is ``auto_compact`` done as the batches arrive, and it cuts the bytes
-    written several times on Zipf-distributed ids. ``LAST`` keeps every occurrence. Records
+    not write it: this is ``auto_compact`` done as the batches arrive, and it writes far fewer
+    bytes when a few ids take most lookups. ``LAST`` keeps every occurrence. Records
     are filtered in log order, so repeats inside one record or across the records of one
     commit go too: every id is written once per window (the records it keeps are marked
     ``unique`` and need no per-batch dedup).
@@ -38,10 +38,10 @@ class WindowFilter:
     such a position delivers ``[window_start, position)`` again -- at-least-once, never a lost
     row. Per table, a bitmap over shard-local ids; tables with ids beyond ``max_rows`` are not
     filtered, nor records with a negative id (both are written whole). Linear in the ids
-    filtered (gathers and scatters into direct-address tables, no sort) for tables up to 4M
-    rows; bigger ones sort the ids not yet in the window. The id work is numpy on views of
-    the tensors: a record is a few thousand ids, where torch's per-call overhead was a large share
-    (in the writer thread while training: ~120 us per record of 8,192 ids in torch, ~90 here).
+    filtered (gathers and scatters into direct-address tables, no sort) for tables up to
+    ``_SLOT_ROWS`` rows; bigger ones sort the ids not yet in the window. The id work is numpy on
+    views of the tensors: a record is a few thousand ids, too few to amortise torch's per-call
+    overhead.
     """
 
     _UNSET = torch.iinfo(torch.int64).max
@@ -90,7 +90,7 @@ class WindowFilter:
             return pos, cand
         return pos[first], cand[first]
 
-    def apply(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
+    def filter(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
         """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
         returns the records to write and an ``undo`` to call if the transaction does not commit
         (it restores the window exactly)."""
@@ -117,8 +117,9 @@ class WindowFilter:
             if n and r.ids.device.type == "cpu":
                 ids_np = (r.ids if r.ids.dtype == torch.int64 else r.ids.long()).numpy()
             top = 0 if ids_np is None else int(ids_np.max()) + 1
-            if ids_np is None or top > self._max_rows or ids_np.min() < 0:
-                # written whole, but it still carries the window start: a reader positioned at
+            if ids_np is None or top > self._max_rows or not is_row_id(int(ids_np.min())):
+                # written whole (a negative id reaches the codec's check and raises there), but
+                # it still carries the window start: a reader positioned at
                 # this batch must start at the window (records of the batch it joins may be
                 # filtered)
                 out.append(AppendRecord(r.batch_idx, r.fqn, r.ids, r.states, r.kind, start, r.unique))

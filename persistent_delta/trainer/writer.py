@@ -1,24 +1,28 @@
 """The background writer: takes captured records off the training thread and commits them.
 
-Owns: when and how captured steps are committed (queue, backpressure, group commit, failure).
+Owns: when and how queued operations are committed (queue, backpressure, group commit,
+failure), and the dispatch from each operation's type to what it writes.
 
 Design note
 -----------
 The training thread only *captures* (keeps references to, or starts device-to-host copies of)
 what a batch looked up, and hands each step's records to :meth:`BackgroundWriter.submit` as one
-:class:`WriteTask`. A single writer thread lets small tasks gather (up to ``linger_steps``
-steps, ``linger_bytes`` or ``linger_s`` seconds, unless someone waits for it), then, for every run of queued tasks:
+:class:`~persistent_delta.trainer.operations.StepWrite`; a publish and ``auto_compact`` hand it a
+:class:`~persistent_delta.trainer.operations.PublishWrite` or
+:class:`~persistent_delta.trainer.operations.Compaction`. A single writer thread lets small steps
+gather (up to ``linger_steps`` operations, ``linger_bytes`` or ``linger_s`` seconds, unless
+someone waits for it), then, for every run of queued operations (:func:`commit_operations`):
 
 1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
    deduplicates each (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are
-   unchanged), encodes, appends, and sets any meta values the tasks carry (the tracker's batch
-   index) and runs any extra log operation (compaction).
+   unchanged), encodes, appends, persists the tracker's batch index, then writes each publish
+   and runs each compaction, in submission order.
 
 Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
 ``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
-(disk full, ...), the failed tasks stay at the head of the queue, the writer stops, and the next
-``submit``/``barrier`` raises :class:`WriterError`; :meth:`BackgroundWriter.resume` retries
+(disk full, ...), the failed operations stay at the head of the queue, the writer stops, and the
+next ``submit``/``barrier`` raises :class:`WriterError`; :meth:`BackgroundWriter.resume` retries
 them (``PersistentDeltaTracker.resume`` for a tracker).
 """
 
@@ -28,52 +32,57 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.config import WriterOptions
-from persistent_delta.errors import LogClosedError, WriterError
+from persistent_delta.errors import InvalidInputError, LogClosedError, WriterError
+from persistent_delta.log import position_rules
+from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.log.deltalog import DeltaLog, WriteTxn
 from persistent_delta.log.records import AppendRecord, encode_records, write_records
 from persistent_delta.log.rows import compute_unique_rows, unique_ids
+from persistent_delta.log.schema import META_CURR_BATCH
 from persistent_delta.threads import default_kept, set_for_this_thread
+from persistent_delta.trainer import publish
+from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
 from persistent_delta.trainer.window import WindowFilter
 
 logger = logging.getLogger(__name__)
 
 
+_OPERATIONS = (StepWrite, PublishWrite, Compaction)
+
+
 @dataclass
-class WriteTask:
-    """One unit of work for the writer, committed atomically with the tasks grouped with it.
+class _Queued:
+    """An operation in the writer's queue, with what the queue accounts for it."""
 
-    Args:
-        records: records to append (tensors may still be in flight from a device: ``events``).
-        meta: meta values to set in the same transaction.
-        op: an extra log operation run inside the transaction after the appends (compaction,
-            a publish's commit).
-        op_bytes: bytes ``op`` holds until it runs (a publish's captured rows), counted against
-            the writer's memory budget.
-        prompt: commit without waiting to group more steps (someone waits to read it).
-        dedup: merge records sharing (fqn, batch_idx) before writing (FIRST/LAST rule).
-    """
+    op: Operation
+    nbytes: int  # memory it holds until written, counted against the writer's budget
+    submitted: float = 0.0  # time.monotonic() when admitted to the queue
 
-    records: List[AppendRecord] = field(default_factory=list)
-    meta: Dict[str, Any] = field(default_factory=dict)
-    op: Optional[Callable[[WriteTxn], Any]] = None
-    op_bytes: int = 0
-    prompt: bool = False
-    dedup: bool = True
-    events: List[Any] = field(default_factory=list)  # torch.cuda.Event to wait on
-    nbytes: int = 0
-    submitted: float = 0.0  # time.monotonic() at submit
+    @property
+    def prompt(self) -> bool:
+        """Commit without waiting to group more: someone waits to read a publish."""
+        return isinstance(self.op, PublishWrite)
 
 
 def tensor_bytes(t: Optional[torch.Tensor]) -> int:
+    """Bytes of ``t``'s elements (0 for None)."""
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def held_bytes(op: Operation) -> int:
+    """The memory ``op`` holds until the writer writes it (captured rows and records)."""
+    if isinstance(op, StepWrite):
+        return sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in op.records)
+    if isinstance(op, PublishWrite):
+        return op.captured.nbytes
+    return 0
 
 
 def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendRecord]:
@@ -104,7 +113,8 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
 
 
 class BackgroundWriter:
-    """Commits :class:`WriteTask` s to a :class:`DeltaLog` from a daemon thread.
+    """Commits queued operations (:mod:`persistent_delta.trainer.operations`) to a
+    :class:`DeltaLog` from a daemon thread.
 
     Thread-safety: ``submit``, ``barrier``, ``stats`` and ``close`` may be called from any
     thread of the process that owns the log.
@@ -122,23 +132,22 @@ class BackgroundWriter:
         self._window = window
         self._opts = options or WriterOptions()
         self._cv = threading.Condition()
-        self._queue: Deque[WriteTask] = collections.deque()
+        self._queue: Deque[_Queued] = collections.deque()
         self._pending_bytes = 0
-        self._inflight: List[WriteTask] = []  # tasks taken by the writer, not yet committed
+        self._inflight: List[_Queued] = []  # operations taken by the writer, not yet committed
         self._urgent = 0  # threads waiting for the writer (barrier, backpressure): no lingering
         self._after_barrier = False  # the next transaction commits without lingering (see _linger)
         self._error: Optional[BaseException] = None
         self._closed = False
         self._stats: Dict[str, float] = {
             "commits": 0,
-            "tasks": 0,
+            "operations": 0,
             "records_written": 0,
             "bytes_written": 0,
             "bytes_captured": 0,
             "max_wait_s": 0.0,
             "total_wait_s": 0.0,
             "commit_time_s": 0.0,
-            "op_time_s": 0.0,
         }
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"persistent-delta-writer:{log.path}", daemon=True)
@@ -147,21 +156,29 @@ class BackgroundWriter:
             self._ready.wait()
 
     # ------------------------------------------------------------------ training-thread side
-    def submit(self, task: WriteTask) -> None:
-        """Queue ``task``; waits while the queue is over budget (backpressure).
+    def submit(self, op: Operation) -> None:
+        """Queue ``op``; waits while the queue is over budget (backpressure).
+
+        Args:
+            op: a :class:`~persistent_delta.trainer.operations.StepWrite`,
+                :class:`~persistent_delta.trainer.operations.PublishWrite` or
+                :class:`~persistent_delta.trainer.operations.Compaction`.
 
         Raises:
+            InvalidInputError: ``op`` is none of those.
             WriterError: an earlier commit failed (see ``__cause__``); :meth:`resume` retries.
         """
-        task.nbytes = task.op_bytes + sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in task.records)
+        if not isinstance(op, _OPERATIONS):
+            raise InvalidInputError(f"the writer runs StepWrite, PublishWrite or Compaction, not {type(op).__name__}")
+        entry = _Queued(op, held_bytes(op))
         with self._cv:
             self._raise_if_failed()
             t0 = time.perf_counter()
-            if self._over_budget(task.nbytes):
+            if self._over_budget(entry.nbytes):
                 self._urgent += 1
                 self._cv.notify_all()
                 try:
-                    while self._over_budget(task.nbytes):
+                    while self._over_budget(entry.nbytes):
                         self._cv.wait()
                         self._raise_if_failed()
                 finally:
@@ -169,21 +186,21 @@ class BackgroundWriter:
             waited = time.perf_counter() - t0
             self._stats["total_wait_s"] += waited
             self._stats["max_wait_s"] = max(self._stats["max_wait_s"], waited)
-            task.submitted = time.monotonic()
-            self._queue.append(task)
-            self._pending_bytes += task.nbytes
-            self._stats["bytes_captured"] += task.nbytes
+            entry.submitted = time.monotonic()
+            self._queue.append(entry)
+            self._pending_bytes += entry.nbytes
+            self._stats["bytes_captured"] += entry.nbytes
             if (
                 len(self._queue) == 1
                 or len(self._queue) >= self._opts.linger_steps
                 or self._pending_bytes >= self._opts.linger_bytes
-                or task.prompt
+                or entry.prompt
             ):
                 self._cv.notify_all()  # the writer starts lingering, or stops
 
     def _over_budget(self, incoming: int) -> bool:
         if not self._queue and not self._inflight:
-            return False  # always admit one task, however large
+            return False  # always admit one operation, however large
         return (
             self._pending_bytes + incoming > self._opts.max_pending_bytes
             or len(self._queue) + len(self._inflight) >= self._opts.max_pending_steps
@@ -209,23 +226,30 @@ class BackgroundWriter:
     def pending_records(self) -> Optional[List[AppendRecord]]:
         """The records submitted and not yet committed (those of the transaction in flight,
         then the queued ones), for a reader that adds them to what the log holds instead of
-        waiting for them (a publish's capture: the tasks it submits next commit after these).
-        None when one of those tasks carries a log operation (it may move a consumer) or
-        device copies in flight: wait with :meth:`barrier` then. The records are the caller's
-        to read only.
+        waiting for them (a publish's capture: what it submits next commits after these).
+        None when one of those operations is not a :class:`StepWrite` (a publish or a
+        compaction may move a consumer or merge records) or has device copies in flight: wait
+        with :meth:`barrier` then. The records are the caller's to read only.
 
         Raises:
             WriterError: a commit failed.
         """
         with self._cv:
             self._raise_if_failed()
-            tasks = self._inflight + list(self._queue)
-            if any(t.op is not None or t.events for t in tasks):
+            ops = [t.op for t in self._inflight + list(self._queue)]
+            steps = [op for op in ops if isinstance(op, StepWrite) and not op.events]
+            if len(steps) < len(ops):
                 return None
-            return [r for t in tasks for r in t.records]
+            return [r for op in steps for r in op.records]
+
+    def queued(self) -> List[Operation]:
+        """The operations submitted and not yet committed, in the order they will be written
+        (the transaction in flight first). They are the caller's to read only."""
+        with self._cv:
+            return [t.op for t in self._inflight + list(self._queue)]
 
     def resume(self) -> None:
-        """After a failure (e.g. disk full, once space is back): retry the failed tasks."""
+        """After a failure (e.g. disk full, once space is back): retry the failed operations."""
         with self._cv:
             self._error = None
             self._cv.notify_all()
@@ -242,7 +266,7 @@ class BackgroundWriter:
             ) from self._error
 
     def stats(self) -> Dict[str, float]:
-        """Queue depth and bytes, commits, bytes written, longest submit wait, commit/op time."""
+        """Queue depth and bytes, commits, operations, bytes written, longest submit wait, commit time."""
         with self._cv:
             out = dict(self._stats)
             out["queue_depth"] = len(self._queue) + len(self._inflight)
@@ -276,24 +300,24 @@ class BackgroundWriter:
                 self._linger()
                 if self._closed:
                     return
-                tasks = list(self._queue)
+                taken = list(self._queue)
                 self._queue.clear()
-                self._inflight = tasks
+                self._inflight = taken
             try:
-                self._commit(tasks)
+                self._commit(taken)
             except BaseException as exc:  # noqa: BLE001 - reported to the training thread
                 logger.error("persistent_delta writer for %s failed: %s", self._log.path, exc)
                 with self._cv:
-                    self._queue.extendleft(reversed(tasks))
+                    self._queue.extendleft(reversed(taken))
                     self._inflight = []
                     self._error = exc
                     self._cv.notify_all()
                 continue
             with self._cv:
                 self._inflight = []
-                self._pending_bytes -= sum(t.nbytes for t in tasks)
-                if any(t.op is not None and t.prompt for t in tasks):
-                    self._after_barrier = True  # a read's commit (a publish's) may have deleted: see _linger
+                self._pending_bytes -= sum(t.nbytes for t in taken)
+                if any(t.prompt for t in taken):
+                    self._after_barrier = True  # a publish's transaction may have deleted: see _linger
                 self._cv.notify_all()
 
     def _linger(self) -> None:
@@ -302,10 +326,9 @@ class BackgroundWriter:
             return
         if self._after_barrier:
             # A barrier usually precedes a read that deletes (delete_on_read) in its own
-            # transaction, and a prompt log operation (a publish's commit) may have deleted in
-            # the last one. LMDB cannot reuse pages freed by the latest transaction in the very
-            # next one, so a large next transaction would grow the file by its whole size
-            # (measured: 1.96x peak live data instead of 1.19x). Keep that one small.
+            # transaction, and a publish may have deleted in the last one. LMDB cannot reuse
+            # pages freed by the latest transaction in the very next one, so a large next
+            # transaction would grow the file by its whole size. Keep that one small.
             self._after_barrier = False
             return
         deadline = self._queue[0].submitted + self._opts.linger_s
@@ -321,65 +344,85 @@ class BackgroundWriter:
                 return
             self._cv.wait(left)
 
-    def _commit(self, tasks: List[WriteTask]) -> None:
+    def _commit(self, taken: List[_Queued]) -> None:
         t0 = time.perf_counter()
-        n_records, nbytes = commit_tasks(self._log, self._mode, tasks, self._window)
+        n_records, nbytes = commit_operations(self._log, self._mode, [t.op for t in taken], self._window)
         dt = time.perf_counter() - t0
         with self._cv:
             self._stats["commits"] += 1
-            self._stats["tasks"] += len(tasks)
+            self._stats["operations"] += len(taken)
             self._stats["records_written"] += n_records
             self._stats["bytes_written"] += nbytes
             self._stats["commit_time_s"] += dt
 
 
-def commit_tasks(
-    log: DeltaLog, mode: UpdateMode, tasks: List[WriteTask], window: Optional[WindowFilter] = None
+def commit_operations(
+    log: DeltaLog, mode: UpdateMode, ops: List[Operation], window: Optional[WindowFilter] = None
 ) -> Tuple[int, int]:
-    """Commit ``tasks`` in one write transaction; returns (records, bytes) written.
+    """Commit ``ops`` in one write transaction; returns (records, bytes) appended.
 
-    Waits for their device copies, then inside the transaction (the window filter reads the
+    Waits for the steps' device copies, then inside the transaction (the window filter reads the
     consumer offsets): drops rows already recorded in the window -- first, so that the
-    per-(table, batch) dedup that follows only sorts what is new -- dedups and encodes.
+    per-(table, batch) dedup that follows only sorts what is new -- dedups, encodes and appends
+    every :class:`StepWrite`'s records, persists the latest batch index among them, then runs
+    each :class:`PublishWrite` and :class:`Compaction` in order (:func:`write_log_operation`).
+
+    Raises:
+        InvalidInputError: a record cannot be stored (e.g. a negative id); nothing is written.
     """
-    for t in tasks:
-        for ev in t.events:
+    steps = [op for op in ops if isinstance(op, StepWrite)]
+    for step in steps:
+        for ev in step.events:
             ev.synchronize()
-    records: List[AppendRecord] = [r for t in tasks for r in t.records]
-    dedup = all(t.dedup for t in tasks)
-    ops = [t.op for t in tasks if t.op is not None]
-    meta: Dict[str, Any] = {}
-    for t in tasks:
-        meta.update(t.meta)
+    records: List[AppendRecord] = [r for step in steps for r in step.records]
+    dedup = all(step.dedup for step in steps)
+    batch_idx = next((s.curr_batch_idx for s in reversed(steps) if s.curr_batch_idx is not None), None)
+    log_ops = [op for op in ops if not isinstance(op, StepWrite)]
     undo: List[Callable[[], None]] = []
 
     def rollback() -> None:
         while undo:
             undo.pop()()
 
-    def apply(w: WriteTxn) -> Tuple[int, int]:
+    def write_group(w: WriteTxn) -> Tuple[int, int]:
         rollback()  # a retried transaction (map growth) filters again from the same window
         # side records (managed-collision raw ids, slot reassignments) are written as captured
         kept = [r for r in records if r.kind not in SIDE_KINDS]
         side = [r for r in records if r.kind in SIDE_KINDS] if len(kept) < len(records) else []
         if window is not None and kept:
-            kept, revert = window.apply(w, kept)
+            kept, revert = window.filter(w, kept)
             undo.append(revert)
         if dedup:
             kept = dedup_records(kept, mode)
         encoded = encode_records(kept + side, mode)
         n = write_records(w, encoded) if encoded else 0
-        for k, v in meta.items():
-            w.set_meta(k, v)
-        for op in ops:
-            op(w)
+        if batch_idx is not None:
+            w.set_meta(META_CURR_BATCH, batch_idx)
+        for op in log_ops:
+            write_log_operation(w, mode, op)
         return len(encoded), n
 
     try:
-        return log.write(apply)
+        return log.write(write_group)
     except BaseException:
         rollback()  # nothing was committed: the window must not remember these rows
         raise
 
 
-__all__ = ["BackgroundWriter", "WriteTask", "commit_tasks", "dedup_records"]
+def write_log_operation(w: WriteTxn, mode: UpdateMode, op: Operation) -> None:
+    """Run a publish or a compaction inside ``w`` (``mode``: the log's update mode).
+
+    Raises:
+        InvalidInputError: ``op`` is neither a :class:`PublishWrite` nor a :class:`Compaction`.
+        ConsumerConflictError: a publish's consumer moved since its capture.
+    """
+    if isinstance(op, PublishWrite):
+        publish.write_publish(w, op.captured, mode, compact=op.compact, delete_on_read=op.delete_on_read,
+                              bound=op.bound)
+    elif isinstance(op, Compaction):
+        position_rules.compact_behind(w, mode, op.end)
+    else:
+        raise InvalidInputError(f"not a log operation of the writer: {type(op).__name__}")
+
+
+__all__ = ["BackgroundWriter", "commit_operations", "dedup_records", "held_bytes", "write_log_operation"]

@@ -1,0 +1,181 @@
+"""TorchRec's consume rule on the trainer: ``get_unique(consumer)`` and the reads built from it.
+
+Owns: the trainer's consume operations -- read a lookups consumer's rows from its position,
+commit its new position, compact behind the read and enforce retention, in one write
+transaction (:func:`consume`) or in two (:func:`consume_read_ids` then :func:`consume_commit`,
+as a publish does), and the exact read of side records (:func:`consume_exact`). What a position
+means, where a read starts, which compactions are safe and what retention deletes are
+:mod:`persistent_delta.log.position_rules`'s; this module only asks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
+
+from persistent_delta.config import RetentionBound
+from persistent_delta.errors import ConsumerConflictError, UnknownConsumerError
+from persistent_delta.log import codec, position_rules
+from persistent_delta.log.deltalog import ReadTxn, WriteTxn
+from persistent_delta.log.records import AppendRecord, log_start, read_unique
+from persistent_delta.log.rows import unique_ids
+from persistent_delta.log.schema import LOOKUPS, ConsumerEntry
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["consume", "consume_commit", "consume_exact", "consume_read_ids"]
+
+
+def consume(
+    w: WriteTxn,
+    name: str,
+    end: int,
+    mode: UpdateMode,
+    *,
+    compact: bool,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> Dict[str, UniqueRows]:
+    """TorchRec's ``get_unique(consumer)`` inside one write transaction: compact
+    ``[largest position, end)`` (when ``compact``), read the consumer's rows from its position,
+    commit ``end`` as its position, enforce retention (when ``delete_on_read``).
+
+    An in-transaction consumer below the log start (cleared, or expired) reads from the log
+    start: its reset policy is "earliest" (TorchRec has no out-of-range error); expiry is
+    logged.
+
+    The same rule in two transactions (a read now, the commit later, as ``publish()`` does):
+    :func:`consume_read_ids` then :func:`consume_commit`.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry = _lookups_consumer(w, name)
+    if compact:
+        _compact_for_read(w, mode, end)
+    rows = read_unique(w, mode, from_idx=position_rules.read_start(w, entry.offset))
+    _commit_read(w, name, entry, end, delete_on_read, bound)
+    return rows
+
+
+def consume_read_ids(
+    r: ReadTxn, name: str, pending: Sequence[AppendRecord] = ()
+) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
+    """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
+    read), in ``r``, nothing written: for a reader that takes the rows' current values instead
+    (a publish). Commit it with :func:`consume_commit` and the entry returned.
+
+    ``pending``: lookups records handed to the writer but not committed yet, read by the same
+    rule as the log's (from :func:`read_start`; side records are not read). The writer must
+    commit them before this read's :func:`consume_commit` (in the same transaction or an
+    earlier one), so that the read need not wait for them. A pending record may also be in the
+    log already (a commit in flight): its ids count once.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry = _lookups_consumer(r, name)
+    start = position_rules.read_start(r, entry.offset)
+    extra: Dict[str, List[torch.Tensor]] = {}
+    for rec in pending:
+        if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= start and rec.ids.numel():
+            extra.setdefault(rec.fqn, []).append(rec.ids)
+    rows = read_unique(r, UpdateMode.NONE, from_idx=start, extra_ids=extra)
+    out = {fqn: u.ids for fqn, u in rows.items()}
+    for fqn, parts in extra.items():  # tables the pending records create, or list again
+        if fqn not in out:
+            out[fqn] = unique_ids(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return entry, out
+
+
+def consume_commit(
+    w: WriteTxn,
+    name: str,
+    read: ConsumerEntry,
+    end: int,
+    mode: UpdateMode,
+    *,
+    compact: bool,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> None:
+    """The write half of :func:`consume`: commit ``end`` as ``name``'s position after a
+    :func:`consume_read_ids` that returned ``read``, compacting and enforcing retention as
+    :func:`consume` does.
+
+    Raises:
+        UnknownConsumerError: the consumer was unregistered since.
+        ConsumerConflictError: its position moved since the read (what was read is stale).
+    """
+    entry = _lookups_consumer(w, name, warn=False)
+    if entry.offset != read.offset or entry.expired != read.expired:
+        raise ConsumerConflictError(
+            f"consumer {name!r} of {w.path} moved from {read.offset} to {entry.offset} between its read and its "
+            "commit; the rows read are not committed"
+        )
+    if compact:
+        _compact_for_read(w, mode, end)
+    _commit_read(w, name, entry, end, delete_on_read, bound)
+
+
+def consume_exact(
+    w: WriteTxn,
+    name: str,
+    end: int,
+    read: Callable[[int], T],
+    empty: T,
+    *,
+    delete_on_read: bool,
+    bound: Optional[RetentionBound] = None,
+) -> T:
+    """The consume rule for readers of records the window filter never touches (a table's
+    side records: raw ids, slot reassignments): ``read(start)`` over ``[start, end)`` from the
+    consumer's position exactly (or the log start, when its batches were deleted), then commit
+    ``end`` and enforce retention as :func:`consume` does. Nothing to read gives ``empty`` and
+    leaves the position.
+
+    Raises:
+        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+    """
+    entry = _lookups_consumer(w, name)
+    start = max(entry.offset, log_start(w))
+    out = empty
+    if start < end:
+        out = read(start)
+        w.set_consumer(name, entry.committed(end))
+    if delete_on_read:
+        position_rules.enforce_retention(w, LOOKUPS, bound)
+    return out
+
+
+def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True) -> ConsumerEntry:
+    consumers = position_rules.lookups_consumers(r.consumers())
+    entry = consumers.get(name)
+    if entry is None:
+        raise UnknownConsumerError(
+            f"consumer {name} not present in {sorted(consumers)}: it is not registered in {r.path}; add it with "
+            "add_consumer()"
+        )
+    if warn and entry.expired:
+        logger.warning("consumer %r of %s was expired by the retention bound; it reads from the log start %d",
+                       name, r.path, log_start(r))
+    return entry
+
+
+def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
+    # TorchRec compacts [largest offset, end). It never changes an answer; it only makes
+    # later reads of that range cheaper.
+    offsets = [v.offset for v in position_rules.lookups_consumers(w.consumers()).values()]
+    position_rules.safe_compact(w, mode, max(0, max(offsets, default=0)), end)
+
+
+def _commit_read(
+    w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound]
+) -> None:
+    w.set_consumer(name, entry.committed(end))
+    if delete_on_read:
+        position_rules.enforce_retention(w, LOOKUPS, bound)
