@@ -44,7 +44,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta.log import position_rules
 from persistent_delta.trainer import consume
-from persistent_delta.read import results
+from persistent_delta.read import fetch
 from persistent_delta.config import RetentionBound
 from persistent_delta.errors import OffsetOutOfRangeError
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn
@@ -247,7 +247,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                 except OffsetOutOfRangeError:
                     out[name, which] = "out of range"
                     continue
-                d = results.read_range(r, 0, self.log.path, p, end)
+                d = fetch.read_range(r, 0, self.log.path, p, end)
                 rows = as_rows({t.fqn: t.rows for t in d.tables.values()}, self.mode)
                 out[name, which] = (d.start_idx, d.end_idx, rows)
         if self.cp is not None:  # what a restore re-delivers: the records from the checkpoint floor on
@@ -462,7 +462,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                 p = position_rules.serve_position(pos, start, end, LOOKUPS, None, name, "model")
             except OffsetOutOfRangeError:
                 return None
-            d = results.read_range(r, 0, self.log.path, p, end)
+            d = fetch.read_range(r, 0, self.log.path, p, end)
             return d.start_idx, d.end_idx, as_rows({t.fqn: t.rows for t in d.tables.values()}, self.mode)
 
         out = self.log.read(read)
@@ -606,7 +606,7 @@ def _poll(log, pos: int) -> Tuple[int, int, List[int]]:
     def read(r):
         start, end = position_rules.bounds(r, LOOKUPS)
         at = position_rules.serve_position(pos, start, end, LOOKUPS, None, "p", "test")
-        d = results.read_range(r, 0, log.path, at, end)
+        d = fetch.read_range(r, 0, log.path, at, end)
         return d.start_idx, d.end_idx, d.tables["t"].ids.tolist()
 
     return log.read(read)

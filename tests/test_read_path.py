@@ -271,7 +271,7 @@ def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world,
         assert torch.equal(merged["a"].states, states)
     if states is not None and world > 1 and layout in ("row", "col_same") and rule != UpdateMode.NONE:
         # one buffer for the poll, laid out as merged() joins it: merged states are a view of
-        # the ranks' states, not a copy (results.finish_ranks, results._joined)
+        # the ranks' states, not a copy (fetch.finish_ranks, results._joined)
         assert merged["a"].states.untyped_storage().data_ptr() == \
             poll.ranks[0].tables["a"].states.untyped_storage().data_ptr()
         assert merged["a"].states.is_contiguous()
@@ -432,7 +432,7 @@ def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, o
     """A reader's poll, ``merged()`` and ``apply_poll`` run at ``LogOptions.read_threads``
     torch threads (default 1; 0: the process's own), and give the caller's count back."""
     from persistent_delta.read import apply as apply_mod
-    from persistent_delta.read import consumer as consumer_mod
+    from persistent_delta.read import fetch as fetch_mod
     from persistent_delta.read import results as results_mod
     from persistent_delta.config import LogOptions
 
@@ -450,7 +450,7 @@ def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, o
             return real(*a, **k)
         monkeypatch.setattr(module, name, wrapped)
 
-    spy(consumer_mod, "plan_range", "poll")
+    spy(fetch_mod, "plan_range", "poll")
     spy(results_mod, "merge_table", "merge")
     spy(apply_mod, "_target", "apply")
     before = torch.get_num_threads()
@@ -543,11 +543,11 @@ def _mixed_job(root: str, world: int, seed: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("channel", [LOOKUPS, SNAPSHOTS])
 def test_a_poll_laid_out_in_one_buffer_equals_each_rank_read_on_its_own(tmp_path, world, channel):
-    """Differential: a poll (every rank's rows copied into one buffer, results.finish_ranks)
-    against each rank's log read on its own (results.read_range, memory of its own), and
+    """Differential: a poll (every rank's rows copied into one buffer, fetch.finish_ranks)
+    against each rank's log read on its own (fetch.read_range, memory of its own), and
     merged() against merge_table over those: the same ids, states, dtypes and shapes for
     every layout, dtype and width in one poll."""
-    from persistent_delta.read.results import read_range
+    from persistent_delta.read.fetch import read_range
 
     root = str(tmp_path)
     _mixed_job(root, world, seed=world)

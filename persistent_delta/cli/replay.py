@@ -8,7 +8,7 @@ The range is either explicit (``[from_batch, to_batch)``, half-open, the same on
 consumer's pending range (per rank, from where its poll would start reading to the log end:
 ``[read_start(offset), log end)``, reported as such). It is cut into spans of ``span``
 batches aligned on batch_idx (the same spans on every rank). For each span, each rank's log
-is read in one read transaction (``results.read_range``: unique rows per table with the log's
+is read in one read transaction (``fetch.read_range``: unique rows per table with the log's
 update mode), the ranks are merged per table (``results.merge_table``: row-wise shards
 concatenated, column-wise shards assembled into full rows when they can be), and the span's
 delta of each table that has rows is written as one safetensors file:
@@ -59,7 +59,8 @@ from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.errors import InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log.layout import PathLike, atomic_write_bytes, rank_paths
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn
-from persistent_delta.read.results import MergedDelta, RankDelta, TableDelta, merge_table, read_range
+from persistent_delta.read.fetch import read_range
+from persistent_delta.read.results import MergedDelta, RankDelta, TableDelta, merge_table
 from persistent_delta.log.schema import LOOKUPS, ShardInfo, check_table_filter
 from persistent_delta.log.shard_files import full_rows, load_shards
 from persistent_delta.log.zch_records import ZchDelta, merge_side

@@ -69,6 +69,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.records import empty_rows
+from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
 from persistent_delta.read.results import DeltaPoll, RankDelta, table_delta
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.schema import (
@@ -552,10 +553,12 @@ class RemoteConsumer:
         has shipped (at most about ``max_batches``; a range is never split), merged per table;
         moves the position past them. See :meth:`DeltaConsumer.poll`.
 
-        ``max_bytes``: stop at the first range end (the same on every rank, so publishes stay
-        whole) after which the ranges' rows, summed over ranks, would exceed this many bytes;
-        at least one range is read. A replica catching up uses it to bound each poll's result
-        (what the consumer buffers from the stream is bounded by ``max_buffer_bytes``).
+        ``max_bytes``: cut the poll at this byte budget by
+        :func:`~persistent_delta.read.polling.byte_cut` (the same rule as a local reader's): a
+        piece is a buffered range, sized by its rows summed over ranks; the poll ends at the
+        end of the last range that fits (the same on every rank, so publishes stay whole), and
+        reads at least one. A replica catching up uses it to bound each poll's result (what the
+        consumer buffers from the stream is bounded by ``max_buffer_bytes``).
 
         While the server cannot be reached the poll delivers what it buffered and retries
         until its timeout (``last_error`` says why); ``commit`` retries up to ``retry_s``.
@@ -565,12 +568,7 @@ class RemoteConsumer:
                 reset policy was chosen.
         """
         self._check()
-        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
-            raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        check_poll_args(max_batches, timeout, max_bytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wake.clear()
@@ -605,8 +603,12 @@ class RemoteConsumer:
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
         hard = position_rules.poll_stops(positions, ends, self._expected, None)
         if max_bytes is not None:
-            cut = self._byte_cut(known, hard, max_bytes)
-            hard = {r: max(positions[r], min(h, cut)) for r, h in hard.items()}
+            pieces: Dict[int, int] = {}  # range end -> its rows' bytes, summed over ranks
+            for rank, st in known.items():
+                for r in st.ranges:
+                    if r.marker.end <= hard[rank]:
+                        pieces[r.marker.end] = pieces.get(r.marker.end, 0) + r.nbytes
+            hard = clip_stops(positions, hard, byte_cut(pieces, max_bytes, max(hard.values(), default=0)))
         soft = {r: min(s, hard[r]) for r, s in position_rules.poll_stops(positions, ends, self._expected, max_batches).items()}
         common = self._common_stop(known, positions, hard, soft)
         out: Dict[int, RankDelta] = {}
@@ -621,23 +623,6 @@ class RemoteConsumer:
         return DeltaPoll(channel=self.channel, ranks=out,
                          world_size=None if self._expected is None else len(self._expected),
                          read_threads=self._read_threads)
-
-    @staticmethod
-    def _byte_cut(known: Dict[int, _RankState], hard: Dict[int, int], max_bytes: int) -> int:
-        """The largest range end up to which the buffered ranges' rows, summed over ranks, fit
-        in ``max_bytes`` -- at least the first end with rows (a poll reads at least one range)."""
-        per_end: Dict[int, int] = {}
-        for rank, st in known.items():
-            for r in st.ranges:
-                if r.marker.end <= hard[rank]:
-                    per_end[r.marker.end] = per_end.get(r.marker.end, 0) + r.nbytes
-        cut: Optional[int] = None
-        held = 0
-        for end, nbytes in sorted(per_end.items()):
-            if held > 0 and held + nbytes > max_bytes:
-                break
-            cut, held = end, held + nbytes
-        return max(hard.values(), default=0) if cut is None else cut
 
     def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
                      soft: Dict[int, int]) -> Optional[int]:

@@ -56,6 +56,7 @@ from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
+from persistent_delta.read.polling import check_max_batches
 from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
 from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
@@ -202,9 +203,7 @@ class Shipper:
         self.channels = [check_channel(c) for c in channels]
         if not self.channels:
             raise InvalidInputError("channels must name at least one channel")
-        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
-            raise InvalidInputError(f"max_batches must be a positive int, got {max_batches!r}")
-        self.max_batches = max_batches
+        self.max_batches = check_max_batches(max_batches)
         self._only = None if ranks is None else {int(r) for r in ranks}
         self._connect = connect or ConnectOptions()
         self._stream = stream or StreamOptions()

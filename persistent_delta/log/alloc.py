@@ -81,7 +81,7 @@ def tune_malloc() -> bool:
 class ResultBuffers:
     """A reader's poll buffers, handed out again once nothing views them.
 
-    A poll's rows are one block of memory (``results.finish_ranks``) that the poll's tensors
+    A poll's rows are one block of memory (``read.fetch.finish_ranks``) that the poll's tensors
     view, and that the caller may keep as long as it likes. A fresh block costs a page fault
     per 4 KiB page the first time it is written: ~1.2 µs a page on an idle core of this VM,
     but 8-19 µs a page (35-86 ms for an 18 MB poll, against ~5 ms for the whole poll) while a

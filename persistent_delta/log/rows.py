@@ -29,7 +29,7 @@ from the cheapest case to the most general one, none of them sorting rows:
   LMDB's map) into the result with ``index_select``, without a copy of the result's size on
   the way (see :func:`gather_rows`). The rule's answer (:class:`RowPlan`) comes before any row
   is copied, so a reader can copy the rows straight to where they belong (a poll's buffer:
-  ``results.finish_ranks``) instead of into memory of their own first.
+  ``read.fetch.finish_ranks``) instead of into memory of their own first.
 
 The result is ascending by id, which is what ``get_unique`` promises.
 """

@@ -3,7 +3,9 @@ effects) and ``DeltaConsumer`` (registered, durable position), Kafka-consumer st
 
 Owns: a reader's in-memory positions, which ranks a job has, and the poll/commit cycle. What a
 position means (bounds, read start, range checks, reset) is :mod:`persistent_delta.log.position_rules`'s;
-the result types are :mod:`persistent_delta.read.results`'.
+reading a range of the logs is :mod:`persistent_delta.read.fetch`'s; a poll's arguments, its byte
+cut and the :class:`~persistent_delta.read.polling.Consumer` protocol these readers implement are
+:mod:`persistent_delta.read.polling`'s; the result types are :mod:`persistent_delta.read.results`'.
 
 Design note
 -----------
@@ -52,10 +54,10 @@ from persistent_delta.errors import (
 from persistent_delta.log.layout import DATA_FILE, FileState, PathLike, file_state, rank_dir, rank_paths
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
-from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn, read_all
-from persistent_delta.log.records import batch_bytes
-from persistent_delta.read.results import DeltaPoll, RankDelta, finish_ranks, plan_range
-from persistent_delta.log.rows import IdMemo
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.read import fetch
+from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
+from persistent_delta.read.results import DeltaPoll
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.log.watch import FileWatch
 from persistent_delta.log.schema import (
@@ -263,11 +265,14 @@ class DeltaReader:
             max_batches: read at most this many batches per rank (default: all available).
             timeout: wait up to this many seconds for at least one new batch (default: do not
                 wait). A poll that times out is empty and still reports its ranges.
-            max_bytes: stop at the first batch boundary (the same on every rank, so publishes
-                stay whole) after which the records stored, summed over ranks, would exceed
-                this many bytes; at least one batch with records is read. A replica catching
-                up uses it to bound each poll's memory. Counted from the position: a read
-                that must start earlier (compacted or window-filtered lookups) reads more.
+            max_bytes: cut the poll at this byte budget by
+                :func:`~persistent_delta.read.polling.byte_cut` (the same rule as a remote
+                consumer's): a piece is a batch with records, sized by the value bytes stored
+                under it summed over ranks; the poll ends after the last batch that fits (the
+                same batch on every rank, so publishes stay whole), and reads at least one. A
+                replica catching up uses it to bound each poll's memory. Counted from the
+                position: a read that must start earlier (compacted or window-filtered
+                lookups) reads more.
 
         Returns:
             A :class:`DeltaPoll` reporting, per rank, the range it actually read.
@@ -275,15 +280,11 @@ class DeltaReader:
         Raises:
             OffsetOutOfRangeError: a position is below the channel start (its batches were
                 deleted) or past its end, and no reset policy was chosen.
+            InvalidInputError: a bad argument (:func:`~persistent_delta.read.polling.check_poll_args`).
             LogClosedError: it is closed.
         """
         self._check()
-        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
-            raise InvalidInputError(f"max_batches must be a positive int or None, got {max_batches!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise InvalidInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        check_poll_args(max_batches, timeout, max_bytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             seen = self._txnids()
@@ -329,39 +330,14 @@ class DeltaReader:
                      for rank, (a, b, floor) in bounds.items()}
         stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _) in bounds.items()}, self._expected, max_batches)
         if max_bytes is not None:
-            cut = self._byte_cut(positions, stops, max_bytes)
-            stops = {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
-        logs = sorted(self._logs.items())
-
-        def read(txns: List[ReadTxn]) -> Dict[int, RankDelta]:
-            memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
-            plans = {rank: plan_range(r, rank, log.path, positions[rank], stops[rank], self.channel, self._tables, memo)
-                     for (rank, log), r in zip(logs, txns)}
-            return finish_ranks(plans, self._buffers.take)
-
-        # every rank's read transaction open at once: the poll's rows are copied out of all the
-        # maps into one buffer (results.finish_ranks)
-        ranks = read_all([log for _, log in logs], read)
+            pieces = fetch.stored_bytes(self._logs, positions, stops, self.channel)
+            stops = clip_stops(positions, stops, byte_cut(pieces, max_bytes, max(stops.values(), default=0)))
+        ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take)
         for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,
                          world_size=None if self._expected is None else len(self._expected),
                          read_threads=self._options.read_threads)
-
-    def _byte_cut(self, positions: Dict[int, int], stops: Dict[int, int], max_bytes: int) -> int:
-        """The first batch index (common to all ranks) at which the records stored from the
-        positions on would pass ``max_bytes``; past every stop when they never do."""
-        sizes: Dict[int, int] = {}
-        for rank, log in self._logs.items():
-            pos, stop = positions[rank], stops[rank]
-            for b, n in log.read(lambda r: batch_bytes(r, self.channel, pos, stop)).items():
-                sizes[b] = sizes.get(b, 0) + n
-        total = 0
-        for b in sorted(sizes):
-            if total and total + sizes[b] > max_bytes:
-                return b
-            total += sizes[b]
-        return max(stops.values(), default=0)
 
     def _label(self) -> str:
         return "(unregistered reader)"

@@ -1,31 +1,29 @@
-"""Read results and cross-rank assembly: what a poll, a replay window or a table row holds.
+"""Read results and their assembly over ranks: what a poll, a replay window or a table row holds.
 
 Owns: the result types every reader returns (:class:`TableDelta`, :class:`RankDelta`,
-:class:`MergedDelta`, :class:`DeltaPoll`), the mapping of shard-local ids to global row ids,
-and the assembly of one table's shards over ranks (row-wise shards concatenated, column-wise
-shards put side by side): at read time, a poll's rows copied into one buffer in that layout
-(:func:`finish_ranks`), and at merge time, joined as views where they lie so (:func:`_joined`)
-or copied. Each result carries the half-open range it actually read.
+:class:`MergedDelta`, :class:`DeltaPoll`), the mapping of shard-local ids to global row ids
+(:func:`table_delta`), and the merge of one table's shards over ranks (row-wise shards
+concatenated, column-wise shards put side by side), joined as views where the poll laid them
+out so (:func:`persistent_delta.read.fetch.finish_ranks`), else copied. Each result carries the
+half-open range it actually read. Reading the log into these types is
+:mod:`persistent_delta.read.fetch`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta.log import position_rules
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.log.deltalog import ReadTxn
-from persistent_delta.log.records import TablePlan, last_stamps, plan_unique, publish_times
-from persistent_delta.log.rows import IdMemo, compute_unique_rows, is_ascending, ordered_runs, unique_ids
-from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ShardInfo
+from persistent_delta.log.rows import compute_unique_rows, is_ascending, ordered_runs, unique_ids
+from persistent_delta.log.schema import ShardInfo
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.log.zch_records import ZchDelta, merge_side, read_side
+from persistent_delta.log.zch_records import ZchDelta, merge_side
 
 
 # ----------------------------------------------------------------------------- poll results
@@ -101,7 +99,8 @@ class MergedDelta:
     Where one shard holds all of a table's rows (one rank, or one column slice), these tensors
     are that shard's :class:`TableDelta` tensors, not copies: the poll already copied them out
     of the log once. Where a poll laid its shards' rows out side by side (row-wise shards one
-    after another, column slices as full rows: see :func:`finish_ranks`), ``states`` is a view
+    after another, column slices as full rows: see
+    :func:`persistent_delta.read.fetch.finish_ranks`), ``states`` is a view
     over them, not a copy either. Copy them before changing them in place if the poll's
     per-rank deltas must stay as read.
     """
@@ -138,7 +137,7 @@ def _cat_rows(parts: Sequence[UniqueRows], stamps: Optional[Sequence[Optional[to
         runs = ordered_runs([p.ids for p in nonempty])
         if runs:
             joined = _joined([nonempty[i].states for i in runs], 0)  # type: ignore[misc]
-            if joined is not None:  # laid out one after another by finish_ranks: a view
+            if joined is not None:  # laid out one after another by fetch.finish_ranks: a view
                 return UniqueRows(ids=torch.cat([nonempty[i].ids for i in runs]), states=joined)
         return compute_unique_rows([p.ids for p in nonempty], [p.states for p in nonempty], UpdateMode.FIRST)
     return compute_unique_rows([p.ids for p in nonempty], None, UpdateMode.NONE)
@@ -214,15 +213,25 @@ def _assemble_columns(
         width, st = widths.get(off), part.states
         if width is None or st is None or st.dim() != 2 or st.shape[1] != width:
             return None
-    if not _tile_the_row([(off, widths[off]) for off in column_parts], global_cols):  # type: ignore[misc]
+    if not tiles_the_row([(off, widths[off]) for off in column_parts], global_cols):  # type: ignore[misc]
         return None
     slices: List[torch.Tensor] = [p.states for p in column_parts.values()]  # type: ignore[misc]
-    joined = _joined(slices, 1)  # laid out side by side by finish_ranks: a view
+    joined = _joined(slices, 1)  # laid out side by side by fetch.finish_ranks: a view
     return joined if joined is not None else torch.cat(slices, dim=1)
 
 
-def _tile_the_row(slices: Sequence[Tuple[int, int]], global_cols: Optional[int]) -> bool:
-    """Whether column slices ``(col_offset, width)`` tile ``[0, global_cols)`` exactly."""
+def tiles_the_row(slices: Sequence[Tuple[int, int]], global_cols: Optional[int]) -> bool:
+    """Whether column slices tile a table's full row exactly (the merge and the poll's buffer
+    layout ask the same question).
+
+    Args:
+        slices: ``(col_offset, width)`` per column-wise shard, each covering the half-open
+            columns ``[col_offset, col_offset + width)``.
+        global_cols: the table's full width (None: unknown, never tiled).
+
+    Returns:
+        True when the slices cover ``[0, global_cols)`` without gap or overlap.
+    """
     pos = 0
     for off, width in sorted(slices):
         if off != pos:
@@ -233,7 +242,8 @@ def _tile_the_row(slices: Sequence[Tuple[int, int]], global_cols: Optional[int])
 
 def _joined(parts: Sequence[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
     """``torch.cat(parts, dim)`` as a view, when the parts already lie next to each other
-    along ``dim`` in one block of memory (as :func:`finish_ranks` places them); else None.
+    along ``dim`` in one block of memory (as
+    :func:`persistent_delta.read.fetch.finish_ranks` places them); else None.
     Only 2-D parts (or 1-D along dim 0) of one dtype and strides are joined."""
     first = parts[0]
     if first.dim() not in (1, 2) or dim >= first.dim():
@@ -355,178 +365,6 @@ class DeltaPoll:
     def __iter__(self) -> Iterator[TableDelta]:
         for parts in self.tables().values():
             yield from parts
-
-
-class PlannedTable(NamedTuple):
-    """One table of a :class:`RankPlan`: its rows decided (:class:`~persistent_delta.log.records.
-    TablePlan`) and what its :class:`TableDelta` needs besides."""
-
-    plan: TablePlan
-    shard: Optional[ShardInfo]
-    stamps: Optional[torch.Tensor]  # see TableDelta
-    side: Optional[ZchDelta]
-
-
-@dataclass
-class RankPlan:
-    """One rank's read of a range, planned inside its read transaction (:func:`plan_range`):
-    per table, the rows decided and not yet copied out of the map, with what the table's
-    :class:`TableDelta` needs besides (shard, stamps, managed-collision side records)."""
-
-    rank: int
-    path: str
-    start_idx: int
-    end_idx: int
-    tables: Dict[str, PlannedTable]
-    publishes: Dict[int, float] = field(default_factory=dict)
-
-    def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
-        """The :class:`RankDelta`: the tables' rows copied out of the map (inside the
-        transaction the plan was made in), or taken from ``rows`` where it has them."""
-        out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
-                        publishes=self.publishes)
-        for fqn, (tp, shard, stamps, side) in self.tables.items():
-            u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
-            out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side)
-        return out
-
-
-def plan_range(
-    r: ReadTxn,
-    rank: int,
-    path: str,
-    start_idx: int,
-    end_idx: int,
-    channel: str = LOOKUPS,
-    tables: Optional[Sequence[str]] = None,
-    memo: Optional[IdMemo] = None,
-) -> RankPlan:
-    """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``)."""
-    mode = position_rules.update_mode(r, channel)
-    start_idx = position_rules.read_start(r, start_idx, channel)
-    end_idx = max(end_idx, start_idx)
-    plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
-    entries = r.tables()
-    out = RankPlan(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx, tables={})
-    if channel == SNAPSHOTS:
-        out.publishes = publish_times(r, start_idx, end_idx)
-    for fqn, tp in sorted(plans.items()):
-        shard = ShardInfo.from_entry(entries[fqn])
-        stamps = None
-        if channel == SNAPSHOTS and shard is not None and shard.replicated and tp.num_rows:
-            stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
-        side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
-            else None
-        out.tables[fqn] = PlannedTable(tp, shard, stamps, side)
-    return out
-
-
-def read_range(
-    r: ReadTxn,
-    rank: int,
-    path: str,
-    start_idx: int,
-    end_idx: int,
-    channel: str = LOOKUPS,
-    tables: Optional[Sequence[str]] = None,
-    memo: Optional[IdMemo] = None,
-) -> RankDelta:
-    """Per-table unique rows of one rank's log for a read at ``start_idx`` up to ``end_idx``,
-    with global ids. The result reports the range actually read: it starts at
-    :func:`~persistent_delta.log.position_rules.read_start` (the start of a filtered window the position
-    lies inside). Results own their memory (safe to keep after the transaction). ``memo``:
-    the poll's :class:`~persistent_delta.log.rows.IdMemo`, shared by its ranks."""
-    return plan_range(r, rank, path, start_idx, end_idx, channel, tables, memo).finish()
-
-
-# Regions of a poll's buffer start at multiples of this many bytes (a cache line; any dtype's
-# alignment).
-_ALIGN = 64
-
-
-def finish_ranks(plans: Dict[int, RankPlan],
-                 alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[int, RankDelta]:
-    """Every rank's :class:`RankDelta` of one poll (inside every rank's transaction), the rows
-    of all ranks and tables copied once, into one buffer laid out the way
-    :func:`merge_table` joins them: per table, row-wise shards' rows one after another in id
-    order, column-wise shards' rows side by side as full rows (when every shard holds the
-    same ids and the slices tile the row). :meth:`DeltaPoll.merged` is then views of the
-    buffer, not copies; anything else is laid out one rank after another and merged by copy
-    as before.
-
-    ``alloc(nbytes)``: where the buffer comes from (a uint8 tensor of ``nbytes``; default
-    ``torch.empty``). A consumer passes :meth:`~persistent_delta.log.alloc.ResultBuffers.take`,
-    which hands out again a buffer whose earlier poll the caller has released: fresh pages
-    cost ~0.45 ms/MB to fault in on this class of VM, several times that with a trainer on
-    the same cores (that was most of ``merged()`` when each table had its own result, and the
-    every-10-steps freshness tail when glibc mapped each poll's buffer afresh).
-    """
-    regions: List[Tuple[int, int, List[Tuple[int, str, int, int]]]] = []  # (rows, row bytes, places)
-    by_table: Dict[str, List[int]] = {}
-    for rank in sorted(plans):
-        for fqn, t in plans[rank].tables.items():
-            if t.plan.num_rows and t.plan.row_bytes:
-                by_table.setdefault(fqn, []).append(rank)
-    for fqn, ranks in sorted(by_table.items()):
-        parts = {k: plans[k].tables[fqn] for k in ranks}
-        cols = _column_layout(list(parts.values()))
-        if cols is not None:
-            m, row_bytes, offsets = cols
-            regions.append((m, row_bytes, [(k, fqn, 0, off) for k, off in zip(ranks, offsets)]))
-            continue
-        widths = {t.plan.row_bytes for t in parts.values()}
-        if len(widths) != 1:
-            for k, t in parts.items():  # rows of different widths (not one table's shards): one region each
-                regions.append((t.plan.num_rows, t.plan.row_bytes, [(k, fqn, 0, 0)]))
-            continue
-
-        def first_gid(k: int) -> int:
-            t = parts[k]
-            assert t.plan.rows is not None
-            return int(t.plan.rows.ids[0]) + (t.shard.row_offset if t.shard is not None else 0)
-
-        placed, at = [], 0
-        for k in sorted(ranks, key=lambda k: (first_gid(k), k)):
-            placed.append((k, fqn, at, 0))
-            at += parts[k].plan.num_rows
-        regions.append((at, widths.pop(), placed))
-    total = sum(-(-m * w // _ALIGN) * _ALIGN for m, w, _ in regions)
-    buf = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(total)
-    rows: Dict[int, Dict[str, UniqueRows]] = {k: {} for k in plans}
-    at = 0
-    for m, w, placed in regions:
-        region = buf[at:at + m * w].view(m, w)
-        at += -(-m * w // _ALIGN) * _ALIGN
-        for k, fqn, row, col in placed:
-            tp = plans[k].tables[fqn].plan
-            rows[k][fqn] = tp.finish(region[row:row + tp.num_rows, col:col + tp.row_bytes])
-    return {k: plans[k].finish(rows[k]) for k in plans}
-
-
-def _column_layout(parts: List[PlannedTable]) -> Optional[Tuple[int, int, List[int]]]:
-    """For column-wise shards that hold the same ids and whose 2-D state slices tile the full
-    row (one shard per slice, one dtype): ``(rows, full row bytes, each shard's byte offset in
-    the row)``; else None."""
-    if len(parts) < 2:
-        return None
-    first = parts[0]
-    if first.shard is None or first.plan.typed is None or first.plan.rows is None:
-        return None
-    dtype = first.plan.typed[0]
-    slices = []
-    for t in parts:
-        typed, shard = t.plan.typed, t.shard
-        if shard is None or typed is None or typed[0] != dtype or len(typed[1]) != 1 or t.plan.rows is None:
-            return None
-        if typed[1][0] != shard.local_cols or shard.row_offset != first.shard.row_offset:
-            return None
-        if t.plan.rows.ids is not first.plan.rows.ids and not torch.equal(t.plan.rows.ids, first.plan.rows.ids):
-            return None
-        slices.append((shard.col_offset, int(typed[1][0])))
-    if not _tile_the_row(slices, first.shard.global_cols):
-        return None
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return first.plan.num_rows, sum(w for _, w in slices) * itemsize, [off * itemsize for off, _ in slices]
 
 
 def table_delta(

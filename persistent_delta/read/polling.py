@@ -1,0 +1,215 @@
+"""What every consumer's poll shares: the :class:`Consumer` protocol, a poll's arguments and the
+byte cut.
+
+Owns: the surface that :class:`~persistent_delta.read.consumer.DeltaReader`,
+:class:`~persistent_delta.read.consumer.DeltaConsumer` and
+:class:`~persistent_delta.fleet.remote.RemoteConsumer` implement alike, the one check of a
+poll's arguments (:func:`check_poll_args`; a shipper's batch bound too:
+:func:`check_max_batches`), and the one rule that cuts a poll at a byte budget
+(:func:`byte_cut`, :func:`clip_stops`). Which batches a poll may read at all is
+:func:`persistent_delta.log.position_rules.poll_stops`'.
+
+The byte cut
+------------
+A poll is made of **pieces** it cannot split: a batch for a local reader, a shipped range for a
+remote consumer. Each piece is known by its end (exclusive) and its bytes summed over the
+poll's ranks; a reader sizes them its own way (a local reader: the value bytes stored under
+each batch, before reading it; a remote consumer: the rows of each range it buffered). The cut
+walks the pieces that hold bytes in the order of their ends: the first one is always taken (a
+poll makes progress however small the budget), each next one while the bytes taken stay within
+``max_bytes``; the walk stops at the first piece that does not fit, and the poll ends at the end
+of the last piece taken. Pieces without bytes never decide a cut: when every piece fits, the
+poll keeps its own stops (empty batches after the last piece included). The cut is the same
+batch index on every rank, so a publish's column halves and row shards stay in one poll.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Protocol, TypeVar, runtime_checkable
+
+from persistent_delta.errors import InvalidInputError
+from persistent_delta.read.results import DeltaPoll
+
+_C = TypeVar("_C", bound="Consumer")
+
+
+@runtime_checkable
+class Consumer(Protocol):
+    """A reader of a job's deltas, rank by rank, Kafka-consumer style.
+
+    Contract, for every implementation:
+
+    * Not thread-safe: one thread uses it. Open it in the process that uses it (a local
+      reader's LMDB handles and a remote consumer's connection are never shared over a fork).
+    * Ranges are half-open ``[start_idx, end_idx)`` in batch indices; a position is the next
+      ``batch_idx`` a poll reads. Each poll reports, per rank, the range it actually read; a
+      poll starts where the previous one ended (a read may start earlier than the position:
+      a range or window that holds it is delivered whole, and its start is reported).
+    * ``poll`` delivers only batches every rank of the job has completed, cut at
+      ``max_batches`` and at the byte budget by :func:`byte_cut`; bad arguments raise
+      :class:`~persistent_delta.errors.InvalidInputError` (:func:`check_poll_args`).
+    * ``close`` is idempotent; any other call after it raises
+      :class:`~persistent_delta.errors.LogClosedError`. It is a context manager that closes
+      on exit.
+
+    Whether positions can be made durable is :class:`CommittingConsumer`'s (a
+    :class:`~persistent_delta.read.consumer.DeltaReader` keeps them in memory only and has no
+    ``commit``).
+    """
+
+    channel: str
+
+    @property
+    def ranks(self) -> List[int]:
+        """The ranks read now (a rank that appears later joins at a later poll)."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        ...
+
+    def missing_ranks(self) -> List[int]:
+        """Ranks of the job not readable yet."""
+        ...
+
+    def poll(
+        self, max_batches: Optional[int] = None, timeout: Optional[float] = None, max_bytes: Optional[int] = None
+    ) -> DeltaPoll:
+        """Read per rank from the position on, and move the position past what was read.
+
+        Args:
+            max_batches: at most about this many batches per rank (default: all available).
+            timeout: wait up to this many seconds for something new (default: do not wait).
+            max_bytes: cut the poll at this byte budget (:func:`byte_cut`).
+
+        Returns:
+            The :class:`~persistent_delta.read.results.DeltaPoll` with the ranges read.
+
+        Raises:
+            InvalidInputError: a bad argument (:func:`check_poll_args`).
+            OffsetOutOfRangeError: the batches at a position are gone and no reset policy
+                was chosen.
+            LogClosedError: it is closed.
+        """
+        ...
+
+    def position(self) -> Dict[int, int]:
+        """rank -> the next ``batch_idx`` a poll reads."""
+        ...
+
+    def end_offsets(self) -> Dict[int, int]:
+        """rank -> the end of what can be read now (one past the last batch)."""
+        ...
+
+    def seek(self, batch_idx: int, rank: Optional[int] = None) -> None:
+        """Move the position (every rank's, or one rank's) to ``batch_idx``, in memory."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds; positions not committed are dropped. Idempotent."""
+        ...
+
+    def __enter__(self: _C) -> _C:
+        ...
+
+    def __exit__(self, *exc: object) -> None:
+        ...
+
+
+@runtime_checkable
+class CommittingConsumer(Consumer, Protocol):
+    """A :class:`Consumer` with a durable position under a name (a registered
+    :class:`~persistent_delta.read.consumer.DeltaConsumer`, a
+    :class:`~persistent_delta.fleet.remote.RemoteConsumer`): at-least-once, a crash between
+    ``poll`` and ``commit`` re-delivers."""
+
+    def commit(self) -> Dict[int, int]:
+        """Make the current positions durable; returns them (rank -> position).
+
+        Raises:
+            LogClosedError: it is closed.
+        """
+        ...
+
+    def committed(self) -> Dict[int, int]:
+        """rank -> the position stored now."""
+        ...
+
+
+def _positive_int(name: str, value: object, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "a positive int or None" if optional else "a positive int"
+        raise InvalidInputError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_poll_args(max_batches: Optional[int], timeout: Optional[float], max_bytes: Optional[int]) -> None:
+    """Check the arguments of a :meth:`Consumer.poll`.
+
+    Args:
+        max_batches: None, or a positive int.
+        timeout: None, or a non-negative number of seconds.
+        max_bytes: None, or a positive int.
+
+    Raises:
+        InvalidInputError: an argument is out of its domain (bools are not numbers here).
+    """
+    _positive_int("max_batches", max_batches, optional=True)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+        raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+    _positive_int("max_bytes", max_bytes, optional=True)
+
+
+def check_max_batches(max_batches: int) -> int:
+    """Check a required batch bound (a shipper's batches per range).
+
+    Args:
+        max_batches: a positive int.
+
+    Returns:
+        ``max_batches``.
+
+    Raises:
+        InvalidInputError: it is not a positive int.
+    """
+    _positive_int("max_batches", max_batches, optional=False)
+    return max_batches
+
+
+def byte_cut(pieces: Mapping[int, int], max_bytes: int, stop: int) -> int:
+    """Where a poll ends under ``max_bytes`` (the rule is the module's: see "The byte cut").
+
+    Args:
+        pieces: end (exclusive batch index) -> bytes of the pieces ending there, summed over
+            the poll's ranks, for the pieces the poll may read.
+        max_bytes: the budget.
+        stop: where the poll would end without a budget (the largest of its stops).
+
+    Returns:
+        The end of the last piece taken, or ``stop`` when every piece fits.
+    """
+    taken: Optional[int] = None
+    total = 0
+    for end, nbytes in sorted(pieces.items()):
+        if nbytes <= 0:
+            continue
+        if taken is not None and total + nbytes > max_bytes:
+            return taken
+        taken, total = end, total + nbytes
+    return stop
+
+
+def clip_stops(positions: Mapping[int, int], stops: Mapping[int, int], cut: int) -> Dict[int, int]:
+    """Each rank's stop moved down to ``cut``, never below its position.
+
+    Args:
+        positions: rank -> its position.
+        stops: rank -> where its read would end (exclusive).
+        cut: the common end from :func:`byte_cut`.
+
+    Returns:
+        rank -> its new stop.
+    """
+    return {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
