@@ -81,15 +81,16 @@ class LogOptions:
         max_map_size: the map never grows past this; a write that needs more raises
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
-        readahead: OS readahead on the map. Leave it on: cold reads were 40x slower without.
+        readahead: OS readahead on the map. Leave it on: cold reads fault in page by page
+            without it.
         group_access: create logs group-readable and -writable (files 0660, directories 0770,
             whatever the umask) so that readers running as another user of the group work;
             default owner-only (0600 / 0700). Environment: ``PERSISTENT_DELTA_GROUP_ACCESS=1``.
         tune_malloc: opt in to raising glibc's malloc thresholds once per process when a log
             is opened (writing or reading), so LMDB's write buffers and a reader's poll results
-            are reused instead of page-faulted in afresh (appends of large values ~2x faster;
-            a poll's one buffer is kept by glibc itself up to 32 MiB). Off by default because it is
-            process-wide (see :mod:`persistent_delta.log.alloc`).
+            are reused instead of page-faulted in afresh (faster appends of large values; a
+            poll's one buffer is kept by glibc itself up to its 32 MiB mmap-threshold maximum).
+            Off by default because it is process-wide (see :mod:`persistent_delta.log.alloc`).
         read_threads: torch intra-op threads a reader's polls, ``merged()`` and
             :func:`~persistent_delta.read.apply.apply_poll` run with (default 1; 0: the process's
             own setting). The read path is memory-bound; parallel regions leave OpenMP's
@@ -186,8 +187,8 @@ class WriterOptions:
             comes first; a ``flush()`` (or anything that waits for the writer, such as
             ``get_unique``), backpressure and ``close()`` start it at once. Small steps (ids
             only) then share one transaction's fixed costs; large steps (embeddings) are
-            processed as soon as they arrive, overlapping training (lingering them measured
-            ~3% slower steps, the deferred work landing on the next read). A process crash
+            processed as soon as they arrive, overlapping training (lingering them would move
+            their work onto the next read, which waits for it). A process crash
             loses at most what was not yet committed. ``linger_steps=1`` commits each step as
             soon as it is queued.
     """

@@ -7,13 +7,9 @@ writer: ``WriterOptions.torch_threads``) sets its count for its life.
 Why one thread: the read path copies rows (gather, concatenate, scatter into a replica's
 tables) and is bound by memory, not by cores. With torch's OpenMP backend every parallel region
 leaves its worker threads spinning for a while after it ends (libgomp's default wait policy).
-On a machine whose cores a trainer keeps busy, a replica's spinning workers took those cores
-from the trainer and from the replica's own main thread. With a trainer at torch's default
-thread count on 2 cores, a replica applying every publish (``benchmarks/freshness``, 2 runs
-each, 500-600 publishes) had p99 freshness 80-90 ms (publish every step) and 116-124 ms (every
-10 steps) at 2 threads, 25-29 ms and 70-71 ms at 1, and used a third as much CPU. On an idle
-machine one thread gathers 15 MB about 0.6 ms slower (``benchmarks/read_path``: the same
-figures within its noise).
+On a machine whose cores a trainer keeps busy, a replica's spinning workers take those cores
+from the trainer and from the replica's own main thread, so one thread gives a fresher replica
+for less CPU, and costs little on an idle machine (figures: ``benchmarks/README.md``).
 
 How: ``torch.set_num_threads`` around the call, restored after. With the OpenMP backend the
 count is the calling thread's own (OpenMP's per-thread setting): other threads of the process

@@ -6,10 +6,9 @@ released every tensor of an earlier poll (:class:`ResultBuffers`).
 
 Without ``writemap`` LMDB copies every value into page buffers it ``malloc``\\ s per commit and
 frees afterwards. glibc serves large buffers with ``mmap`` and returns freed heap tops to the OS,
-so each commit page-faults its buffers in afresh: transactions with large values were 2.5-4x
-slower here (see ``benchmarks/append_throughput.py``). A reader meets the same with results
-glibc returned to the OS after the previous poll (fresh pages cost ~0.45 ms per MB to fault in
-on this VM). A consumer's polls do not need this: their row buffers come from
+so each commit page-faults its buffers in afresh, which dominates transactions with large
+values (``benchmarks/append_throughput.py``). A reader meets the same with results glibc
+returned to the OS after the previous poll. A consumer's polls do not need this: their row buffers come from
 :class:`ResultBuffers`, which the consumer reuses itself; other readers' results (a
 ``read_range`` of its own, tools) do. Raising
 ``M_MMAP_THRESHOLD`` (to 32 MiB, glibc's maximum) and ``M_TRIM_THRESHOLD`` (to 512 MiB) keeps
@@ -83,10 +82,9 @@ class ResultBuffers:
 
     A poll's rows are one block of memory (``read.fetch.finish_ranks``) that the poll's tensors
     view, and that the caller may keep as long as it likes. A fresh block costs a page fault
-    per 4 KiB page the first time it is written: ~1.2 µs a page on an idle core of this VM,
-    but 8-19 µs a page (35-86 ms for an 18 MB poll, against ~5 ms for the whole poll) while a
-    trainer keeps both cores busy, and glibc hands out fresh pages whenever a poll's size
-    passes its mmap threshold or it trims its heap: that was the every-10-steps freshness tail.
+    per 4 KiB page the first time it is written, many times the poll's own work while a trainer
+    keeps the cores busy, and glibc hands out fresh pages whenever a poll's size passes its
+    mmap threshold or it trims its heap: a replica's freshness tail.
 
     Each block here is an anonymous mapping that the poll's tensors hold a reference to
     (``torch.frombuffer``). When the caller has dropped every tensor of a poll, only this
@@ -98,7 +96,7 @@ class ResultBuffers:
     the request, in whole pages; a free block is reused when the request fits and the block is
     at most ``REUSE_RATIO`` times it, and a free block larger than that (a catch-up poll's) is
     released at that request instead of kept idle. The idle memory is at most ``keep`` blocks
-    of 1.25-4x a recent poll.
+    of ``HEADROOM`` to ``REUSE_RATIO`` times a recent poll.
     """
 
     HEADROOM = 1.25

@@ -244,7 +244,7 @@ def encode_gathered(
     compute it later, before the record is stored). ``into``: a buffer to encode into when it
     is large enough (the result is then a view of its start, valid until it is reused): a
     caller encoding records of similar sizes again and again (``publish``) skips allocating,
-    zeroing and page-faulting a fresh buffer each time (~0.45 ms per MB on this VM)."""
+    zeroing and page-faulting a fresh buffer each time."""
     if source.dim() != 2:
         raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
     rows = rows.long()
@@ -426,9 +426,9 @@ class RecordRows(NamedTuple):
 
 
 def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> RecordRows:
-    """:func:`decode_record` for the read path, into numpy views: a few microseconds less per
-    record than torch's (``torch.frombuffer`` and ``reshape`` cost ~5 us each, their numpy
-    counterparts under 1), which is most of a poll of many small records. The same checks.
+    """:func:`decode_record` for the read path, into numpy views: numpy's per-call overhead is
+    a fraction of torch's (``torch.frombuffer``, ``reshape``), and per-call overhead is most of
+    a poll of many small records. The same checks.
 
     Raises:
         CorruptRecordError: as :func:`decode_record`; also ids of a dtype that is not an

@@ -50,8 +50,8 @@ def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 # Ids are shard-local row numbers, so they are usually dense: when the id span is within this
 # factor of the number of ids, a direct-address table (bitmap, or per-row first/last position
-# via scatter_reduce) replaces the sort: linear time, 3-7x faster measured on Zipf ids
-# (16k-650k ids over 200k rows). Sparse ids fall back to the stable sort.
+# via scatter_reduce) replaces the sort: linear time instead of a sort. Sparse ids fall back to
+# the stable sort.
 _DENSE_FACTOR = 16
 
 
@@ -73,8 +73,7 @@ def _slots(ids: torch.Tensor, base: int) -> torch.Tensor:
 
 
 # The bookkeeping on ids (compare, nonzero) runs in numpy over the same memory: at these sizes
-# (10^4-10^6 elements, one thread) np.flatnonzero is ~4x faster than torch.nonzero and a
-# comparison ~3x (measured: 47 vs 175 us and 16 vs 57 us for 10^5 elements). Row copies stay
+# (10^4-10^6 elements, one thread) torch's per-call overhead outweighs the work. Row copies stay
 # torch's index_select.
 def _flatnonzero(mask: np.ndarray) -> torch.Tensor:
     """Positions of the true elements of a 1-D bool array, ascending, as int64 tensor."""
@@ -134,8 +133,8 @@ def unique_ids(ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.unique(ids, sorted=True)
         return out
     base, span = dense
-    # numpy: one thread, calloc'ed (torch.zeros + index_put start an OpenMP team: ~5x slower
-    # here for 10^5 ids, and much worse when the cores are busy with training)
+    # numpy: one thread, calloc'ed (torch.zeros + index_put start an OpenMP team, which competes
+    # with training for the cores)
     mask = np.zeros(span, dtype=np.bool_)
     mask[_slots(ids, base).numpy()] = True
     return _present(_flatnonzero(mask), base, ids.dtype)
@@ -143,8 +142,7 @@ def unique_ids(ids: torch.Tensor) -> torch.Tensor:
 
 # Sparse ids made of at most this many ascending runs (records as the writer and publish store
 # them, in log order) are ordered by numpy's stable sort (timsort), which finds the runs and only
-# merges them: O(n log runs), 2x faster than torch's sort for 3 runs of 20k ids; anything else
-# goes to torch's sort (timsort is 4x slower than it on shuffled ids).
+# merges them: O(n log runs); anything else goes to torch's sort (timsort loses on shuffled ids).
 _FEW_RUNS = 64
 
 
@@ -165,8 +163,8 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
     n = ids.numel()
     dense = _dense(ids)
     if dense is not None:
-        # numpy's unbuffered ufunc.at (numpy >= 1.25): one thread, 1.2-2.3x faster measured than
-        # torch's scatter_reduce at 3k-650k ids (32 vs 64-75 us for a poll's 3.2k)
+        # numpy's unbuffered ufunc.at (numpy >= 1.25): one thread, no OpenMP team, less
+        # per-call overhead than torch's scatter_reduce
         base, span = dense
         slots = _slots(ids, base).numpy()
         positions = np.arange(n, dtype=np.int64)
@@ -310,32 +308,30 @@ def compute_unique_rows(
 
 
 # Records holding at most this many bytes together are concatenated (a sequential copy, which
-# stays in the CPU's cache at this size) and the picked rows gathered from there: the fastest
-# way measured for 10 records of 3.3-6.7 MB (polls 20-30% faster than the chunked gather below,
-# whose scattered writes cost more than the extra sequential copy).
+# stays in the CPU's cache at this size) and the picked rows gathered from there: the chunked
+# gather below costs more in scattered writes than this extra sequential copy.
 _CONCAT_BYTES = 8 << 20
 # Larger records: the picked rows pass through a buffer of about this many bytes (it stays in
 # the CPU cache) on their way to the result, so that the only allocation of the result's size
-# is the result (page-faulting in a second one cost more than the gather itself: 5.3 vs 1.0 ms
-# for 15k rows x 64 fp32 from 10 records).
+# is the result (page-faulting in a second one costs more than the gather itself).
 _CHUNK_BYTES = 512 << 10
 
 
 def _row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
     """A tensor's rows (of ``row_bytes`` > 0 bytes, each contiguous, at any stride) as a 1-D
     numpy array of opaque row-sized cells over its memory, whatever the dtype. numpy copies such a cell with one
-    ``memcpy``: ``cells[dest] = other_cells`` scatters rows 3.5x faster than
-    ``torch.index_copy_`` (measured: 123 vs 434 us for 15k rows of 256 bytes)."""
+    ``memcpy``: ``cells[dest] = other_cells`` scatters rows faster than
+    ``torch.index_copy_``."""
     raw = t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, row_bytes))).reshape(t.shape[0])
 
 
 def _take(src: torch.Tensor, picked: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """``src[picked]`` (rows), into ``out`` when given (any row stride: ``index_select`` writes
-    a column slice in place: 38 us measured for 15k rows of 32 bytes, against 58 us for a
-    contiguous gather and a copy, 143 us for numpy's row cells)."""
+    a column slice in place, cheaper than a contiguous gather and a copy or numpy's row
+    cells)."""
     if out is None:
-        return src.index_select(0, picked)  # (row copies; advanced indexing is several x slower)
+        return src.index_select(0, picked)  # (row copies; cheaper than advanced indexing)
     return torch.index_select(src, 0, picked, out=out)
 
 
