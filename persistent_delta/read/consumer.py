@@ -96,6 +96,7 @@ def _world_size_of(found: Dict[int, str], options: LogOptions) -> Optional[int]:
 class DeltaReader:
     """An unregistered reader of a log root: positions in memory only, no retention hold, no
     effect on the trainer, never writes. Not thread-safe; open it in the process that uses it.
+    A :class:`~persistent_delta.read.polling.Consumer` (no ``commit``: nothing to make durable).
 
     Args:
         root: the log root (``<root>/rank-<r>``), or a single log directory (rank 0).
@@ -404,7 +405,8 @@ class DeltaReader:
 
 class DeltaConsumer(DeltaReader):
     """A registered consumer of a log root, in any process (the trainer's included): its
-    position is durable (``commit``) and it holds back retention. See the module docs.
+    position is durable (``commit``) and it holds back retention. See the module docs. A
+    :class:`~persistent_delta.read.polling.CommittingConsumer`.
 
     Args:
         root: the log root (``<root>/rank-<r>``), or a single log directory (rank 0).
