@@ -1,89 +1,73 @@
 """persistent_delta: durable, multi-consumer embedding delta tracking for TorchRec.
 
 TorchRec's ``ModelDeltaTracker`` keeps "which rows changed" in process memory; persistent_delta
-writes it to an append-only LMDB log, so deltas and consumer offsets survive restarts.
+writes it to an append-only LMDB log, so deltas and consumer positions survive restarts.
+
+The names here are what a user needs, by role. Everything else stays importable from its
+package (``persistent_delta.log``, ``.trainer``, ``.read``, ``.fleet``), and every error from
+:mod:`persistent_delta.errors`.
 """
 
-from persistent_delta.read.apply import Applied, apply_poll
-from persistent_delta.config import Durability, LogOptions, RetentionBound, WriterOptions
-from persistent_delta.read.consumer import DeltaConsumer, DeltaReader
-from persistent_delta.errors import (
-    ConfigMismatchError,
-    ConsumerConflictError,
-    CorruptRecordError,
-    DamagedLogError,
-    ForkedProcessError,
-    FormatMismatchError,
-    IncompletePollError,
-    InexactRangeError,
-    InvalidInputError,
-    LogClosedError,
-    LogFullError,
-    LogIOError,
-    LogLockedError,
-    NotALogError,
-    OffsetOutOfRangeError,
-    PersistentDeltaError,
-    ReadOnlyLogError,
-    UnknownConsumerError,
-    UnsupportedModeError,
-    UnsupportedTrackingError,
-    WriterError,
-)
-from persistent_delta.log.deltalog import DeltaLog
-from persistent_delta.read.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
-from persistent_delta.log.schema import ConsumerEntry, Delivery, ShardInfo
-from persistent_delta.read.store import LmdbDeltaStore
+from importlib import metadata as _metadata
+
+# in the trainer
+from persistent_delta.config import Durability, RetentionBound
 from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
-from persistent_delta.read.raw_ids import PersistentRawIdTracker, install_raw_id_tracker
+from persistent_delta.trainer.save_shards import save_local_shards
+
+# reading, in any process
+from persistent_delta.read.polling import Consumer
+from persistent_delta.read.consumer import DeltaConsumer, DeltaReader
+from persistent_delta.read.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
+
+# serving replicas
+from persistent_delta.read.apply import Applied, apply_poll
 from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
-__version__ = "0.1.0"
+# across hosts
+from persistent_delta.fleet.ship import Shipper, upload_base
+from persistent_delta.fleet.remote import RemoteConsumer
+
+# TorchRec's DeltaStore, on disk
+from persistent_delta.read.store import LmdbDeltaStore
+
+# the errors most callers catch (all of them: persistent_delta.errors)
+from persistent_delta.errors import LogLockedError, OffsetOutOfRangeError, PersistentDeltaError
+
+try:  # one home for the version: pyproject.toml
+    __version__ = _metadata.version("persistent_delta")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
-    "Applied",
-    "apply_poll",
-    "ConfigMismatchError",
-    "ConsumerConflictError",
-    "ConsumerEntry",
-    "Delivery",
-    "IncompletePollError",
-    "InexactRangeError",
-    "MergedDelta",
-    "RankDelta",
-    "RetentionBound",
-    "ShardInfo",
-    "TableDelta",
-    "WriterOptions",
-    "CorruptRecordError",
-    "DamagedLogError",
-    "DeltaConsumer",
-    "DeltaLog",
-    "DeltaPoll",
-    "DeltaReader",
-    "Durability",
-    "ForkedProcessError",
-    "FormatMismatchError",
-    "InvalidInputError",
-    "LmdbDeltaStore",
-    "LogClosedError",
-    "LogFullError",
-    "LogIOError",
-    "LogLockedError",
-    "LogOptions",
-    "NotALogError",
-    "OffsetOutOfRangeError",
-    "PersistentDeltaError",
-    "ReadOnlyLogError",
-    "UnknownConsumerError",
-    "UnsupportedModeError",
-    "UnsupportedTrackingError",
-    "WriterError",
-    "PersistentDeltaTracker",
-    "PersistentTrackerConfig",
+    # in the trainer
     "attach",
-    "PersistentRawIdTracker",
-    "install_raw_id_tracker",
+    "PersistentTrackerConfig",
+    "PersistentDeltaTracker",
+    "Durability",
+    "RetentionBound",
+    "save_local_shards",
+    # reading, in any process
+    "Consumer",
+    "DeltaConsumer",
+    "DeltaReader",
+    "DeltaPoll",
+    "RankDelta",
+    "TableDelta",
+    "MergedDelta",
+    # serving replicas
+    "apply_poll",
+    "Applied",
     "RawIdMap",
     "ZchDelta",
+    # across hosts
+    "Shipper",
+    "upload_base",
+    "RemoteConsumer",
+    # TorchRec's DeltaStore, on disk
+    "LmdbDeltaStore",
+    # errors
+    "PersistentDeltaError",
+    "OffsetOutOfRangeError",
+    "LogLockedError",
 ]
