@@ -26,14 +26,14 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.log import codec
 from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.log.records import AppendRecord
-from persistent_delta.trainer.sharding import LocalTable, feature_index, has_fused_state, iter_lookups
+from persistent_delta.trainer import torchrec_internals as trec
+from persistent_delta.trainer.sharding import LocalTable, feature_index, has_fused_state
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +42,12 @@ Hooked = List[Tuple[nn.Module, str]]
 
 class Discovery:
     """TorchRec's table discovery (``fqns_to_skip``, DMP/DDP prefix stripping), run through its
-    own ``ModelDeltaTrackerTrec.fqn_to_feature_names`` so fqns match its tracker's exactly."""
-
-    _clean_fqn_fn = ModelDeltaTrackerTrec._clean_fqn_fn
+    own ``ModelDeltaTrackerTrec.fqn_to_feature_names`` (:func:`.torchrec_internals.tracker_discovery`)
+    so fqns match its tracker's exactly."""
 
     def __init__(self, model: nn.Module, fqns_to_skip: List[str]) -> None:
-        self._model = model
-        self._fqns_to_skip = list(fqns_to_skip)
-        self._fqn_to_feature_map: Dict[str, List[str]] = {}
-        self.tracked_modules: Dict[str, nn.Module] = {}
-        self.table_to_fqn: Dict[str, str] = {}
-        ModelDeltaTrackerTrec.fqn_to_feature_names(self)  # type: ignore[arg-type]
+        self._fqn_to_feature_map, self.tracked_modules, self.table_to_fqn = trec.tracker_discovery(
+            model, list(fqns_to_skip))
         self.feature_to_fqn: Dict[str, str] = {}
         for fqn, features in self._fqn_to_feature_map.items():
             for f in features:
@@ -114,15 +109,15 @@ def register_hooks(
             module.register_post_lookup_tracker_fn(record)  # type: ignore[operator]
             hooked.append((module, "post_lookup_tracker_fn"))
         else:
-            for stype, inner in iter_lookups(module):
+            for stype, inner in trec.sharded_lookups(module):
                 if not isinstance(inner, (GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup)):
                     continue
-                if not all(has_fused_state(stype, emb) for emb in inner._emb_modules):
-                    skipped += [_table_fqn(module_fqn, module, t.name)
-                                for emb in inner._emb_modules for t in emb._config.embedding_tables]
+                groups = trec.embedding_modules(inner)
+                if not all(has_fused_state(stype, emb) for emb in groups):
+                    skipped += [_table_fqn(module_fqn, module, t.name) for emb in groups for t in trec.group_tables(emb)]
                     continue
-                for emb in inner._emb_modules:
-                    states = emb._emb_module.split_optimizer_states()
+                for emb in groups:
+                    states = trec.optimizer_states(emb)
                     if states in ([], None) or not any(s for s in states):
                         raise InvalidInputError(
                             f"tracking mode {mode.name} needs an optimizer with state (EXACT_ADAGRAD, "
@@ -222,7 +217,7 @@ class Capture:
             index = self._feature_index.get(id(emb_module))
             if index is None:
                 index = self._feature_index[id(emb_module)] = feature_index(emb_module)
-            opt_states = emb_module._emb_module.split_optimizer_states()  # type: ignore[union-attr, operator]
+            opt_states = trec.optimizer_states(emb_module)
             for key, ids in zip(keys, per_key):
                 rows = opt_states[index[key]][0][ids]
                 if self._mode == TrackingMode.MOMENTUM_LAST:

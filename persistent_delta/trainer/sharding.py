@@ -1,13 +1,15 @@
-"""What this rank holds of each tracked table: TorchRec/FBGEMM introspection, in one place.
+"""What this rank holds of each tracked table.
 
-Owns: reading a rank's shard of a table (placement, weights, optimizer state) out of TorchRec/FBGEMM.
+Owns: a rank's shard of a table (placement, weights, optimizer state), read out of TorchRec and
+FBGEMM through :mod:`persistent_delta.trainer.torchrec_internals` (which holds every private
+attribute it reads).
 
 For every table fqn that TorchRec's tracker would track (``"<module>.embeddings.<table>"`` for
 an EC, ``"<module>.embedding_bags.<table>"`` for an EBC, DMP/DDP prefixes stripped), this
 module finds the local shard: its sharding type, the shard's row/column offsets and sizes
 (``ShardedEmbeddingTable.local_metadata.shard_offsets``), and the FBGEMM TBE that holds it
-(``sharded._lookups[i]._emb_modules[j]._emb_module``, table ``k`` of the group), from which the
-current rows and the optimizer state are read.
+(table ``k`` of a grouped embedding module of one of the sharded module's lookups), from which
+the current rows and the optimizer state are read.
 
 The shard metadata is written into the log's table entries so that tools can map shard-local
 ids to global row ids (``global_id = local_id + row_offset``; column-wise shards hold the
@@ -29,6 +31,7 @@ from torch import nn
 
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.schema import DATA_PARALLEL
+from persistent_delta.trainer import torchrec_internals as trec
 
 
 @dataclass
@@ -68,7 +71,8 @@ class LocalTable:
 
     @property
     def tbe(self) -> Any:
-        return self.emb_module._emb_module  # type: ignore[union-attr]
+        """The FBGEMM TBE that holds the shard (table ``index`` of it)."""
+        return trec.tbe(self.emb_module)
 
     def weights(self) -> torch.Tensor:
         """The whole local shard (a live view into the TBE); for a data-parallel table this
@@ -89,30 +93,17 @@ class LocalTable:
         return s
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    while isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        module = module.module
-    return module
-
-
-def iter_lookups(sharded_module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """(sharding_type, lookup) for every grouped lookup of a sharded EC/EBC, DDP unwrapped
-    (TorchRec wraps a data-parallel lookup in DDP)."""
-    for stype, lookup in zip(sharded_module._sharding_types, sharded_module._lookups):  # type: ignore[arg-type]
-        yield str(stype), _unwrap(lookup)
-
-
 def has_fused_state(stype: str, emb_module: nn.Module) -> bool:
     """Whether a grouped embedding module keeps its optimizer state in its TBE (fused, readable
     with ``split_optimizer_states``): not so for a data-parallel table's dense TBE."""
-    return stype != DATA_PARALLEL and hasattr(getattr(emb_module, "_emb_module", None), "split_optimizer_states")
+    return stype != DATA_PARALLEL and hasattr(trec.tbe(emb_module), "split_optimizer_states")
 
 
 def iter_group_tables(sharded_module: nn.Module) -> Iterator[Tuple[str, nn.Module, int, Any]]:
     """(sharding_type, emb_module, index, ShardedEmbeddingTable) for every local shard."""
-    for stype, lookup in iter_lookups(sharded_module):
-        for emb in getattr(lookup, "_emb_modules", []):
-            for i, t in enumerate(emb._config.embedding_tables):
+    for stype, lookup in trec.sharded_lookups(sharded_module):
+        for emb in trec.embedding_modules(lookup):
+            for i, t in enumerate(trec.group_tables(emb)):
                 yield stype, emb, i, t
 
 
@@ -158,8 +149,7 @@ def local_tables(tracked_modules: Dict[str, nn.Module], table_to_fqn: Dict[str, 
 def feature_index(emb_module: nn.Module) -> Dict[str, int]:
     """feature name -> index of its table inside ``emb_module``'s TBE."""
     out: Dict[str, int] = {}
-    tables: List[Any] = list(emb_module._config.embedding_tables)  # type: ignore[union-attr, arg-type]
-    for i, t in enumerate(tables):
+    for i, t in enumerate(trec.group_tables(emb_module)):
         for f in t.feature_names:
             out.setdefault(f, i)
     return out

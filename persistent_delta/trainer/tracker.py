@@ -48,6 +48,7 @@ from persistent_delta.log.schema import (
     check_consumer_name,
 )
 from persistent_delta.trainer.sharding import LocalTable, local_tables
+from persistent_delta.trainer.torchrec_internals import dmp_wrapped_module
 from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
 from persistent_delta.trainer.writer import BackgroundWriter, commit_operations
 from persistent_delta.trainer.window import WindowFilter
@@ -66,7 +67,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     wrapped module. The training thread of the process that built it calls every method;
     ``get_unique``/``clear``/``flush`` may also be called from another thread as long as calls
     do not overlap. The log may be read meanwhile by other processes (``DeltaConsumer``, tools).
-    ``model`` is the module to track (``dmp._dmp_wrapped_module`` for a DMP).
+    ``model`` is the module to track (the module a DMP wraps, for a DMP).
 
     Raises:
         InvalidInputError: bad config (no path, EMBEDDING on an EBC, bad consumer names).
@@ -441,8 +442,8 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     Raises:
         InvalidInputError: ``dmp`` is not a DMP, or it already has a delta tracker.
     """
-    trackers, wrapped = getattr(dmp, "model_trackers", None), getattr(dmp, "_dmp_wrapped_module", None)
-    if trackers is None or not isinstance(wrapped, nn.Module):
+    trackers, wrapped = getattr(dmp, "model_trackers", None), dmp_wrapped_module(dmp)
+    if trackers is None or wrapped is None:
         raise InvalidInputError("attach() needs a torchrec DistributedModelParallel")
     existing = trackers.get(Trackers.DELTA_TRACKER.name)
     if existing is not None:

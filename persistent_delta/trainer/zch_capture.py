@@ -43,6 +43,7 @@ from persistent_delta.log import codec
 from persistent_delta.log.deltalog import WriteTxn
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.log.zch_records import GIVEN, NO_RAW_ID, ZCH_META, iter_side, raw_ids_states, slots_states
+from persistent_delta.trainer import torchrec_internals as trec
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,11 @@ class _Table:
 
     def default_slot(self) -> int:
         """Shard-local slot that MCH gives every raw id it has not admitted."""
-        return int(self.mcm._zch_size) - 1  # type: ignore[arg-type]
+        return trec.mch_size(self.mcm) - 1
 
     def slot_raw(self) -> torch.Tensor:
         """Shard-local slot -> raw id (``NO_RAW_ID`` for an empty slot) from the MCH buffers."""
-        sorted_raw: torch.Tensor = self.mcm._mch_sorted_raw_ids  # type: ignore[assignment]
-        mapping: torch.Tensor = self.mcm._mch_remapped_ids_mapping  # type: ignore[assignment]
+        sorted_raw, mapping = trec.mch_sorted_raw_ids(self.mcm), trec.mch_slot_mapping(self.mcm)
         out = torch.full((self.rows,), NO_RAW_ID, dtype=torch.int64)
         held = sorted_raw != _EMPTY_RAW
         out[mapping[held] - self.row_offset] = sorted_raw[held]
@@ -109,9 +109,10 @@ class ZchCapture:
         for path, module in model.named_modules():
             if not isinstance(module, _MC_MODULES):
                 continue
-            self._embedding_modules.append(module._embedding_module)
-            mcc = module._managed_collision_collection
-            for name, mcm in mcc._managed_collision_modules.items():
+            self._embedding_modules.append(trec.mc_embedding_module(module))
+            mcc = trec.mc_collection(module)
+            tbes = trec.table_tbes(module)
+            for name, mcm in trec.mc_modules(mcc).items():
                 fqns = [f for f in by_name.get(name, []) if f.startswith(_clean(path) + ".") or not _clean(path)]
                 if not fqns:
                     continue  # skipped (fqns_to_skip) or no shard here
@@ -120,8 +121,7 @@ class ZchCapture:
                                    type(mcm).__name__)
                     continue
                 _, row_offset, rows = tables[fqns[0]]
-                tbe = getattr(module, "_table_to_tbe_and_index", {}).get(name)
-                self.tables[fqns[0]] = _Table(fqns[0], name, mcc, mcm, row_offset, rows, tbe)
+                self.tables[fqns[0]] = _Table(fqns[0], name, mcc, mcm, row_offset, rows, tbes.get(name))
 
     def describe(self, fqn: str) -> Dict[str, Any]:
         """What the table entry's shard metadata says about a managed-collision table (nothing
@@ -154,11 +154,12 @@ class ZchCapture:
                 self._set(mcc, "post_lookup_tracker_fn", self._hash_zch_hook(mcc.post_lookup_tracker_fn))
         for t in self.tables.values():
             if t.kind == "mch":
-                mcm, policy = t.mcm, t.mcm._eviction_policy
-                self._set(mcm, "_update_and_evict", self._evict_hook(t, mcm._update_and_evict))
+                mcm, policy = t.mcm, trec.mch_eviction_policy(t.mcm)
+                evict, sort = trec.MCH_UPDATE_AND_EVICT, trec.MCH_SORT_BUFFERS
+                self._set(mcm, evict, self._evict_hook(t, getattr(mcm, evict)))
                 self._set(policy, "update_metadata_and_generate_eviction_scores",
                           self._policy_hook(t, policy.update_metadata_and_generate_eviction_scores))
-                self._set(mcm, "_sort_mch_buffers", self._sort_hook(t, mcm._sort_mch_buffers))
+                self._set(mcm, sort, self._sort_hook(t, getattr(mcm, sort)))
 
     def _touched(self, t: _Table, slots: torch.Tensor) -> None:
         """A reassigned slot's row is re-initialised by TorchRec (``_evict``) whether or not this
@@ -235,7 +236,7 @@ class ZchCapture:
                 admitted = torch.ones_like(slots, dtype=torch.bool)
                 maybe = slots == t.default_slot()
                 if bool(maybe.any()):  # only ids in the default slot may be unadmitted
-                    sorted_raw = t.mcm._mch_sorted_raw_ids
+                    sorted_raw = trec.mch_sorted_raw_ids(t.mcm)
                     cand = raw[maybe]
                     pos = torch.searchsorted(sorted_raw[:-1], cand)
                     admitted[maybe] = sorted_raw[pos] == cand
@@ -260,7 +261,7 @@ class ZchCapture:
             if not t.evicting:
                 return result
             positions = result[0]
-            sorted_raw, mapping = t.mcm._mch_sorted_raw_ids, t.mcm._mch_remapped_ids_mapping
+            sorted_raw, mapping = trec.mch_sorted_raw_ids(t.mcm), trec.mch_slot_mapping(t.mcm)
             taken = sorted_raw[positions].clone()
             taken[taken == _EMPTY_RAW] = NO_RAW_ID
             t.moving = (positions.clone(), mapping[positions] - t.row_offset, taken)
@@ -273,7 +274,7 @@ class ZchCapture:
             if t.evicting and t.moving is not None:  # between the assignment and the re-sort
                 positions, slots, taken = t.moving
                 t.moving = None
-                given = t.mcm._mch_sorted_raw_ids[positions].clone()
+                given = trec.mch_sorted_raw_ids(t.mcm)[positions].clone()
                 given[given == _EMPTY_RAW] = NO_RAW_ID
                 changed = taken != given
                 if bool(changed.any()):
@@ -363,7 +364,7 @@ def cpu_eviction_fallback(dmp: nn.Module) -> int:
 
     n = 0
     for module in dmp.modules():
-        for tbe, _ in getattr(module, "_table_to_tbe_and_index", {}).values():
+        for tbe, _ in trec.table_tbes(module).values():
             tbe.reset_embedding_weight_momentum = types.MethodType(_reset_weight_momentum_cpu, tbe)
             n += 1
     return n
