@@ -37,10 +37,6 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def _fill(path: str) -> str:
-    return fill_filesystem(path)
-
-
 def test_disk_full_is_a_clear_error_and_loses_nothing(small_fs):
     log_dir = os.path.join(small_fs, "log")
     opts = LogOptions(map_size=64 << 20)
@@ -49,7 +45,7 @@ def test_disk_full_is_a_clear_error_and_loses_nothing(small_fs):
     for b in range(3):
         store.append(b, "t", torch.arange(1000) + b, torch.full((1000, 8), float(b)))
         committed += 1
-    filler = _fill(small_fs)
+    filler = fill_filesystem(small_fs)
     with pytest.raises(LogFullError, match="no space left"):
         for b in range(3, 200):
             store.append(b, "t", torch.arange(20000) + b, torch.full((20000, 8), float(b)))
@@ -72,7 +68,7 @@ def test_writer_reports_disk_full_keeps_the_queue_and_resumes(small_fs):
     writer = BackgroundWriter(log, UpdateMode.NONE)
     writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.arange(100))]))
     writer.barrier()
-    filler = _fill(small_fs)
+    filler = fill_filesystem(small_fs)
     writer.submit(StepWrite(records=[AppendRecord(1, "t", torch.arange(200_000))]))
     with pytest.raises(WriterError, match="No space|no space") as info:
         writer.barrier()

@@ -14,6 +14,7 @@ from persistent_delta import DeltaConsumer, DeltaReader, LmdbDeltaStore
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.cli import main
 from persistent_delta.cli.replay import file_name, load_export, replay
+from procs import REPO
 
 
 def _store(path: str, fqns, batches: int = 3) -> None:
@@ -171,8 +172,7 @@ def test_a_deleted_lock_file_stops_writers_and_vacuum(tmp_path, capsys):
     with pytest.raises(LogLockedError, match="lock.mdb was deleted"):
         s.append(9, "t", torch.tensor([1]))
     s.close()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", HOLD_OPEN, path], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "OPEN"

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
+from logs import Record, fill_ranks
 from persistent_delta import DeltaConsumer, LmdbDeltaStore
 from persistent_delta.cli import main
 from persistent_delta.log import records
@@ -24,14 +25,11 @@ from persistent_delta.cli.replay import load_export, replay
 from persistent_delta.log.records import read_unique
 
 
-def _fill(root: str, ranks: int = 2, batches: int = 10) -> None:
-    """Plain stores: batch b of rank r touches ids {b % 7, (3b) % 11} (+50r) of "t" and {b} of "u"."""
-    for r in range(ranks):
-        with LmdbDeltaStore(os.path.join(root, f"rank-{r}"), UpdateMode.LAST) as s:
-            for b in range(batches):
-                ids = torch.tensor([b % 7, (3 * b) % 11]) + 50 * r
-                s.append(b, "t", ids, torch.stack([ids.double() * 10 + b] * 2, dim=1))
-                s.append(b, "u", torch.tensor([b]), torch.tensor([[float(b)]]))
+def _revisits(rank: int, b: int) -> List[Record]:
+    """Batch b of rank r touches ids {b % 7, (3b) % 11} (+50r) of "t" and {b} of "u"."""
+    ids = torch.tensor([b % 7, (3 * b) % 11]) + 50 * rank
+    return [("t", ids, torch.stack([ids.double() * 10 + b] * 2, dim=1)),
+            ("u", torch.tensor([b]), torch.tensor([[float(b)]]))]
 
 
 def _expected(root: str, ranks: int, start: int, end: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
@@ -58,7 +56,7 @@ def _expected(root: str, ranks: int, start: int, end: int) -> Dict[str, Tuple[to
 
 def test_spans_read_back_equal_the_log(tmp_path):
     root, out = str(tmp_path / "log"), str(tmp_path / "out")
-    _fill(root)
+    fill_ranks(root, _revisits, ranks=2, batches=10, mode=UpdateMode.LAST)
     buf = io.StringIO()
     assert main(["replay", root, "--from-batch", "2", "--to-batch", "9", "--span", "3", "--out", out], stdout=buf) == 0
     assert "3 span(s)" in buf.getvalue()
@@ -78,7 +76,7 @@ def test_spans_read_back_equal_the_log(tmp_path):
 
 def test_dry_run_consumer_range_and_commit(tmp_path):
     root, out = str(tmp_path / "log"), str(tmp_path / "out")
-    _fill(root)
+    fill_ranks(root, _revisits, ranks=2, batches=10, mode=UpdateMode.LAST)
     with DeltaConsumer(root, "exp") as c:
         c.seek(4)
         c.commit()
@@ -97,7 +95,7 @@ def test_dry_run_consumer_range_and_commit(tmp_path):
 
 def test_replay_refusals(tmp_path, capsys):
     root = str(tmp_path / "log")
-    _fill(root, ranks=1)
+    fill_ranks(root, _revisits, ranks=1, batches=10, mode=UpdateMode.LAST)
     with LmdbDeltaStore(os.path.join(root, "rank-0"), UpdateMode.LAST) as s:
         s.delete(3)
     capsys.readouterr()

@@ -25,8 +25,8 @@ from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, 
 from persistent_delta.trainer.window import WindowFilter
 from persistent_delta.trainer.operations import StepWrite
 from persistent_delta.trainer.writer import commit_operations
+from procs import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ids(b: int, rank: int = 0) -> torch.Tensor:
@@ -215,7 +215,7 @@ def test_handles_left_open_warn_and_consumers_never_commit_implicitly(tmp_path):
 
 TRAINER_WITHOUT_CLOSE = """
 import os, sys
-sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+sys.path.insert(0, os.path.join(sys.argv[2], "tests", "support"))
 from harness import build_sharded_model, init_gloo, make_batches, train_step
 from torchrec.distributed.model_tracker.types import TrackingMode
 from persistent_delta import PersistentTrackerConfig, attach

@@ -307,7 +307,7 @@ def ordered_case(rank: int, world_size: int, root: str, ckpt_root: str, kind: st
 
 def ship_case(rank: int, world_size: int, root: str, steps: int, step_sleep: float = 0.0) -> Dict[str, Any]:
     """Train an MC model ``steps`` steps (16 slots per rank and table, evictions every 2 steps)
-    while a shipper ships the log (tests/test_zch_ship.py); a consumer registered at batch 0
+    while a shipper ships the log (tests/fleet/test_zch_ship.py); a consumer registered at batch 0
     keeps the whole log for the local comparison. Returns the trainer's raw-id maps (union
     over ranks, from the modules' own buffers)."""
     import time

@@ -1,4 +1,4 @@
-"""A serving replica that reads only from the stream (run as a script by tests/test_ship.py).
+"""A serving replica that reads only from the stream (run as a script by tests/fleet/test_ship.py).
 
 It cannot read the trainer's log directory: ``--forbid-by uid`` (the tests' choice under root)
 means it runs as another, unprivileged user and the log root is owner-only, checked at start;

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
+from logs import Record, fill_store
 from persistent_delta import LmdbDeltaStore
 from persistent_delta.log import codec
 from persistent_delta.cli import main
@@ -25,14 +26,14 @@ from procs import popen_python
 MARK = 12345.6789
 
 
-def _fill(path: str, batches: int = 6, rows: int = 400) -> None:
+def _fill_overflowing(path: str, batches: int = 6, rows: int = 400) -> None:
     """Records of "t" are big enough for LMDB overflow pages (written once, never copied), and
     every state value is unique: MARK + 1000 * batch + row + col / 10."""
-    with LmdbDeltaStore(path, UpdateMode.FIRST) as s:
-        for b in range(batches):
-            states = MARK + 1000 * b + torch.arange(rows, dtype=torch.float64).unsqueeze(1) + torch.tensor([0.0, 0.1], dtype=torch.float64)
-            s.append(b, "t", torch.arange(rows) + b, states)
-            s.append(b, "u", torch.tensor([b]), torch.full((1, 2), float(b), dtype=torch.float64))
+    def batch(b: int) -> List[Record]:
+        states = MARK + 1000 * b + torch.arange(rows, dtype=torch.float64).unsqueeze(1) + torch.tensor([0.0, 0.1], dtype=torch.float64)
+        return [("t", torch.arange(rows) + b, states), ("u", torch.tensor([b]), torch.full((1, 2), float(b), dtype=torch.float64))]
+
+    fill_store(path, batch, batches=batches, mode=UpdateMode.FIRST)
 
 
 def _report(root: str) -> Tuple[int, Dict[str, Any]]:
@@ -47,7 +48,7 @@ def _problems(data: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
 def test_clean_log_verifies(tmp_path):
     root = str(tmp_path / "log")
-    _fill(os.path.join(root, "rank-0"))
+    _fill_overflowing(os.path.join(root, "rank-0"))
     code, data = _report(root)
     assert code == 0 and data["ok"] and _problems(data) == []
     assert data["ranks"][0]["records"] == 12
@@ -56,7 +57,7 @@ def test_clean_log_verifies(tmp_path):
 def test_flipped_byte_in_data_file(tmp_path, capsys):
     root = str(tmp_path / "log")
     path = os.path.join(root, "rank-0")
-    _fill(path)
+    _fill_overflowing(path)
     marker = struct.pack("<d", MARK + 3000 + 7)  # batch 3, row 7, column 0
     with open(os.path.join(path, "data.mdb"), "r+b") as f:
         raw = f.read()
@@ -84,7 +85,7 @@ def test_flipped_byte_in_data_file(tmp_path, capsys):
 def test_structural_damage(tmp_path):
     root = str(tmp_path / "log")
     for r in range(2):
-        _fill(os.path.join(root, f"rank-{r}"))
+        _fill_overflowing(os.path.join(root, f"rank-{r}"))
     with DeltaLog(os.path.join(root, "rank-1"), writer_lock=False) as log:
         def damage(w: Any) -> None:
             w.set_consumer("far", ConsumerEntry(offset=99, commit_time=1.0))
@@ -155,7 +156,7 @@ time.sleep(600)
 def test_vacuum_refuses_while_open_then_compacts(tmp_path, capsys):
     root = str(tmp_path / "log")
     path = os.path.join(root, "rank-0")
-    _fill(path, batches=60, rows=1000)
+    _fill_overflowing(path, batches=60, rows=1000)
     with LmdbDeltaStore(path, UpdateMode.FIRST) as s:
         s.delete(55)
     before = _dump(path)

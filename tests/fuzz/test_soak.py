@@ -43,9 +43,8 @@ from harness import SPARSE_FQN, feature_names, make_batches
 from persistent_delta.cli import main as cli_main
 from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog
-from procs import REPO
+from procs import REPO, SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = 1000
 NUM_BATCHES = 256  # batch_idx b feeds batch (b - 1) % NUM_BATCHES
 BATCH_SIZE = 16
@@ -239,7 +238,7 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
     procs: Dict[str, subprocess.Popen] = {}
     sizes: List[Tuple[float, int]] = []
     try:
-        procs["trainer"] = _start(tmp_path, "trainer", TRAINER, HERE, root, ready, go, str(seconds), str(ROWS),
+        procs["trainer"] = _start(tmp_path, "trainer", TRAINER, SUPPORT, root, ready, go, str(seconds), str(ROWS),
                                   str(NUM_BATCHES), str(BATCH_SIZE), str(SEED))
         for i, name in enumerate(CONSUMERS):
             procs[name] = _start(tmp_path, name, CONSUMER, root, name, str(tmp_path / f"{name}.polls"), ready, done,

@@ -34,7 +34,6 @@ import datetime
 import gc
 import os
 import pickle
-import socket
 import time
 import traceback
 import types
@@ -50,6 +49,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     DenseTableBatchedEmbeddingBagsCodegen,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from persistent_delta.testing import free_port
 from torch import nn
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.multiprocessing.spawn import ProcessException, start_processes
@@ -354,15 +354,9 @@ def get_local_optimizer_state(dmp: nn.Module, fqn: str) -> List[torch.Tensor]:
     return list(states[i]) if states else []
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_gloo(rank: int = 0, world_size: int = 1, port: int = 0, timeout: float = 60.0) -> None:
     """Join a gloo group on localhost (``port`` 0: a free one; one rank only), one torch thread."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
@@ -406,7 +400,7 @@ def run_spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     queue = mp.get_context("spawn").SimpleQueue()
     ctx = start_processes(  # type: ignore[no-untyped-call]
-        _spawn_entry, args=(fn, world_size, _free_port(), queue, timeout, args),
+        _spawn_entry, args=(fn, world_size, free_port(), queue, timeout, args),
         nprocs=world_size, join=False, start_method="spawn")
     results: Dict[int, Any] = {}
     errors: List[Tuple[float, int, str]] = []

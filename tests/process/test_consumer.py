@@ -14,6 +14,7 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows, UpdateMode
 
+from logs import Record, fill_ranks
 from persistent_delta.errors import (
     ConfigMismatchError,
     InvalidInputError,
@@ -31,13 +32,10 @@ from persistent_delta.log import position_rules
 from procs import popen_python, run_python
 
 
-def _fill(root: str, ranks: int = 2, batches: int = 6, start: int = 0) -> None:
-    """Plain stores under root/rank-r: batch b of rank r holds ids {b, b+1} (+100*r) of "t"."""
-    for r in range(ranks):
-        with LmdbDeltaStore(os.path.join(root, f"rank-{r}"), UpdateMode.FIRST) as s:
-            for b in range(start, start + batches):
-                ids = torch.tensor([b, b + 1]) + 100 * r
-                s.append(b, "t", ids, ids.float().unsqueeze(1).repeat(1, 3))
+def _two_ids(rank: int, b: int) -> List[Record]:
+    """Batch b of rank r holds ids {b, b+1} (+100*r) of "t", each row's 3 states equal to its id."""
+    ids = torch.tensor([b, b + 1]) + 100 * rank
+    return [("t", ids, ids.float().unsqueeze(1).repeat(1, 3))]
 
 
 def _ids(poll: Any) -> Dict[int, List[int]]:
@@ -46,7 +44,7 @@ def _ids(poll: Any) -> Dict[int, List[int]]:
 
 def test_poll_commit_and_redelivery(tmp_path):
     root = str(tmp_path)
-    _fill(root)
+    fill_ranks(root, _two_ids, ranks=2, batches=6, mode=UpdateMode.FIRST)
     with DeltaConsumer(root, "c") as c:
         assert c.position() == {0: 0, 1: 0}
         p = c.poll(max_batches=2)
@@ -75,7 +73,7 @@ def test_poll_commit_and_redelivery(tmp_path):
 
 def test_registration_and_refusals(tmp_path):
     root = str(tmp_path)
-    _fill(root, ranks=1)
+    fill_ranks(root, _two_ids, ranks=1, batches=6, mode=UpdateMode.FIRST)
     with pytest.raises(UnknownConsumerError, match="--register"):
         DeltaConsumer(root, "x", register=False)
     with DeltaConsumer(root, "late", reset="latest") as c:
@@ -109,7 +107,7 @@ def test_registration_and_refusals(tmp_path):
 
 def test_offset_out_of_range_and_reset_policies(tmp_path):
     root = str(tmp_path)
-    _fill(root, ranks=1)
+    fill_ranks(root, _two_ids, ranks=1, batches=6, mode=UpdateMode.FIRST)
     with DeltaConsumer(root, "c") as c:
         c.commit()  # registered at 0
     with LmdbDeltaStore(os.path.join(root, "rank-0"), UpdateMode.FIRST) as s:
@@ -132,7 +130,7 @@ def test_offset_out_of_range_and_reset_policies(tmp_path):
 
 def test_commit_after_delete_refused(tmp_path):
     root = str(tmp_path)
-    _fill(root, ranks=1)
+    fill_ranks(root, _two_ids, ranks=1, batches=6, mode=UpdateMode.FIRST)
     with DeltaConsumer(root, "c") as c:
         c.poll()
         with DeltaLog(os.path.join(root, "rank-0"), writer_lock=False) as log:

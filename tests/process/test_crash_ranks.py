@@ -6,7 +6,6 @@ merged column-wise table without states."""
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,23 +13,17 @@ import time
 import pytest
 
 from persistent_delta import DeltaConsumer
+from persistent_delta.testing import free_port
+from procs import REPO, SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
 pytestmark = pytest.mark.dist
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(root: str, steps: int):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    port = _port()
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "crash_trainer_ranks.py"), root, str(r), str(port),
+    port = free_port()
+    return [subprocess.Popen([sys.executable, os.path.join(SUPPORT, "crash_trainer_ranks.py"), root, str(r), str(port),
                               str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             for r in (0, 1)]
 

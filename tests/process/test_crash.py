@@ -17,15 +17,14 @@ import torch
 from harness import make_batches
 from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog
+from procs import REPO, SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 TABLES = {"sparse.embeddings.table_0": ["feature_0", "feature_1"], "sparse.embeddings.table_1": ["feature_2"]}
 
 
 def start_trainer(root: str, steps: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "crash_trainer.py"), root, str(steps)],
+    return subprocess.Popen([sys.executable, os.path.join(SUPPORT, "crash_trainer.py"), root, str(steps)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

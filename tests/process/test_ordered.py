@@ -20,10 +20,10 @@ from persistent_delta.cli.replay import replay
 from persistent_delta.errors import OrderError
 from persistent_delta.read.ordered import Replica
 from persistent_delta.log.shard_files import load_shards, full_rows, shard_batches
+from procs import REPO
 from zch_cases import ordered_case
 
 pytestmark = pytest.mark.dist
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _setup(tmp_path, kind: str):

@@ -18,8 +18,8 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import DeltaReader, LmdbDeltaStore
 from persistent_delta.log.layout import DATA_FILE
+from procs import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
 import json, sys, traceback

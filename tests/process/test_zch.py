@@ -7,21 +7,19 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from harness import run_spawn
-from nats_servers import nats_server  # noqa: F401 - fixture
 from persistent_delta.cli import main
+from persistent_delta.testing import free_port
+from procs import REPO, SUPPORT
 from zch_cases import hash_zch_case, mch_hook_case
 
 pytestmark = pytest.mark.dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
 
 def test_mch_raw_ids_and_reassignments_match_the_module(tmp_path):
@@ -42,16 +40,10 @@ def test_mch_raw_ids_and_reassignments_match_the_module(tmp_path):
     assert tables and all(t["managed_collision"] == "mch" and t["zch_records"] > 0 for t in tables), tables
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(root: str, phase: str, ckpt: str, skip_restore: bool = False) -> list:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    port = _port()
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "zch_trainer.py"), root, str(r), str(port), phase, ckpt,
+    port = free_port()
+    return [subprocess.Popen([sys.executable, os.path.join(SUPPORT, "zch_trainer.py"), root, str(r), str(port), phase, ckpt,
                               "1" if skip_restore else "0"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
 

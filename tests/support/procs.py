@@ -10,7 +10,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SUPPORT = os.path.dirname(os.path.abspath(__file__))  # the modules tests share; some run as scripts
 
 
 def run_python(code: str, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:

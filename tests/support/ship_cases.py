@@ -1,18 +1,20 @@
-"""Trainer and replica sides of the shipping tests (tests/test_ship.py): spawnable trainer
-ranks, and a replica process that reads only from the stream."""
+"""Trainer and replica sides of the shipping tests (tests/fleet/): spawnable trainer ranks, a
+replica process that reads only from the stream, and waits on what the stream holds."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torchrec.distributed.model_tracker.types import TrackingMode
 
 from persistent_delta import PersistentTrackerConfig, attach
 from persistent_delta.config import RetentionBound
+from persistent_delta.fleet import nats, subjects, wire
+from persistent_delta.read.consumer import DeltaReader
 from harness import build_sharded_model, make_batches, table_shard_info, train_step
 
 ROWS, DIM, TABLES, SEED = 100, 8, 2, 3
@@ -97,3 +99,27 @@ def dp_trainer(rank: int, world_size: int, root: str, out: str) -> Dict[str, Any
     torch.save(shards, os.path.join(out, f"rank-{rank}.pt"))
     t.close()
     return {}
+
+
+def stream_caught_up(root: str, url: str, job: str, channel: str) -> bool:
+    """Whether the stream holds every batch of the local logs' channel (ends equal)."""
+    with DeltaReader(root, channel=channel) as r:
+        local = r.end_offsets()
+    conn = nats.Connection(url)
+    try:
+        for rank, end in local.items():
+            last = conn.last_message(job, subjects.end_subject(job, channel, rank))
+            if last is None or wire.Marker.decode(last.data, last.seq, "test").end != end:
+                return False
+        return True
+    finally:
+        conn.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``cond`` every 0.1 s; raise AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)

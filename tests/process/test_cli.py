@@ -16,19 +16,16 @@ import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
-from persistent_delta import DeltaConsumer, LmdbDeltaStore
+from persistent_delta import DeltaConsumer
 from persistent_delta.cli import main
+from logs import Record, fill_ranks
 from persistent_delta.log.deltalog import DeltaLog
 from procs import REPO
 
 
-def _fill(root: str, ranks: int = 2, batches: int = 8) -> None:
-    """Plain stores: batch b has 3 ids of "t" and b % 3 + 1 ids of "u"."""
-    for r in range(ranks):
-        with LmdbDeltaStore(os.path.join(root, f"rank-{r}"), UpdateMode.NONE) as s:
-            for b in range(batches):
-                s.append(b, "t", torch.tensor([b, b + 10, b + 20]))
-                s.append(b, "u", torch.arange(b % 3 + 1))
+def _three_t_some_u(rank: int, b: int) -> List[Record]:
+    """Batch b has 3 ids of "t" and b % 3 + 1 ids of "u" (ids only)."""
+    return [("t", torch.tensor([b, b + 10, b + 20]), None), ("u", torch.arange(b % 3 + 1), None)]
 
 
 def _json(argv: List[str]) -> Any:
@@ -46,7 +43,7 @@ def _offsets(root: str) -> Dict[int, Dict[str, int]]:
 
 def test_describe_lag_pending_and_tables(tmp_path):
     root = str(tmp_path / "log")
-    _fill(root)
+    fill_ranks(root, _three_t_some_u, ranks=2, batches=8)
     with DeltaConsumer(root, "c") as c:
         c.poll(max_batches=5)
         c.commit()
@@ -70,7 +67,7 @@ def test_describe_lag_pending_and_tables(tmp_path):
 
 def test_reset_register_delete_dry_run_then_execute(tmp_path, capsys):
     root = str(tmp_path / "log")
-    _fill(root)
+    fill_ranks(root, _three_t_some_u, ranks=2, batches=8)
     with DeltaConsumer(root, "c") as c:
         c.seek(6)
         c.commit()
@@ -136,7 +133,7 @@ def test_subprocesses_module_and_tools(tmp_path, monkeypatch, capsys):
     script failing; stderr is not a terminal, so no progress bar is drawn. The other tools/
     script runs here as ``__main__``."""
     root, out = str(tmp_path / "log"), str(tmp_path / "out")
-    _fill(root)
+    fill_ranks(root, _three_t_some_u, ranks=2, batches=8)
     module = _run("-m", "persistent_delta", "offsets", root, "--register", "ext", "--execute", "--format", "json")
     error = _run(os.path.join("tools", "inspect_offsets.py"), str(tmp_path / "missing"))
     code, stdout, stderr = module.wait(timeout=120), module.stdout.read(), module.stderr.read()  # type: ignore[union-attr]
@@ -157,7 +154,7 @@ def test_subprocesses_module_and_tools(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_one_renderer_for_every_command(tmp_path, fmt):
     root = str(tmp_path / "log")
-    _fill(root, ranks=1)
+    fill_ranks(root, _three_t_some_u, ranks=1, batches=8)
     for argv in (["offsets", root], ["verify", root], ["replay", root, "--from-batch", "0", "--to-batch", "2",
                                                           "--dry-run"], ["vacuum", root]):
         buf = io.StringIO()
@@ -176,7 +173,7 @@ class _Terminal(io.StringIO):
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
     root = str(tmp_path / "log")
-    _fill(root, ranks=1)
+    fill_ranks(root, _three_t_some_u, ranks=1, batches=8)
     err = _Terminal() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     argv = ["replay", root, "--from-batch", "0", "--to-batch", "8", "--span", "2", "--dry-run"]

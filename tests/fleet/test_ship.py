@@ -1,5 +1,5 @@
 """Across hosts: shipper -> NATS JetStream -> remote consumers, against real servers started on
-127.0.0.1 (tests/nats_servers.py), real trainer ranks (gloo), real SIGKILLs."""
+127.0.0.1 (the ``nats_server`` fixtures), real trainer ranks (gloo), real SIGKILLs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from harness import run_spawn
-from nats_servers import nats_cluster, nats_server  # noqa: F401 - fixtures
 from persistent_delta import LmdbDeltaStore, apply_poll
 from persistent_delta.cli import main as cli_main
 from persistent_delta.read.consumer import DeltaReader
@@ -31,15 +30,13 @@ from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.fleet.ship import Shipper
 from persistent_delta.fleet import nats, subjects, wire
 from persistent_delta.fleet.transport import StreamOptions
-from procs import REPO, other_uid
-from ship_cases import assemble, trainer
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from procs import REPO, SUPPORT, other_uid
+from ship_cases import assemble, stream_caught_up, trainer, wait_for
 
 
 def _env() -> Dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = REPO + os.pathsep + SUPPORT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -92,7 +89,7 @@ def start_shipper(root: str, url: str, job: str, *extra: str) -> subprocess.Pope
 def start_replica(url: str, job: str, forbid: str, out: str, stop: str, *extra: str) -> subprocess.Popen:
     """The replica script, unable to read ``forbid`` (the log root): under root it runs as
     ``nobody`` (the log root is owner-only), otherwise an audit hook fails every open under it."""
-    args = [os.path.join(HERE, "ship_replica.py"), "--server", url, "--job", job, "--forbid", forbid,
+    args = [os.path.join(SUPPORT, "ship_replica.py"), "--server", url, "--job", job, "--forbid", forbid,
             "--out", out, "--stop-file", stop, *extra]
     log = os.path.join(out, "replica.log")
     ou = other_uid()
@@ -124,29 +121,6 @@ def stop_proc(p: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
         p.wait()
     with open(p.log) as f:  # type: ignore[attr-defined]
         return f.read()[-4000:]
-
-
-def stream_caught_up(root: str, url: str, job: str, channel: str) -> bool:
-    """Whether the stream holds every batch of the local logs' channel (ends equal)."""
-    with DeltaReader(root, channel=channel) as r:
-        local = r.end_offsets()
-    conn = nats.Connection(url)
-    try:
-        for rank, end in local.items():
-            last = conn.last_message(job, subjects.end_subject(job, channel, rank))
-            if last is None or wire.Marker.decode(last.data, last.seq, "test").end != end:
-                return False
-        return True
-    finally:
-        conn.close()
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def read_polls(path: str) -> List[Dict[str, Any]]:

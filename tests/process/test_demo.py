@@ -5,7 +5,8 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from procs import REPO
+
 DEMO = os.path.join(REPO, "examples", "demo.py")  # `make demo`
 SMALL = ["--steps=30", "--kill-at=17", "--checkpoint-every=10", "--publish-every=10", "--rows=3000", "--batch=64"]
 

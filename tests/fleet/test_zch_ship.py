@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from harness import run_spawn
-from nats_servers import nats_server  # noqa: F401 - fixture
 from persistent_delta import RawIdMap
 from persistent_delta.log import codec
 from persistent_delta.read.consumer import DeltaReader
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper
 from persistent_delta.log.zch_records import ZchDelta, reduce_raw_ids, side_delta
-from test_ship import stream_caught_up, wait_for
+from ship_cases import stream_caught_up, wait_for
 from zch_cases import ship_case
 
 FIELDS = ("raw_ids", "slot_ids", "unadmitted_raw_ids", "slots", "taken", "given", "evicted_raw_ids")
