@@ -1,4 +1,4 @@
-"""Damaged files (issue 13 items 3 and 13): truncations and byte flips on copies of a real log,
+"""Damaged files: truncations and byte flips on copies of a real log,
 opened by every tool and by a consumer, each in its own process: never a death by signal, never
 an exception that is not the library's, and a poll that succeeds returns exactly the undamaged
 rows unless verify reports damage."""

@@ -24,8 +24,8 @@ The reference for a read at position ``p`` up to ``end`` whose read start is ``s
 
 Compaction must not change any registered consumer's next read (nor what a restore re-delivers
 from the checkpoint floor), and retention must delete nothing at or above a non-expired
-consumer's position or the checkpoint floor. Known bugs it found are listed below
-(``KNOWN_BUG_*``), with a minimal example each at the end of the file.
+consumer's position or the checkpoint floor. Minimal cases the machine found stay at the end of
+the file as regression tests, one rule each.
 """
 
 from __future__ import annotations
@@ -66,16 +66,6 @@ from persistent_delta.trainer.writer import commit_operations
 TABLES = ("t0", "t1")
 ROWS = 20  # small id range: ids repeat across batches, so the filter and FIRST/LAST matter
 ITX, POLL = Delivery.IN_TRANSACTION, Delivery.POLL_COMMIT
-
-# Known bugs that this machine found (see the xfail(strict) tests at the end for minimal
-# examples). While a flag is True, the machine skips the steps that would run into that bug
-# (or, for C, runs the read without retention); set it to False once its xfail test passes, to
-# check the fix here too.
-KNOWN_BUG_A_COMPACTION_ACROSS_A_READ_START = False
-KNOWN_BUG_B_COMPACTION_ACROSS_THE_OPEN_BATCH = False
-KNOWN_BUG_C_RETENTION_INSIDE_A_WINDOW = False
-KNOWN_BUG_D_EMPTY_RECORD_LOSES_ITS_WINDOW = False  # (window.py/writer.py): no empty lookups drawn
-KNOWN_BUG_E_COMPACTION_BELOW_THE_LOG_START = False
 
 # table -> id -> state (a tuple, or None in NONE mode)
 Rows = Dict[str, Dict[int, Optional[Tuple[float, ...]]]]
@@ -127,7 +117,7 @@ BATCH = st.tuples(
     st.lists(
         st.tuples(
             st.sampled_from(TABLES),
-            st.lists(st.integers(0, ROWS - 1), min_size=int(KNOWN_BUG_D_EMPTY_RECORD_LOSES_ITS_WINDOW), max_size=8),
+            st.lists(st.integers(0, ROWS - 1), max_size=8),
         ),
         min_size=1,
         max_size=3,
@@ -254,61 +244,13 @@ class DeliveryMachine(RuleBasedStateMachine):
             out["checkpoint floor"] = as_rows(read_unique(r, self.mode, from_idx=self.cp), self.mode)
         return out
 
-    @staticmethod
-    def _skipped(bug: str) -> None:
-        """The step would run into a known bug (see the flags at the top): it is skipped."""
-        event(f"step skipped: known bug {bug}")
-
-    def _open_batch_merged(self) -> bool:
-        """Known bug B's state: a table's record of the open batch (the channel end) was merged
-        into a record stamped below it, so a consumer registered at the end never reads it and a
-        poll up to the end returns part of the open batch."""
-        end = self._end()
-        fqns = {fqn for b, fqn, _, _ in self.raw if b == end}
-
-        def missing(r: ReadTxn) -> bool:
-            return any(not list(r.iter_record_keys(r.table(fqn).table_id, end, end + 1)) for fqn in fqns)
-
-        return bool(fqns) and self.log.read(missing)
-
-    def _crosses_a_read_start(self, start: int, end: int) -> bool:
-        """Known bug A's trigger: ``[start, end)`` strictly contains the read start of a position
-        inside a filtered window (a registered one, or the end, where a registration lands), and
-        no cut of safe_pieces (a position, the checkpoint floor) lies there."""
-        cuts = {c.committed for c in self.consumers.values()} | ({self.cp} if self.cp is not None else set())
-        positions = {self._end()} | {p for c in self.consumers.values() for p in (c.committed, c.pos)}
-        starts = self.log.read(lambda r: {s for p in positions if (s := position_rules.read_start(r, p)) < p})
-        return any(start < s < end and s not in cuts for s in starts)
-
-    def _merges_below_the_log_start(self, start: int, end: int) -> bool:
-        """Known bug E's trigger: a piece of safe_compact(start, end) (cut at every position and
-        the checkpoint floor, capped at the lowest poller) begins below the log start and holds
-        two or more records of a table: they would be merged into a record stamped below it."""
-        low = self.start
-        cuts = {c.committed for c in self.consumers.values()} | ({self.cp} if self.cp is not None else set())
-        polled = [c.committed for c in self.consumers.values() if c.delivery == POLL]
-        cap = min([end] + polled)
-        if not start < low < cap:
-            return False
-        a = max([start] + [c for c in cuts if start < c <= low])
-        b = min([cap] + [c for c in cuts if low < c < cap])
-        if a == low:
-            return False
-        return self.log.read(
-            lambda r: any(len(list(r.iter_record_keys(e.table_id, low, b))) >= 2 for e in r.tables().values())
-        )
-
     def _keys_from(self, r: ReadTxn, start: int):
         return {(fqn, b, s) for fqn, e in r.tables().items() for b, s, _ in r.iter_record_keys(e.table_id, start)}
 
-    def _retention_start(self, k: Optional[int], moved: Optional[Tuple[str, int]] = None) -> Tuple[Set[str], int]:
-        """The model of enforce_retention (after ``moved`` = (consumer, position) committed): the
-        consumers expired afterwards, and the log start."""
+    def _retention_start(self, k: Optional[int]) -> Tuple[Set[str], int]:
+        """The model of enforce_retention: the consumers expired afterwards, and the log start."""
         committed = {n: c.committed for n, c in self.consumers.items()}
         expired = {n for n, c in self.consumers.items() if c.expired}
-        if moved is not None:
-            committed[moved[0]] = moved[1]
-            expired.discard(moved[0])
         if k is not None:
             end = self._end()
             expired |= {n for n, off in committed.items() if end - off > k}
@@ -325,21 +267,6 @@ class DeliveryMachine(RuleBasedStateMachine):
         expired, self.start = self._retention_start(k)
         for name in expired:
             self.consumers[name].expired = True
-
-    def _start_inside_a_window(self, new_start: int) -> bool:
-        """Known bug C's trigger: raising the log start to ``new_start`` deletes part of a
-        filtered window that records at or after ``new_start`` belong to."""
-        if new_start <= self.start:
-            return False
-
-        def look(r: ReadTxn) -> bool:
-            return any(
-                rec.window_start is not None and rec.window_start < new_start
-                for e in r.tables().values()
-                for rec in r.iter_records(e.table_id, new_start)
-            )
-
-        return self.log.read(look)
 
     def _check_retention(self, before_start: int) -> None:
         """Nothing at or above a live position or the checkpoint floor was deleted; expired
@@ -398,8 +325,6 @@ class DeliveryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.registered < 4)
     @rule(poll=st.booleans(), latest=st.booleans())
     def register(self, poll: bool, latest: bool) -> None:
-        if KNOWN_BUG_B_COMPACTION_ACROSS_THE_OPEN_BATCH and latest and self._open_batch_merged():
-            return self._skipped("B")
         kind = POLL if poll else ITX
         name = f"{'poll' if poll else 'itx'}{self.registered}"
         self.registered += 1
@@ -426,10 +351,6 @@ class DeliveryMachine(RuleBasedStateMachine):
         end = self.curr + 1  # through the open batch
         bound = None if k is None else RetentionBound(max_batches=k)
         start_before = self.start
-        if KNOWN_BUG_C_RETENTION_INSIDE_A_WINDOW and delete_on_read:
-            if self._start_inside_a_window(self._retention_start(k, (name, end))[1]):
-                self._skipped("C")
-                delete_on_read = False  # (the read itself is still checked)
 
         def txn(w):
             s = position_rules.read_start(w, w.consumer(name).offset)
@@ -453,8 +374,6 @@ class DeliveryMachine(RuleBasedStateMachine):
         name = names[idx % len(names)]
         c = self.consumers[name]
         pos = c.pos
-        if KNOWN_BUG_B_COMPACTION_ACROSS_THE_OPEN_BATCH and self._open_batch_merged():
-            return self._skipped("B")
 
         def read(r):
             start, end = position_rules.bounds(r, LOOKUPS)
@@ -504,10 +423,6 @@ class DeliveryMachine(RuleBasedStateMachine):
         changes, nor what a restore re-delivers."""
         start %= self.curr + 2
         length = 1 + length % (self.curr + 3 - start)
-        if KNOWN_BUG_A_COMPACTION_ACROSS_A_READ_START and self._crosses_a_read_start(start, start + length):
-            return self._skipped("A")
-        if KNOWN_BUG_E_COMPACTION_BELOW_THE_LOG_START and self._merges_below_the_log_start(start, start + length):
-            return self._skipped("E")
         before = self.log.read(self._read_positions)
         merged = self.log.write(lambda w: position_rules.safe_compact(w, self.mode, start, start + length))
         event(f"compaction merged records: {bool(merged)}")
@@ -523,8 +438,6 @@ class DeliveryMachine(RuleBasedStateMachine):
         """delete_on_read's retention, with or without a bound."""
         bound = None if k is None else RetentionBound(max_batches=k)
         start_before = self.start
-        if KNOWN_BUG_C_RETENTION_INSIDE_A_WINDOW and self._start_inside_a_window(self._retention_start(k)[1]):
-            return self._skipped("C")
         expired, _ = self._retention_start(k)
         live = [c.committed for n, c in self.consumers.items() if n not in expired]
         floor = min(live + ([self.cp] if self.cp is not None else []), default=0)  # (none live: nothing goes)
@@ -565,9 +478,7 @@ TestDelivery = DeliveryMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------
-# Known bugs the machine found, as minimal examples. Each test asserts the correct behaviour and
-# is xfail(strict=True): it fails (as expected) on the current code and turns into an error as
-# soon as the bug is fixed -- then remove its xfail and set its KNOWN_BUG_* flag to False.
+# Minimal cases the machine found, each a regression test of one rule.
 
 
 def _tracker_log(tmp_path, mode: UpdateMode):
@@ -612,9 +523,9 @@ def _poll(log, pos: int) -> Tuple[int, int, List[int]]:
     return log.read(read)
 
 
-@pytest.mark.skipif(False, reason="known bug A (position_rules.safe_pieces): compaction across the window start "
-                   "that a position inside a filtered window reads from loses rows")
-def test_known_bug_a_compaction_across_a_read_start(tmp_path):
+def test_compaction_keeps_the_window_start_a_position_reads_from(tmp_path):
+    """safe_pieces cuts at the window start that a position inside a filtered window reads from,
+    so a compaction across it loses none of that position's rows."""
     mode = UpdateMode.FIRST
     log, window = _tracker_log(tmp_path, mode)
     _append(log, mode, window, 1, [5])
@@ -626,14 +537,13 @@ def test_known_bug_a_compaction_across_a_read_start(tmp_path):
     _consume(log, mode, window, "default", 4)  # positions {late: 3, default: 4}
     assert log.read(lambda r: position_rules.safe_pieces(r, 1, 3)) == [(1, 2), (2, 3)]  # 2: no position, a window start
     log.write(lambda w: position_rules.safe_compact(w, mode, 1, 3))  # batch 2 now lives in a record at 1
-    # BUG A: id 0, touched in batch 3 (>= late's position), is never delivered: late reads from
-    # 2, and the only record holding 0 was merged into batch 1's.
+    # id 0, touched in batch 3 (>= late's position), still reaches late, which reads from 2
     assert 0 in _consume(log, mode, window, "late", 4)
 
 
-@pytest.mark.skipif(False, reason="known bug B (trainer.consume.consume/safe_pieces): get_unique compacts through the "
-                   "open batch; a consumer registered at the end then never reads that batch")
-def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
+def test_get_unique_does_not_compact_the_open_batch(tmp_path):
+    """TorchRec's get_unique compacts below the open batch only: a consumer registered at the end
+    (on the open batch) still reads that batch."""
     mode = UpdateMode.LAST  # the window filter is off: get_unique compacts
     log, window = _tracker_log(tmp_path, mode)
     _append(log, mode, window, 1, [1])
@@ -643,13 +553,13 @@ def test_known_bug_b_compaction_across_the_open_batch(tmp_path):
     _append(log, mode, window, 3, [3])
     start, end, ids = _poll(log, 2)
     assert (start, end) == (2, 3)
-    # BUG B: the poll of [2, 3) misses id 2 of batch 2 (merged into the record at 0).
+    # the poll of [2, 3) holds id 2 of batch 2 (not merged into the record at 0)
     assert ids == [2]
 
 
-@pytest.mark.skipif(False, reason="known bug C (position_rules.retention_floor): retention deletes part of the "
-                   "filtered window a position reads from")
-def test_known_bug_c_retention_inside_a_window(tmp_path):
+def test_retention_keeps_the_filtered_window_a_position_reads_from(tmp_path):
+    """Retention's floor is the read start of the lowest position, so it deletes no part of the
+    filtered window that position reads from."""
     mode = UpdateMode.FIRST
     log, window = _tracker_log(tmp_path, mode)
     _append(log, mode, window, 1, [0])
@@ -660,15 +570,15 @@ def test_known_bug_c_retention_inside_a_window(tmp_path):
     _append(log, mode, window, 3, [7])
     start, end, ids = _poll(log, 2)
     assert start <= 2 and end == 3  # (reads from the window start it needs, and says so)
-    # BUG C: id 0, touched in batch 2 (at p's position), is never delivered to p.
+    # id 0, touched in batch 2 (at p's position), reaches p
     assert 0 in ids
 
 
-@pytest.mark.skipif(False, reason="known bug D (window.WindowFilter.filter / writer.dedup_records): a batch's "
-                   "records merged by the dedup keep the first record's window start, None when that one passed the "
-                   "filter unmarked (empty, or ids beyond max_rows)")
 @pytest.mark.parametrize("first", [[], [500]], ids=["empty lookup", "ids beyond max_rows"])
-def test_known_bug_d_unmarked_record_hides_the_window_start(tmp_path, first):
+def test_a_merged_record_keeps_the_window_start_of_its_filtered_part(tmp_path, first):
+    """The writer's dedup merges a batch's records of one table; the merged record keeps the window
+    start of the part the filter marked, even when the first part passed unmarked (an empty lookup,
+    or ids beyond max_rows)."""
     mode = UpdateMode.FIRST
     log, window = _tracker_log(tmp_path, mode)
     window._max_rows = 100
@@ -678,14 +588,13 @@ def test_known_bug_d_unmarked_record_hides_the_window_start(tmp_path, first):
     recs = [AppendRecord(2, "t", torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids), 2)) for ids in (first, [0])]
     commit_operations(log, mode, [StepWrite(records=recs, curr_batch_idx=2)], window)
     assert _register(log, "late", ITX, latest=True) == 2  # on the open batch 2, inside the window
-    # BUG D: read_start(2) is 2 (should be 0, the window start), so id 0, touched in batch 2 at
-    # late's position, is never delivered to late.
+    # read_start(2) is the window start, so id 0, touched in batch 2 at late's position, reaches late
     assert 0 in _consume(log, mode, window, "late", 3)
 
 
-@pytest.mark.skipif(False, reason="known bug E (position_rules.safe_pieces): a compaction that starts below the log "
-                   "start stamps the merged record below it, where reads from the log start miss it")
-def test_known_bug_e_compaction_below_the_log_start(tmp_path):
+def test_a_compaction_from_below_the_log_start_stamps_nothing_below_it(tmp_path):
+    """safe_pieces cuts at the log start: a compaction that starts below it never stamps a merged
+    record below the log start, where reads from the log start would miss it."""
     mode = UpdateMode.FIRST
     log, window = _tracker_log(tmp_path, mode)
     _append(log, mode, window, 1, [1])
@@ -696,15 +605,15 @@ def test_known_bug_e_compaction_below_the_log_start(tmp_path):
     assert all(b <= 2 or a >= 2 for a, b in log.read(lambda r: position_rules.safe_pieces(r, 0, 4)))  # no piece crosses it
     log.write(lambda w: position_rules.safe_compact(w, mode, 0, 4))  # e.g. tracker.compact(0, 4)
     assert _register(log, "new", ITX, latest=False) == 2  # at the log start
-    # BUG E: batches 2 and 3 now live in a record stamped 0, below the log start 2.
+    # batches 2 and 3 are read from the log start 2 (no record stamped 0 holds them)
     assert _consume(log, mode, window, "new", 4) == [2, 3]
 
 
 def test_compaction_does_not_merge_across_a_filtered_window_start(tmp_path):
-    """Found by the machine (a CI run, 2026-12-02): a consumer registered inside a filtered
-    window reads from the window start; a compaction whose range held that start merged the
-    window's first record into the one before, moved the read start down and changed the
-    answer (FIRST: the state from before the window). safe_pieces now cuts at window starts."""
+    """A consumer registered inside a filtered window reads from the window start; a compaction
+    whose range holds that start keeps the window's first record apart (safe_pieces cuts at window
+    starts), so the read start and the answer do not change (FIRST: the state from inside the
+    window, not from before it)."""
     mode = UpdateMode.FIRST
     log, window = _tracker_log(tmp_path, mode)
     _append(log, mode, window, 1, [5])

@@ -1,5 +1,6 @@
 """Concurrency soak, bounded in time: a real trainer process writes while two consumer processes
-poll and commit and the offsets tool reads, all at once (issue 7, item 4).
+poll and commit and the offsets tool reads, all at once: every row reaches each consumer exactly
+once and in order, and the file stays bounded.
 
 The trainer is a 1-rank gloo DMP with ``persistent_delta.attach`` (ID_ONLY, ``delete_on_read``);
 at batch_idx ``b`` it feeds ``make_batches(...)[(b - 1) % NUM_BATCHES]`` (as ``crash_trainer.py``

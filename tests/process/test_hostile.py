@@ -1,4 +1,4 @@
-"""Operator mistakes and hostile input (issue 13 items 1, 2, 8): filters that would skip data,
+"""Operator mistakes and hostile input: filters that would skip data,
 table names that are not file names, and row shapes that change."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Readers in other processes (issue 12): the unregistered reader, the job's ranks from the world
+"""Readers in other processes: the unregistered reader, the job's ranks from the world
 size, consumers that start before the trainer, the blocking poll, one active user per name, and
 handles left open."""
 

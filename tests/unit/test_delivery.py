@@ -1,5 +1,6 @@
 """The delivery rule on plain logs (no DMP): bounds, read start, statuses, retention, compaction,
-and the drift bugs of issue 11 that each used to have its own copy of the rule."""
+and that every caller (replay, pending rows, compaction, retention, settings, the CLI) answers
+from the same rule."""
 
 from __future__ import annotations
 

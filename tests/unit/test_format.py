@@ -1,4 +1,4 @@
-"""Format 2 (issue 13 item 4): a record's checksum covers its key; format-1 logs are refused on
+"""Format 2: a record's checksum covers its key; format-1 logs are refused on
 open and upgraded in place by `persistent-delta upgrade`."""
 
 from __future__ import annotations

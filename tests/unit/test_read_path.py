@@ -1,4 +1,4 @@
-"""The consumer read path (issue 14 item 1): the fast paths of ``rows`` (ordered runs, direct
+"""The consumer read path: the fast paths of ``rows`` (ordered runs, direct
 address, chunked gather), ``records.read_unique`` and ``results`` (row-wise shards concatenated,
 column slices assembled, replicated tables) against straightforward references on random
 logs, and every record's checksum still checked on the way."""
