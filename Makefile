@@ -1,5 +1,6 @@
-# Two commands: `make demo` and `make test`. Each bootstraps .venv/ when it is missing or stale
-# (requirements.txt or pyproject.toml changed) and installs nothing on a second run.
+# Two commands: `make demo` and `make test` (`make test-unit`: the in-process tests only). Each
+# bootstraps .venv/ when it is missing or stale (requirements.txt or pyproject.toml changed) and
+# installs nothing on a second run.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-all demo demo-fleet bench clean
+.PHONY: venv test test-unit test-all demo demo-fleet bench clean
 
 venv: $(STAMP)
 
@@ -19,8 +20,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+# Every kind (tests/unit, tests/process, tests/fleet, tests/fuzz) except the tests marked slow.
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# In-process tests only (no child process, gloo rank or server): the quick loop while editing.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
