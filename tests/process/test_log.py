@@ -308,7 +308,7 @@ import ctypes, os, sys, tempfile
 for kv in sys.argv[1:]:
     k, v = kv.split("=", 1)
     os.environ[k] = v
-from persistent_delta import alloc
+from persistent_delta.log import alloc
 from persistent_delta.log.deltalog import DeltaLog
 d = os.environ.get("PROBE_LOG") or tempfile.mkdtemp()
 DeltaLog(d, readonly=bool(os.environ.get("PROBE_LOG"))).close()  # PROBE_LOG: open an existing log read-only
