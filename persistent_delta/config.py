@@ -15,6 +15,9 @@ The environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
                                    off; see :class:`RetentionBound`)
 ``PERSISTENT_DELTA_GROUP_ACCESS``  ``1``: logs created group-readable/writable (default owner-only)
+``PERSISTENT_DELTA_STALL_AFTER_S`` the least time without a commit, while data arrives, before
+                                   a consumer's health says stalled (default 30; see
+                                   :mod:`persistent_delta.ops.health`)
 =================================  ==========================================================
 """
 
@@ -57,6 +60,32 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise InvalidInputError(f"{name}={raw!r} is not an integer") from None
+
+
+#: A consumer's health (:mod:`persistent_delta.ops.health`) says stalled only after at least this
+#: long without a commit: a consumer that just started has no window of its own to judge by.
+STALL_AFTER_S = 30.0
+
+
+def stall_after_s(value: Optional[float] = None) -> float:
+    """The stall threshold: ``value``, then ``PERSISTENT_DELTA_STALL_AFTER_S``, then
+    :data:`STALL_AFTER_S`.
+
+    Raises:
+        InvalidInputError: the environment variable is not a non-negative number.
+    """
+    if value is not None:
+        return float(value)
+    raw = os.environ.get("PERSISTENT_DELTA_STALL_AFTER_S")
+    if not raw:
+        return STALL_AFTER_S
+    try:
+        out = float(raw)
+    except ValueError:
+        raise InvalidInputError(f"PERSISTENT_DELTA_STALL_AFTER_S={raw!r} is not a number of seconds") from None
+    if out < 0:
+        raise InvalidInputError(f"PERSISTENT_DELTA_STALL_AFTER_S={raw!r} must be >= 0")
+    return out
 
 
 def _env_durability(default: Durability) -> Durability:

@@ -147,11 +147,11 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
     ranks = describe(args.root, tables=args.tables)
     rows = [
         [r.rank, c.name, c.channel, c.offset, c.log_start, c.log_end, c.lag, "-" if c.lag_s is None else f"{c.lag_s:.3f}",
-         c.pending_rows, c.pending_bytes, _when(c.commit_time), c.registered_by or "-", c.status]
+         c.pending_rows, c.pending_bytes, _when(c.commit_time), c.registered_by or "-", c.status, c.health]
         for r in ranks for c in r.consumers
     ]
     headers = ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "LOG-START", "LOG-END", "LAG", "LAG-S", "PENDING-ROWS",
-               "PENDING-BYTES", "LAST-COMMIT", "REGISTERED-BY", "STATUS"]
+               "PENDING-BYTES", "LAST-COMMIT", "REGISTERED-BY", "STATUS", "HEALTH"]
     logs = [[r.rank, r.log_start, r.log_end, r.snapshot_end, r.path] for r in ranks]
     out = Output(data={"ranks": _jsonable(ranks)},
                  tables=[Table("", headers, rows), Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "PATH"], logs)])

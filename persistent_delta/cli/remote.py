@@ -1,7 +1,8 @@
 """``persistent-delta offsets --server``: remote consumers and shippers of a job's stream.
 
-Owns: the data functions that describe, reset and delete remote consumers' positions (in the
-job's ``offsets`` bucket) and read the shippers' statistics (``meta`` bucket). A reset or a
+Owns: the data functions that reset and delete remote consumers' positions (in the job's
+``offsets`` bucket); describing them and the shippers' statistics lives in
+:mod:`persistent_delta.ops.remote_positions` (re-exported here). A reset or a
 delete is refused while the consumer runs (its claim is held) and is a dry run unless
 ``execute``.
 """
@@ -10,41 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from persistent_delta.log import codec
 from persistent_delta.fleet import subjects
 from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownConsumerError
 from persistent_delta.fleet.remote import lock_key, offsets_key
-from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, open_transport
 from persistent_delta.fleet.wire import Marker
-
-
-@dataclass
-class RemoteConsumerRow:
-    consumer: str
-    channel: str
-    rank: int
-    offset: Optional[int]
-    stream_end: int
-    lag: Optional[int]
-    commit_time: Optional[float]
-    active: bool
-
-
-@dataclass
-class ShipperRow:
-    rank: int
-    channel: str
-    position: int
-    log_end: int
-    lag_batches: int
-    row_bytes: int
-    retries: int
-    last_shipped: Optional[float]
-    host: str
-    pid: int
-    last_error: str
+from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, describe_remote, remote_offsets, stream_ends
 
 
 @dataclass
@@ -55,55 +30,6 @@ class RemoteChange:
     action: str
     old: Optional[int]
     new: Optional[int]
-
-
-def _ends(conn: Transport, job: str, channel: str, ranks: Sequence[int]) -> Dict[int, int]:
-    out = {}
-    for r in ranks:
-        last = conn.last_message(job, subjects.end_subject(job, channel, r))
-        out[r] = 0 if last is None else Marker.decode(last.data, last.seq, f"job {job}").end
-    return out
-
-
-def _offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
-    out = []
-    for key, (value, _) in conn.kv_entries(job, subjects.OFFSETS).items():
-        d = codec.unpack(value, f"remote offsets {key}")
-        if isinstance(d, dict):
-            out.append(d)
-    return out
-
-
-def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None
-                    ) -> Dict[str, List[Any]]:
-    """Every remote consumer (per rank: offset, the stream's end, lag in batches, last commit,
-    whether a process holds it now) and every shipper (statistics) of ``job``."""
-    conn = open_transport(server, options)
-    try:
-        locks = set(conn.kv_entries(job, subjects.LOCKS))
-        consumers: List[RemoteConsumerRow] = []
-        for d in _offsets(conn, job):
-            ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
-            ends = _ends(conn, job, str(d["channel"]), sorted(ranks))
-            for r, v in sorted(ranks.items()):
-                pos = None if v.get("pos") is None else int(v["pos"])
-                consumers.append(RemoteConsumerRow(str(d["name"]), str(d["channel"]), r, pos, ends[r],
-                                                   None if pos is None else max(0, ends[r] - pos), d.get("time"),
-                                                   lock_key(str(d["name"])) in locks))
-        shippers: List[ShipperRow] = []
-        for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
-            s = codec.unpack(value, f"shipper state {key}")
-            if not isinstance(s, dict):
-                continue
-            st = s.get("stats", {})
-            shippers.append(ShipperRow(int(st.get("rank", -1)), str(st.get("channel", "")), int(st.get("position", 0)),
-                                       int(st.get("log_end", 0)), int(st.get("lag_batches", 0)),
-                                       int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
-                                       st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
-                                       str(st.get("last_error", ""))))
-        return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel))}
-    finally:
-        conn.close()
 
 
 def change_remote(server: ServerSpec, job: str, name: str, action: str, target: Optional[str] = None,
@@ -120,7 +46,7 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
     try:
         if conn.kv_get(job, subjects.LOCKS, lock_key(name)) is not None:
             raise LogLockedError(f"remote consumer {name!r} of job {job!r} is running; stop it first")
-        found = [d for d in _offsets(conn, job) if d.get("name") == name and (channel is None or d.get("channel") == channel)]
+        found = [d for d in remote_offsets(conn, job) if d.get("name") == name and (channel is None or d.get("channel") == channel)]
         if not found:
             raise UnknownConsumerError(f"no remote consumer {name!r} in job {job!r}")
         changes: List[RemoteChange] = []
@@ -129,7 +55,7 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
             ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
             new_ranks: Dict[str, Dict[str, Any]] = {}
             if action == "reset":
-                ends = _ends(conn, job, ch, sorted(ranks))
+                ends = stream_ends(conn, job, ch, sorted(ranks))
                 for r, v in sorted(ranks.items()):
                     nv: Dict[str, Any]
                     if target == "latest":
@@ -158,3 +84,6 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
         return changes
     finally:
         conn.close()
+
+
+__all__ = ["RemoteChange", "RemoteConsumerRow", "ShipperRow", "change_remote", "describe_remote"]

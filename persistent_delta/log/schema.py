@@ -23,7 +23,7 @@ import enum
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -223,6 +223,24 @@ class Delivery(str, enum.Enum):
 BY_TRAINER = "trainer"
 BY_EXTERNAL = "external"
 
+#: Commits a consumer entry remembers (its health window; Burrow's default window is ten commits).
+COMMIT_HISTORY = 10
+
+
+@dataclass(frozen=True)
+class CommitPoint:
+    """One past commit of a consumer: when, the offset committed and the channel's end then
+    (``end`` is -1 when the committer did not know it)."""
+
+    time: float
+    offset: int
+    end: int = -1
+
+    @property
+    def lag(self) -> Optional[int]:
+        """Batches behind the end at that commit (None when the end is unknown)."""
+        return None if self.end < 0 else max(0, self.end - self.offset)
+
 
 @dataclass
 class ConsumerEntry:
@@ -237,6 +255,9 @@ class ConsumerEntry:
         expired: set when the retention bound dropped the consumer behind the log start; it
             no longer holds back retention, and its next read gets ``OffsetOutOfRangeError``
             (or its reset policy). A commit clears it.
+        history: its last :data:`COMMIT_HISTORY` commits, oldest first (the health window of
+            :mod:`persistent_delta.ops.health`). Entries written before this field read back
+            with an empty history; readers that predate it ignore the field.
     """
 
     offset: int
@@ -245,6 +266,7 @@ class ConsumerEntry:
     commit_time: float = 0.0
     registered_by: str = BY_TRAINER
     expired: bool = False
+    history: Tuple[CommitPoint, ...] = ()
 
     @staticmethod
     def new(offset: int, channel: str, delivery: Delivery) -> "ConsumerEntry":
@@ -252,13 +274,22 @@ class ConsumerEntry:
         by = BY_TRAINER if delivery == Delivery.IN_TRANSACTION else BY_EXTERNAL
         return ConsumerEntry(offset=offset, channel=channel, delivery=delivery, commit_time=time.time(), registered_by=by)
 
-    def committed(self, offset: int) -> "ConsumerEntry":
-        """This entry with ``offset`` committed now (clears ``expired``)."""
-        return ConsumerEntry(offset, self.channel, self.delivery, time.time(), self.registered_by, False)
+    def committed(self, offset: int, end: int = -1) -> "ConsumerEntry":
+        """This entry with ``offset`` committed now (clears ``expired``); the commit joins the
+        history, which keeps the last :data:`COMMIT_HISTORY`.
+
+        Args:
+            offset: the new committed offset.
+            end: the channel's end at this commit, when the committer knows it (-1 otherwise).
+        """
+        now = time.time()
+        history = (*self.history, CommitPoint(now, offset, end))[-COMMIT_HISTORY:]
+        return ConsumerEntry(offset, self.channel, self.delivery, now, self.registered_by, False, history)
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
         d["delivery"] = self.delivery.value
+        d["history"] = [[p.time, p.offset, p.end] for p in self.history]
         return codec.pack(d)
 
     @staticmethod
@@ -290,7 +321,23 @@ class ConsumerEntry:
             commit_time=float(ct) if isinstance(ct, (int, float)) and not isinstance(ct, bool) else 0.0,
             registered_by=registered_by,
             expired=bool(d.get("expired", False)),
+            history=_history(d.get("history"), what),
         )
+
+
+def _history(raw: object, what: str) -> Tuple[CommitPoint, ...]:
+    """A stored commit history; an entry written before the field has none."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)):
+        raise CorruptRecordError(f"{what}: history is not a list: {raw!r}")
+    out = []
+    for p in raw[-COMMIT_HISTORY:]:
+        ok = isinstance(p, (list, tuple)) and len(p) == 3 and isinstance(p[0], (int, float))
+        if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in p[1:]):
+            raise CorruptRecordError(f"{what}: a history point is not [time, offset, end]: {p!r}")
+        out.append(CommitPoint(float(p[0]), int(p[1]), int(p[2])))
+    return tuple(out)
 
 
 #: TorchRec's sharding type of a replicated table (``ShardingType.DATA_PARALLEL.value``).

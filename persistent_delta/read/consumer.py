@@ -517,7 +517,7 @@ class DeltaConsumer(DeltaReader):
                         f"consumer {self.name!r} was deleted from {path} while it was running; create a new "
                         "DeltaConsumer to register it again"
                     )
-                w.set_consumer(self.name, entry.committed(pos))
+                w.set_consumer(self.name, entry.committed(pos, position_rules.bounds(w, entry.channel)[1]))
 
             log.write(write)
             self._committed[rank] = pos

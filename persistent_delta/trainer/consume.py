@@ -146,7 +146,7 @@ def consume_exact(
     out = empty
     if start < end:
         out = read(start)
-        w.set_consumer(name, entry.committed(end))
+        w.set_consumer(name, entry.committed(end, end))
     if delete_on_read:
         position_rules.enforce_retention(w, LOOKUPS, bound)
     return out
@@ -176,6 +176,6 @@ def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
 def _commit_read(
     w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound]
 ) -> None:
-    w.set_consumer(name, entry.committed(end))
+    w.set_consumer(name, entry.committed(end, end))
     if delete_on_read:
         position_rules.enforce_retention(w, LOOKUPS, bound)

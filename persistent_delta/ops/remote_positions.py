@@ -1,0 +1,102 @@
+"""What every remote consumer and shipper of a job's stream has done, read from the stream.
+
+Owns: the describe computation for a job's stream (remote consumers' positions from the
+``offsets`` bucket, the stream's end per rank from its end markers, shippers' statistics from the
+``meta`` bucket) shared by ``persistent-delta offsets --server``, the exporter and ``top``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from persistent_delta.fleet import subjects
+from persistent_delta.fleet.remote import lock_key
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
+from persistent_delta.fleet.wire import Marker
+from persistent_delta.log import codec
+
+
+@dataclass
+class RemoteConsumerRow:
+    """One remote consumer on one rank: its position in the stream and its lag in batches."""
+
+    consumer: str
+    channel: str
+    rank: int
+    offset: Optional[int]
+    stream_end: int
+    lag: Optional[int]
+    commit_time: Optional[float]
+    active: bool
+
+
+@dataclass
+class ShipperRow:
+    """One shipper feed (a rank and channel), from the statistics it stores in the job's meta bucket."""
+
+    rank: int
+    channel: str
+    position: int
+    log_end: int
+    lag_batches: int
+    row_bytes: int
+    retries: int
+    last_shipped: Optional[float]
+    host: str
+    pid: int
+    last_error: str
+
+
+def stream_ends(conn: Transport, job: str, channel: str, ranks: Sequence[int]) -> Dict[int, int]:
+    """rank -> the stream's end (one past the last complete batch shipped) of ``channel``; 0 when none."""
+    out = {}
+    for r in ranks:
+        last = conn.last_message(job, subjects.end_subject(job, channel, r))
+        out[r] = 0 if last is None else Marker.decode(last.data, last.seq, f"job {job}").end
+    return out
+
+
+def remote_offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
+    """Every remote consumer's stored positions (``name``, ``channel``, ``ranks``: rank -> ``pos``, ``time``)."""
+    out = []
+    for key, (value, _) in conn.kv_entries(job, subjects.OFFSETS).items():
+        d = codec.unpack(value, f"remote offsets {key}")
+        if isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None
+                    ) -> Dict[str, List[Any]]:
+    """Every remote consumer (per rank: offset, the stream's end, lag in batches, last commit,
+    whether a process holds it now) and every shipper (statistics) of ``job``."""
+    conn = open_transport(server, options)
+    try:
+        locks = set(conn.kv_entries(job, subjects.LOCKS))
+        consumers: List[RemoteConsumerRow] = []
+        for d in remote_offsets(conn, job):
+            ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
+            ends = stream_ends(conn, job, str(d["channel"]), sorted(ranks))
+            for r, v in sorted(ranks.items()):
+                pos = None if v.get("pos") is None else int(v["pos"])
+                consumers.append(RemoteConsumerRow(str(d["name"]), str(d["channel"]), r, pos, ends[r],
+                                                   None if pos is None else max(0, ends[r] - pos), d.get("time"),
+                                                   lock_key(str(d["name"])) in locks))
+        shippers: List[ShipperRow] = []
+        for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
+            s = codec.unpack(value, f"shipper state {key}")
+            if not isinstance(s, dict):
+                continue
+            st = s.get("stats", {})
+            shippers.append(ShipperRow(int(st.get("rank", -1)), str(st.get("channel", "")), int(st.get("position", 0)),
+                                       int(st.get("log_end", 0)), int(st.get("lag_batches", 0)),
+                                       int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
+                                       st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
+                                       str(st.get("last_error", ""))))
+        return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel))}
+    finally:
+        conn.close()
+
+
+__all__ = ["RemoteConsumerRow", "ShipperRow", "describe_remote", "remote_offsets", "stream_ends"]
