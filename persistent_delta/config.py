@@ -15,6 +15,8 @@ The environment variables (read when a log is opened):
 ``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
                                    off; see :class:`RetentionBound`)
 ``PERSISTENT_DELTA_GROUP_ACCESS``  ``1``: logs created group-readable/writable (default owner-only)
+``PERSISTENT_DELTA_READ_THREADS``  torch intra-op threads of a reader's polls and ``apply_poll``
+                                   (default 1; ``0``: the process's own setting)
 ``PERSISTENT_DELTA_STALL_AFTER_S`` the least time without a commit, while data arrives, before
                                    a consumer's health says stalled (default 30; see
                                    :mod:`persistent_delta.ops.health`)
@@ -210,16 +212,17 @@ class WriterOptions:
         torch_threads: intra-op threads for the writer thread's tensor work (filtering,
             dedup). The default 1 keeps it from starting a second OpenMP team that competes
             with training's for the cores; 0 leaves torch's setting.
-        linger_steps / linger_s / linger_bytes: group commit of small steps. The writer
-            starts a transaction once ``linger_steps`` steps or ``linger_bytes`` captured bytes
-            are queued, or the oldest queued step has waited ``linger_s`` seconds, whichever
-            comes first; a ``flush()`` (or anything that waits for the writer, such as
-            ``get_unique``), backpressure and ``close()`` start it at once. Small steps (ids
-            only) then share one transaction's fixed costs; large steps (embeddings) are
-            processed as soon as they arrive, overlapping training (lingering them would move
-            their work onto the next read, which waits for it). A process crash
-            loses at most what was not yet committed. ``linger_steps=1`` commits each step as
-            soon as it is queued.
+        linger_steps: group commit of small steps: the writer starts a transaction once this
+            many steps are queued, or ``linger_bytes`` captured bytes are, or the oldest queued
+            step has waited ``linger_s`` seconds, whichever comes first; a ``flush()`` (or
+            anything that waits for the writer, such as ``get_unique``), backpressure and
+            ``close()`` start it at once. Small steps (ids only) then share one transaction's
+            fixed costs; large steps (embeddings) are processed as soon as they arrive,
+            overlapping training (lingering them would move their work onto the next read,
+            which waits for it). A process crash loses at most what was not yet committed.
+            ``linger_steps=1`` commits each step as soon as it is queued.
+        linger_s: the longest a queued step waits for the group commit (see ``linger_steps``).
+        linger_bytes: captured bytes that start the group commit at once (see ``linger_steps``).
     """
 
     max_pending_bytes: int = 512 << 20
@@ -318,9 +321,14 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
         map_size: initial LMDB map size (it grows by itself).
         tune_malloc: ``True`` raises glibc's malloc thresholds for this process (faster
             commits of large records; process-wide, see :mod:`persistent_delta.log.alloc`).
-        max_pending_bytes / max_pending_steps / writer_torch_threads / linger_steps /
-            linger_s / linger_bytes: shortcuts for the same fields of ``writer`` (its
-            ``torch_threads`` for ``writer_torch_threads``); a shortcut that is set wins.
+        max_pending_bytes: shortcut for ``writer.max_pending_bytes``; a shortcut that is set
+            wins over ``writer``.
+        max_pending_steps: shortcut for ``writer.max_pending_steps``.
+        writer_torch_threads: shortcut for ``writer.torch_threads`` (default 1; 0 leaves
+            torch's setting).
+        linger_steps: shortcut for ``writer.linger_steps``.
+        linger_s: shortcut for ``writer.linger_s``.
+        linger_bytes: shortcut for ``writer.linger_bytes``.
         rank: this process's rank; default ``torch.distributed.get_rank()`` (0 when not
             initialised).
         zch_raw_ids: record managed-collision tables' raw ids and slot reassignments (side

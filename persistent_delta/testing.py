@@ -88,7 +88,8 @@ class LocalServer:
         directory: its own directory (config, store, log); created.
         port: client port (default: a free one, kept across restarts).
         name: server name (unique within a cluster).
-        cluster_port / routes: cluster listen port and the other nodes' cluster ports.
+        cluster_port: the cluster listen port (None: not clustered).
+        routes: the other nodes' cluster ports.
         max_payload: the server's max message payload in bytes (NATS default 1 MiB).
 
     Not thread-safe; the process that started it stops it (``stop``/``kill``, or the context

@@ -241,7 +241,8 @@ def replay(
     Args:
         root: the log root.
         out_dir: where files go (required unless ``dry_run``).
-        from_batch, to_batch: the range ``[from_batch, to_batch)``; or
+        from_batch: the range's first batch (with ``to_batch``; or give ``consumer``).
+        to_batch: the range's end, ``[from_batch, to_batch)``.
         consumer: replay the consumer's pending range ``[offset, log end)`` per rank.
         commit: with ``consumer``, move its offsets to the range end after writing.
         tables: only these table fqns.

@@ -96,8 +96,12 @@ def encode_range(
     outgrows the marker) and the marker, to be sent last.
 
     Args:
-        job, epoch, channel, rank: whose range it is (:mod:`~persistent_delta.fleet.subjects`).
-        start, end: the range ``[start, end)`` of batch indices.
+        job: the job whose range it is (:mod:`~persistent_delta.fleet.subjects`).
+        epoch: the shipper's epoch (log id and registration token).
+        channel: the channel shipped.
+        rank: the rank whose log the range comes from.
+        start: the first batch index of the range.
+        end: the range's end, ``[start, end)``.
         rows: fqn -> the range's unique rows of the table.
         chunk_bytes: the largest chunk (:func:`chunk_size` of the transport's max payload).
         info: extra marker fields (``log_id``, ``log_end``, ``publishes``).

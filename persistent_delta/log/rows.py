@@ -297,8 +297,9 @@ def compute_unique_rows(
         ids: 1-D id tensors, in log order (at least one).
         states: per-record states (same row counts as ``ids``), or None for ``UpdateMode.NONE``.
         mode: FIRST keeps each id's first state, LAST its last one, NONE ids only.
-        memo, key: reuse the id work of an earlier call under ``key`` whose ids were equal
+        memo: reuse the id work of an earlier call under ``key`` whose ids were equal
             (:class:`IdMemo`; the same result either way).
+        key: what identifies the ids in ``memo``.
 
     Returns:
         ``UniqueRows`` owning its memory (never a view of the inputs).

@@ -416,7 +416,11 @@ class DeltaConsumer(DeltaReader):
             channel start; ``"latest"``: its end).
         register: register the name in every rank's log where it is missing (durably: it holds
             back retention from now on). With False a missing name raises.
-        tables, wait, options, check, ranks: see :class:`DeltaReader`.
+        tables: see :class:`DeltaReader`.
+        wait: see :class:`DeltaReader`.
+        options: see :class:`DeltaReader`.
+        check: see :class:`DeltaReader`.
+        ranks: see :class:`DeltaReader`.
 
     Raises:
         NotALogError: ``root`` holds no log (after ``wait``).
