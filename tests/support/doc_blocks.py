@@ -1,0 +1,127 @@
+"""The code blocks of README.md and docs/**/*.md, and running them as a reader would.
+
+A page's blocks run in order in one fresh directory (so a command can read the log an earlier
+block wrote), each Python block in a fresh namespace with the repository on ``sys.path``
+(``from examples.tiny_model import tiny_trainer`` works as from a clone's root). In a
+``console`` block every ``$ persistent-delta ...`` line runs (as ``python -m persistent_delta``)
+and must exit 0. A block right after a ``<!-- fragment -->`` line is not run: used only where a
+block needs what a page cannot build (a whole multi-host job); shell blocks other than
+``console`` (``bash``: make, pip, servers on your hosts) and ``text`` are never run.
+
+A page whose Python blocks read ``NATS_URL`` gets a local NATS JetStream server
+(:class:`persistent_delta.testing.LocalServer`, 127.0.0.1, a free port) for its blocks, its
+address in ``NATS_URL``.
+
+``python doc_blocks.py PAGE...`` runs the pages' blocks and prints one JSON line per block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import List
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```\s*$", re.M | re.S)
+FRAGMENT = "<!-- fragment -->"
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+    fragment: bool
+
+    @property
+    def runs(self) -> bool:
+        return not self.fragment and self.lang in ("python", "console")
+
+
+def doc_pages() -> List[str]:
+    """README.md and every Markdown page under docs/, relative to the repository."""
+    pages = ["README.md"]
+    for base, _, files in os.walk(os.path.join(REPO, "docs")):
+        pages += sorted(os.path.relpath(os.path.join(base, f), REPO) for f in files if f.endswith(".md"))
+    return pages
+
+
+def blocks(page: str) -> List[Block]:
+    """The fenced code blocks of ``page``, in order."""
+    text = open(os.path.join(REPO, page)).read()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[:m.start()].rstrip().splitlines()
+        fragment = bool(before) and before[-1].strip() == FRAGMENT
+        indent = len(m.group("indent"))
+        body = "\n".join(line[indent:] for line in m.group("body").splitlines())
+        out.append(Block(page, text.count("\n", 0, m.start()) + 1, m.group("lang"), body, fragment))
+    return out
+
+
+def console_commands(code: str) -> List[str]:
+    """The ``$ persistent-delta ...`` lines of a console block (comments stripped)."""
+    cmds = []
+    for line in code.splitlines():
+        if line.startswith("$ persistent-delta "):
+            cmds.append(line[2:].split(" #", 1)[0].strip())
+    return cmds
+
+
+def run_block(block: Block) -> None:
+    """Run one block in the current directory; raise on failure."""
+    if block.lang == "python":
+        code = compile(block.code, f"{block.page}:{block.line}", "exec")
+        exec(code, {"__name__": "__main__"})
+        return
+    for cmd in console_commands(block.code):
+        argv = [sys.executable, "-m", "persistent_delta"] + shlex.split(cmd)[1:]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`{cmd}` exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+
+
+def main(pages: List[str]) -> int:
+    sys.path.insert(0, REPO)
+    failed = 0
+    for page in pages:
+        with tempfile.TemporaryDirectory(prefix="pd-docs-") as cwd:
+            os.chdir(cwd)
+            server = None
+            if any(b.runs and b.lang == "python" and "NATS_URL" in b.code for b in blocks(page)):
+                from persistent_delta.testing import LocalServer
+
+                server = LocalServer(os.path.join(cwd, "nats"))
+                server.start()
+                os.environ["NATS_URL"] = server.url
+            for block in blocks(page):
+                if not block.runs:
+                    continue
+                t0 = time.monotonic()
+                error = None
+                try:
+                    run_block(block)
+                except BaseException:  # report every block's failure, keep going
+                    error = traceback.format_exc()
+                    failed += 1
+                print(json.dumps(dict(asdict(block), ok=error is None, error=error,
+                                      seconds=round(time.monotonic() - t0, 2))), flush=True)
+            if server is not None:
+                server.stop()
+            os.chdir(REPO)
+    import gc
+    gc.collect()  # close what the examples left open before the interpreter exits
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
