@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
 from persistent_delta.cli.apply import apply_inputs
+from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import replay
@@ -244,6 +245,14 @@ def _cmd_ship(args: argparse.Namespace) -> Output:
         Table("SHIPPED", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "RANGES", "ROW-BYTES", "RETRIES"], rows)])
 
 
+# ------------------------------------------------------------------------------ exporter
+
+
+def _cmd_exporter(args: argparse.Namespace) -> Output:
+    served = run_exporter(args)
+    return Output(data=_jsonable(served), notes=[f"exporter: stopped serving {served['addr']}:{served['port']}"])
+
+
 # ------------------------------------------------------------------------------ replay
 
 
@@ -361,6 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
                         "core, the shipper then runs on what it leaves (freshness pays)")
     s.set_defaults(func=_cmd_ship)
+
+    e = sub.add_parser("exporter", parents=[fmt], help="serve a job's metrics to Prometheus (logs, consumers, stream)",
+                       description="Serves /metrics in Prometheus' format, read at each scrape from the log root "
+                                   "(read-only) and, with --server, the job's stream and buckets. Runs until "
+                                   "SIGTERM/SIGINT. The trainer's own counters are served by serve_metrics(tracker=).")
+    e.add_argument("root", nargs="?", help="log root (holding rank-<r>/); optional with --server")
+    add_connect_arguments(e)
+    e.add_argument("--port", type=int, default=9464, help="TCP port (default 9464; 0: a free one, printed)")
+    e.add_argument("--addr", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    e.add_argument("--tables", action="store_true", help="also per-table series (a table label)")
+    e.add_argument("--stall-after", type=float, metavar="S",
+                   help="health: least seconds without a commit, while data arrives, before 'stalled' "
+                        "(default $PERSISTENT_DELTA_STALL_AFTER_S or 30)")
+    e.set_defaults(func=_cmd_exporter)
 
     r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
     r.add_argument("root", help="log root")

@@ -94,6 +94,7 @@ class RankOffsets:
     snapshot_end: int
     consumers: List[ConsumerOffsets] = field(default_factory=list)
     tables: Optional[List[TableStats]] = None
+    snapshot_start: int = 0
 
 
 def _table_stats(r: ReadTxn) -> List[TableStats]:
@@ -129,7 +130,9 @@ def _lag_s(r: ReadTxn, channel: str, begin: int, end: int, now: float) -> Option
 def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s: Optional[float]) -> RankOffsets:
     now = time.time()
     start, end = position_rules.bounds(r, LOOKUPS)
-    out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=position_rules.bounds(r, SNAPSHOTS)[1])
+    snap_start, snap_end = position_rules.bounds(r, SNAPSHOTS)
+    out = RankOffsets(rank=rank, path=path, log_start=start, log_end=end, snapshot_end=snap_end,
+                      snapshot_start=snap_start)
     for name, entry in sorted(r.consumers().items()):
         start, end = position_rules.bounds(r, entry.channel)
         begin = position_rules.read_start(r, entry.offset, entry.channel)

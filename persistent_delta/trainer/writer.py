@@ -148,6 +148,8 @@ class BackgroundWriter:
             "max_wait_s": 0.0,
             "total_wait_s": 0.0,
             "commit_time_s": 0.0,
+            "publishes": 0,
+            "publish_s": 0.0,  # each publish from its hand-off to its commit (writer-side clock)
         }
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"persistent-delta-writer:{log.path}", daemon=True)
@@ -266,7 +268,8 @@ class BackgroundWriter:
             ) from self._error
 
     def stats(self) -> Dict[str, float]:
-        """Queue depth and bytes, commits, operations, bytes written, longest submit wait, commit time."""
+        """Queue depth and bytes, commits, operations, bytes written, longest and total submit
+        wait, commit time, publishes and their time from hand-off to commit (``publish_s``)."""
         with self._cv:
             out = dict(self._stats)
             out["queue_depth"] = len(self._queue) + len(self._inflight)
@@ -348,7 +351,11 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         n_records, nbytes = commit_operations(self._log, self._mode, [t.op for t in taken], self._window)
         dt = time.perf_counter() - t0
+        done = time.monotonic()
+        published = [done - t.submitted for t in taken if isinstance(t.op, PublishWrite)]
         with self._cv:
+            self._stats["publishes"] += len(published)
+            self._stats["publish_s"] += sum(published)
             self._stats["commits"] += 1
             self._stats["operations"] += len(taken)
             self._stats["records_written"] += n_records

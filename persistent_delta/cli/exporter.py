@@ -1,0 +1,58 @@
+"""``persistent-delta exporter``: serve a job's metrics to Prometheus, read from outside.
+
+Owns: the exporter command (its arguments resolved, the endpoint served until SIGTERM/SIGINT).
+
+It reads the log root (read-only, at each scrape) and, with ``--server``, the job's stream and
+buckets; the metrics are :mod:`persistent_delta.ops.metrics`'. The writer queue, the training
+thread's waits and publish times live in the trainer's memory: serve those from the trainer
+with :func:`persistent_delta.ops.metrics.serve_metrics` (``tracker=``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Dict, Optional
+
+from persistent_delta.cli.ship import connect_options
+from persistent_delta.errors import InvalidInputError, PersistentDeltaError
+
+
+def missing_ops(what: str) -> PersistentDeltaError:
+    """The error for a missing optional dependency of the ``ops`` extra."""
+    return PersistentDeltaError(f"{what} needs the 'ops' extra: pip install 'persistent_delta[ops]'")
+
+
+def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> Dict[str, object]:
+    """Serve until SIGTERM/SIGINT (or ``stop``); returns where it served.
+
+    Raises:
+        InvalidInputError: neither a root nor ``--server`` (with ``--job``) was given.
+        OSError: the port is taken.
+    """
+    if not args.root and not args.server:
+        raise InvalidInputError("exporter needs ROOT (a log root) and/or --server URL --job NAME")
+    if args.server and not args.job:
+        raise InvalidInputError("exporter --server needs --job NAME")
+    try:
+        from persistent_delta.ops.metrics import serve_metrics
+    except ImportError as exc:
+        raise missing_ops("exporter") from exc
+    job = args.job or (os.path.basename(os.path.abspath(args.root)) if args.root else "")
+    event = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: event.set())
+    srv = serve_metrics(root=args.root, server=args.server or None, job=job, port=args.port, addr=args.addr,
+                        options=connect_options(args) if args.server else None, tables=args.tables,
+                        stall_after_s=args.stall_after)
+    try:
+        # stderr: a supervisor (and a test) learns the port when --port 0 picked one
+        print(f"exporter: serving http://{srv.addr}:{srv.port}/metrics", file=sys.stderr, flush=True)
+        event.wait()
+    finally:
+        srv.close()
+    return {"addr": srv.addr, "port": srv.port, "job": job}
