@@ -4,6 +4,7 @@ its stored entry keeps (old entries without one stay readable)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from persistent_delta.errors import CorruptRecordError
 from persistent_delta.log import codec
@@ -85,3 +86,34 @@ def test_a_damaged_history_is_refused():
     bad = codec.pack({"offset": 4, "history": [[T0, "x", 3]]})
     with pytest.raises(CorruptRecordError, match="history point"):
         ConsumerEntry.from_bytes("c", bad)
+
+
+def test_a_real_consumer_that_stops_committing_while_data_arrives_is_stalled(tmp_path):
+    """Two consumers of a log being written: the one that keeps committing is ok, the one that
+    stopped is stalled once its silence outlasts its window, in ``describe`` and ``offsets``."""
+    import io
+    import time
+
+    from torchrec.distributed.model_tracker.types import UpdateMode
+
+    from persistent_delta import DeltaConsumer, LmdbDeltaStore
+    from persistent_delta.cli import main
+    from persistent_delta.ops.positions import describe
+
+    root = str(tmp_path / "job")
+    with LmdbDeltaStore(f"{root}/rank-0", UpdateMode.NONE) as store:
+        store.append(0, "t", torch.tensor([0]))
+        with DeltaConsumer(root, "live") as live, DeltaConsumer(root, "gone") as gone:
+            for c in (live, gone):
+                c.poll()
+                c.commit()
+            for b in range(1, 12):
+                store.append(b, "t", torch.tensor([b]))
+                live.poll()
+                live.commit()
+                time.sleep(0.05)
+            health = {c.name: c.health for c in describe(root, stall_after_s=0.3)[0].consumers}
+    assert health == {"live": "ok", "gone": "stalled"}
+    buf = io.StringIO()
+    assert main(["offsets", root], stdout=buf) == 0  # the default least silence (30 s) has not passed
+    assert "HEALTH" in buf.getvalue() and "stalled" not in buf.getvalue()
