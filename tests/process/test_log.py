@@ -13,7 +13,7 @@ from persistent_delta import LmdbDeltaStore, LogLockedError
 from persistent_delta.config import LogOptions
 from persistent_delta.log.deltalog import DeltaLog
 
-from procs import popen_python, run_python
+from procs import SUPPORT, popen_python, run_python
 
 
 def test_second_writer_process_refused_while_reader_reads(log_dir):
@@ -231,7 +231,7 @@ _OPS_CHILD = """
 import sys, torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import LmdbDeltaStore
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]  # this file's folder and tests/support, which it imports from
 from test_log import ops
 s = LmdbDeltaStore(sys.argv[1], UpdateMode.FIRST)
 stream = ops(100000)
@@ -268,7 +268,7 @@ def test_sigkill_during_compaction_and_deletion(log_dir, kill_after):
 
     from torchrec.distributed.model_tracker.delta_store import DeltaStoreTrec
 
-    proc = popen_python(_OPS_CHILD, log_dir, os.path.dirname(os.path.abspath(__file__)))
+    proc = popen_python(_OPS_CHILD, log_dir, os.path.dirname(os.path.abspath(__file__)), SUPPORT)
     assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
     done: list = []
     reader = threading.Thread(target=lambda: done.extend(iter(proc.stdout.readline, "")), daemon=True)
