@@ -28,6 +28,7 @@ from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe,
 from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import replay
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
+from persistent_delta.cli.top import run_top
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
@@ -253,6 +254,10 @@ def _cmd_exporter(args: argparse.Namespace) -> Output:
     return Output(data=_jsonable(served), notes=[f"exporter: stopped serving {served['addr']}:{served['port']}"])
 
 
+def _cmd_top(args: argparse.Namespace) -> Output:
+    return Output(data=_jsonable(run_top(args)))
+
+
 # ------------------------------------------------------------------------------ replay
 
 
@@ -384,6 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="health: least seconds without a commit, while data arrives, before 'stalled' "
                         "(default $PERSISTENT_DELTA_STALL_AFTER_S or 30)")
     e.set_defaults(func=_cmd_exporter)
+
+    t = sub.add_parser("top", parents=[fmt], help="a live view of ranks, consumers and shippers (refreshed)",
+                       description="Redraws every second: per rank the batch index and log start; per consumer the "
+                                   "offset, lag, last commit and health; with --server remote consumers and "
+                                   "shippers; with --metrics a trainer's writer queue. Ctrl-C ends it.")
+    t.add_argument("root", nargs="?", help="log root (holding rank-<r>/); optional with --server")
+    add_connect_arguments(t)
+    t.add_argument("--metrics", action="append", metavar="URL",
+                   help="a trainer's metrics endpoint (serve_metrics(tracker=)), for its writer queue; repeatable")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    t.add_argument("--iterations", type=int, default=0, help="stop after N draws (default: run until Ctrl-C)")
+    t.add_argument("--stall-after", type=float, metavar="S", help="health: least silence before 'stalled'")
+    t.set_defaults(func=_cmd_top)
 
     r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
     r.add_argument("root", help="log root")

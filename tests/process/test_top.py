@@ -1,0 +1,95 @@
+"""``persistent-delta top`` in a pseudo-terminal: it draws the ranks and consumers with their lag
+and health, redraws when a consumer commits, and ends cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("rich")
+
+from logs import fill_ranks  # noqa: E402
+from procs import REPO  # noqa: E402
+
+from persistent_delta import DeltaConsumer  # noqa: E402
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+
+
+class Screen:
+    """What a child drew on a pseudo-terminal, escape sequences removed."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.text = ""
+
+    def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            m = rx.search(self.text)
+            if m:
+                self.text = self.text[m.end():]  # later reads look at later draws
+                return m
+            ready, _, _ = select.select([self.fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:
+                    break  # the child closed the terminal
+                self.text += ANSI.sub("", chunk.decode(errors="replace"))
+        raise AssertionError(f"{pattern!r} never drawn; last screen:\n{self.text[-3000:]}")
+
+
+def test_top_draws_and_redraws_in_a_terminal(tmp_path):
+    root = str(tmp_path / "job")
+    fill_ranks(root, lambda r, b: [("t0", torch.tensor([b, b + 1]), None)], ranks=2, batches=10)
+    slow = DeltaConsumer(root, "slow")
+    slow.poll(max_batches=3)
+    slow.commit()
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
+               LINES="50", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "persistent_delta", "top", root, "--interval", "0.3"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    try:
+        screen = Screen(master)
+        row = r"│\s*{rank}\s*│\s*slow\s*│\s*lookups\s*│\s*(\d+)\s*│\s*(\d+)\s*│\s*\d+\s*│[^│]*│\s*(\w+)"
+        screen.read_until(r"RANK.*BATCH.*LOG-START")
+        m = screen.read_until(row.format(rank=1))
+        assert (m.group(1), m.group(2), m.group(3)) == ("3", "7", "ok")
+        slow.poll()
+        slow.commit()  # the next draw shows it caught up
+        m = screen.read_until(row.format(rank=1).replace(r"(\d+)\s*│\s*(\d+)", r"(10)\s*│\s*(\d+)"))
+        assert m.group(2) == "0"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        slow.close()
+
+
+def test_names_and_errors_from_data_are_drawn_with_control_characters_escaped():
+    from rich.console import Console
+
+    from persistent_delta.cli.top import View, draw, printable
+
+    assert printable("ok-name") == "ok-name"
+    assert printable("a\x1b[2Jb\n") == "a\\x1b[2Jb\\n"
+    console = Console(width=120, record=True, file=open(os.devnull, "w"))
+    console.print(draw(View(when=0.0, errors=["server said \x1b[2J[bold]hi"])))
+    text = console.export_text()
+    assert "\\x1b[2J[bold]hi" in text and "\x1b" not in text
