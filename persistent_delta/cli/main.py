@@ -27,6 +27,7 @@ from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import replay
+from persistent_delta.cli.report import write_report
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
 from persistent_delta.cli.top import run_top
 from persistent_delta.cli.upgrade import upgrade
@@ -254,6 +255,13 @@ def _cmd_exporter(args: argparse.Namespace) -> Output:
     return Output(data=_jsonable(served), notes=[f"exporter: stopped serving {served['addr']}:{served['port']}"])
 
 
+def _cmd_report(args: argparse.Namespace) -> Output:
+    done = write_report(args.root, args.out)
+    files = done["files"]
+    assert isinstance(files, list)
+    return Output(data=_jsonable(done), tables=[Table("", ["PICTURE"], [[f] for f in files])])
+
+
 def _cmd_top(args: argparse.Namespace) -> Output:
     return Output(data=_jsonable(run_top(args)))
 
@@ -402,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iterations", type=int, default=0, help="stop after N draws (default: run until Ctrl-C)")
     t.add_argument("--stall-after", type=float, metavar="S", help="health: least silence before 'stalled'")
     t.set_defaults(func=_cmd_top)
+
+    g = sub.add_parser("report", parents=[fmt], help="PNG plots of a job computed from its log",
+                       description="Writes rows_per_batch.png (rows changed per batch per table), "
+                                   "bytes_per_batch.png (record bytes per batch per rank) and consumer_lag.png (each "
+                                   "consumer's lag at its remembered commits and now), over the range the log holds.")
+    g.add_argument("root", help="log root")
+    g.add_argument("--out", required=True, metavar="DIR", help="directory for the pictures (created when missing)")
+    g.set_defaults(func=_cmd_report)
 
     r = sub.add_parser("replay", parents=[fmt], help="export a batch range (all ranks merged) as safetensors")
     r.add_argument("root", help="log root")
