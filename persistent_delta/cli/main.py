@@ -257,9 +257,7 @@ def _cmd_exporter(args: argparse.Namespace) -> Output:
 
 def _cmd_report(args: argparse.Namespace) -> Output:
     done = write_report(args.root, args.out)
-    files = done["files"]
-    assert isinstance(files, list)
-    return Output(data=_jsonable(done), tables=[Table("", ["PICTURE"], [[f] for f in files])])
+    return Output(data=_jsonable(done), tables=[Table("", ["PICTURE"], [[f] for f in done.files])])
 
 
 def _cmd_top(args: argparse.Namespace) -> Output:

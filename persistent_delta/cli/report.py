@@ -75,7 +75,15 @@ def series(root: PathLike) -> ReportSeries:
     return out
 
 
-def write_report(root: PathLike, out_dir: str) -> Dict[str, object]:
+@dataclass
+class ReportWritten:
+    """The pictures written and the batch range of each rank they cover (``[start, end)``)."""
+
+    files: List[str]
+    ranges: Dict[int, Tuple[int, int]]
+
+
+def write_report(root: PathLike, out_dir: str) -> ReportWritten:
     """Write the report's PNGs into ``out_dir`` (created when missing).
 
     Args:
@@ -83,7 +91,7 @@ def write_report(root: PathLike, out_dir: str) -> Dict[str, object]:
         out_dir: where the pictures go.
 
     Returns:
-        ``files``: the pictures written; ``ranges``: rank -> [start, end) covered.
+        The pictures written and the range covered.
 
     Raises:
         PersistentDeltaError: matplotlib is missing (the ``ops`` extra).
@@ -99,7 +107,7 @@ def write_report(root: PathLike, out_dir: str) -> Dict[str, object]:
     data = series(root)
     os.makedirs(out_dir, exist_ok=True)
     span = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in sorted(data.ranges.items()))
-    files = []
+    files: List[str] = []
 
     def save(fig: object, name: str) -> None:
         path = os.path.join(out_dir, name)
@@ -135,7 +143,7 @@ def write_report(root: PathLike, out_dir: str) -> Dict[str, object]:
            ylabel="lag (batches)")
     _finish(ax, bool(data.lag))
     save(fig, "consumer_lag.png")
-    return {"files": files, "ranges": {str(r): list(v) for r, v in sorted(data.ranges.items())}}
+    return ReportWritten(files, dict(sorted(data.ranges.items())))
 
 
 def _finish(ax: object, has_data: bool) -> None:
