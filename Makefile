@@ -1,6 +1,6 @@
-# Two commands: `make demo` and `make test` (`make test-unit`: the in-process tests only). Each
-# bootstraps .venv/ when it is missing or stale (requirements.txt or pyproject.toml changed) and
-# installs nothing on a second run.
+# Two commands: `make demo` and `make test` (`make test-unit`: the in-process tests only; `make docs`:
+# the docs site into site/). Each bootstraps .venv/ when it is missing or stale (requirements*.txt or
+# pyproject.toml changed) and installs nothing on a second run.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-all demo demo-fleet bench clean
+.PHONY: venv test test-unit test-all demo demo-fleet bench docs clean
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-docs.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip "setuptools>=64"
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-docs.txt
 	$(PY) -m pip install --quiet --no-deps $(TORCHREC)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -41,5 +41,9 @@ demo-fleet: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
 
+# The docs site (MkDocs, Material theme; the API from docstrings) into site/; strict: warnings fail.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) demo-out demo-fleet-out bench-out
+	rm -rf $(VENV) demo-out demo-fleet-out bench-out site

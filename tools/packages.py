@@ -1,7 +1,7 @@
 """The package picture and the package rules, read from one table: ``[tool.persistent_delta.packages]``
 in ``pyproject.toml``.
 
-``python tools/packages.py`` prints the picture the README shows; ``--check`` exits 1 and lists every
+``python tools/packages.py`` prints the picture docs/architecture.md shows; ``--check`` exits 1 and lists every
 import that breaks a rule (tests/unit/test_packages.py runs the same checks).
 """
 

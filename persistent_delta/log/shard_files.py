@@ -41,7 +41,7 @@ def _rank_files(ckpt_dir: str) -> List[str]:
     names = sorted(n for n in os.listdir(ckpt_dir) if _RANK_FILE.match(n)) if os.path.isdir(ckpt_dir) else []
     if not names:
         raise NotALogError(
-            f"{ckpt_dir} holds no shard checkpoint (rank-<r>.safetensors written by "
+            f"{ckpt_dir} holds no shard files (rank-<r>.safetensors written by "
             "persistent_delta.trainer.save_shards.save_local_shards)"
         )
     return names
@@ -52,7 +52,7 @@ def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
     recorded it).
 
     Raises:
-        NotALogError: no shard checkpoint in ``ckpt_dir``.
+        NotALogError: no shard files in ``ckpt_dir``.
         InvalidInputError: a malformed file.
     """
     ckpt_dir = os.fspath(ckpt_dir)
@@ -65,7 +65,7 @@ def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on a bad file
             raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
         if meta.get("format") != SHARD_FILES_FORMAT:
-            raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
+            raise NotALogError(f"{path} is not a shard file (format {meta.get('format')!r})")
         b = meta.get("batch_idx")
         try:
             out[int(_RANK_FILE.match(name).group(1))] = None if b is None else int(b)  # type: ignore[union-attr]
@@ -103,7 +103,7 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
             with safe_open(path, "pt") as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != SHARD_FILES_FORMAT:
-                    raise NotALogError(f"{path} is not a shard checkpoint (format {meta.get('format')!r})")
+                    raise NotALogError(f"{path} is not a shard file (format {meta.get('format')!r})")
                 shards = json.loads(meta["shards"])
                 for fqn in f.keys():
                     if fqn.startswith(ZCH_PREFIX):

@@ -34,7 +34,7 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
 
     Args:
         tracker: the rank's tracker (its ``local_tables`` and ``rank`` are used).
-        shard_dir: the checkpoint directory (created if missing).
+        shard_dir: the shard-files directory (created if missing).
 
     Returns:
         The path written.

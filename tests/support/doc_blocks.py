@@ -3,8 +3,8 @@
 A page's blocks run in order in one fresh directory (so a command can read the log an earlier
 block wrote), each Python block in a fresh namespace with the repository on ``sys.path``
 (``from examples.tiny_model import tiny_trainer`` works as from a clone's root). In a
-``console`` block every ``$ persistent-delta ...`` line runs (as ``python -m persistent_delta``)
-and must exit 0. A block right after a ``<!-- fragment -->`` line is not run: used only where a
+``console`` block every ``$ persistent-delta ...`` line runs (in process, through
+:func:`persistent_delta.cli.main.main`, what the console script calls) and must exit 0. A block right after a ``<!-- fragment -->`` line is not run: used only where a
 block needs what a page cannot build (a whole multi-host job); shell blocks other than
 ``console`` (``bash``: make, pip, servers on your hosts) and ``text`` are never run.
 
@@ -17,11 +17,12 @@ address in ``NATS_URL``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ from typing import List
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```\s*$", re.M | re.S)
 FRAGMENT = "<!-- fragment -->"
+RESULT = "doc-block-result: "  # prefix of the result lines (the blocks print too)
 
 
 @dataclass
@@ -83,11 +85,14 @@ def run_block(block: Block) -> None:
         code = compile(block.code, f"{block.page}:{block.line}", "exec")
         exec(code, {"__name__": "__main__"})
         return
+    from persistent_delta.cli.main import main as cli_main  # what the console script runs
+
     for cmd in console_commands(block.code):
-        argv = [sys.executable, "-m", "persistent_delta"] + shlex.split(cmd)[1:]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"`{cmd}` exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli_main(shlex.split(cmd)[1:], stdout=out)
+        if rc != 0:
+            raise RuntimeError(f"`{cmd}` exited {rc}:\n{out.getvalue()}\n{err.getvalue()}")
 
 
 def main(pages: List[str]) -> int:
@@ -113,7 +118,7 @@ def main(pages: List[str]) -> int:
                 except BaseException:  # report every block's failure, keep going
                     error = traceback.format_exc()
                     failed += 1
-                print(json.dumps(dict(asdict(block), ok=error is None, error=error,
+                print(RESULT + json.dumps(dict(asdict(block), ok=error is None, error=error,
                                       seconds=round(time.monotonic() - t0, 2))), flush=True)
             if server is not None:
                 server.stop()

@@ -1,5 +1,5 @@
 """The package rules of ``[tool.persistent_delta.packages]`` (pyproject.toml) hold for every import,
-and the README's package picture is the one drawn from that table."""
+and the package picture of docs/architecture.md is the one drawn from that table."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def test_readers_fleet_and_cli_never_reach_the_trainer():
         assert "trainer" not in rules[name].imports, name
 
 
-def test_the_readme_shows_the_picture_drawn_from_the_rules():
-    readme = open(os.path.join(REPO, "README.md")).read()
-    assert packages.picture(packages.load_rules()) in readme, "run `python tools/packages.py` and paste it into README.md"
+def test_the_architecture_page_shows_the_picture_drawn_from_the_rules():
+    page = open(os.path.join(REPO, "docs", "architecture.md")).read()
+    assert packages.picture(packages.load_rules()) in page, \
+        "run `python tools/packages.py` and paste it into docs/architecture.md"
 
 
 def _write(root, rel, text):
