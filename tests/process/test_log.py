@@ -337,7 +337,7 @@ def test_opted_in_writer_keeps_large_buffers_in_the_heap(env, applied):
 
 @pytest.mark.parametrize("opt_in", [False, True])
 def test_opted_in_reader_keeps_large_buffers_in_the_heap(tmp_path, opt_in):
-    """A replica's polls page-fault their results in afresh without it (see README: opening a
+    """A replica's polls page-fault their results in afresh without it (see LogOptions.tune_malloc: opening a
     log for reading applies the opt-in too)."""
     d = str(tmp_path / "log")
     DeltaLog(d).close()
