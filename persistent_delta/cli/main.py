@@ -7,7 +7,8 @@ Each subcommand calls a data function of the package (:mod:`.offsets`, :mod:`.re
 the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as
 ``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). Inspection opens logs
 read-only and never creates one; offset changes are dry runs unless ``--execute`` is given.
-Long work shows a tqdm progress bar when stderr is a terminal, and nothing when it is piped.
+Long work (replay, verify, vacuum, upgrade) shows a tqdm progress bar when stderr is a terminal,
+and nothing when it is piped.
 """
 
 from __future__ import annotations
@@ -324,14 +325,22 @@ def _cmd_apply(args: argparse.Namespace) -> Output:
 
 
 def _cmd_vacuum(args: argparse.Namespace) -> Output:
-    results = vacuum(args.root)
+    bar = _Progress("vacuum", "rank")
+    try:
+        results = vacuum(args.root, progress=bar.total)
+    finally:
+        bar.close()
     rows = [[r.rank, r.bytes_before, r.bytes_after, r.bytes_before - r.bytes_after, r.path] for r in results]
     return Output(data={"ranks": _jsonable(results)},
                   tables=[Table("", ["RANK", "BYTES-BEFORE", "BYTES-AFTER", "RECLAIMED", "PATH"], rows)])
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> Output:
-    results = upgrade(args.root, execute=args.execute)
+    bar = _Progress("upgrade", "record")
+    try:
+        results = upgrade(args.root, execute=args.execute, progress=bar.add)
+    finally:
+        bar.close()
     rows = [[r.rank, r.from_version, r.to_version, r.records, "yes" if r.applied else "no", r.path] for r in results]
     notes = [] if args.execute else ["DRY RUN: nothing changed; add --execute to apply"]
     return Output(data={"ranks": _jsonable(results), "dry_run": not args.execute},

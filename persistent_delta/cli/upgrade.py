@@ -11,7 +11,7 @@ stop the trainer first. A record that fails its format-1 checksum stops the upgr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List, Optional
 
 from persistent_delta.log import codec
 from persistent_delta.log.layout import PathLike, rank_paths
@@ -31,19 +31,32 @@ class UpgradeResult:
     applied: bool
 
 
-def _rewrite(w: WriteTxn) -> int:
+_PROGRESS_EVERY = 4096  # records between progress calls: a call per record would cost more than the bar shows
+
+
+def _rewrite(w: WriteTxn, progress: Optional[Callable[[int], None]] = None) -> int:
     n = 0
     for channel in CHANNELS:
         cur = w.txn.cursor(db=w._dbs[DB_OF_CHANNEL[channel]])
         for key, value in cur:
             cur.put(bytes(key), codec.upgrade_v1_value(value, bytes(key)))
             n += 1
+            if progress is not None and n % _PROGRESS_EVERY == 0:
+                progress(_PROGRESS_EVERY)
+    if progress is not None and n % _PROGRESS_EVERY:
+        progress(n % _PROGRESS_EVERY)
     w.set_meta(META_FORMAT_VERSION, codec.FORMAT_VERSION)
     return n
 
 
-def upgrade(root: PathLike, execute: bool = False) -> List[UpgradeResult]:
+def upgrade(root: PathLike, execute: bool = False, progress: Optional[Callable[[int], None]] = None
+            ) -> List[UpgradeResult]:
     """Upgrade every rank's log under ``root`` to this release's format.
+
+    Args:
+        root: the log root.
+        execute: rewrite (default: dry run, counting the records).
+        progress: called with the number of records rewritten since its last call.
 
     Raises:
         LogLockedError: a writer (the trainer) has a log open.
@@ -61,7 +74,7 @@ def upgrade(root: PathLike, execute: bool = False) -> List[UpgradeResult]:
                 n = log.read(lambda r: sum(1 for c in CHANNELS for _ in r.iter_raw(c)), refresh_tables=False)
                 out.append(UpgradeResult(rank, path, version, version, n, False))
                 continue
-            n = log.write(_rewrite)
+            n = log.write(lambda w: _rewrite(w, progress))
             log.flush()
             out.append(UpgradeResult(rank, path, version, codec.FORMAT_VERSION, n, True))
     return out

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List, Optional
 
 from persistent_delta.errors import LogLockedError
 from persistent_delta.log.layout import DATA_FILE, PathLike, fsync_path, rank_paths
@@ -98,12 +98,24 @@ def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
     return VacuumResult(rank=rank, path=path, bytes_before=before, bytes_after=after)
 
 
-def vacuum(root: PathLike) -> List[VacuumResult]:
+def vacuum(root: PathLike, progress: Optional[Callable[[int, int], None]] = None) -> List[VacuumResult]:
     """Compact every rank's log under ``root``; refuses (before touching a rank) while any
     process has that rank's log open.
+
+    Args:
+        root: the log root.
+        progress: called with (ranks done, ranks) before the first rank and after each.
 
     Raises:
         LogLockedError: see :func:`vacuum_log`.
         NotALogError: ``root`` holds no log.
     """
-    return [vacuum_log(path, rank) for rank, path in rank_paths(root).items()]
+    paths = rank_paths(root)
+    out: List[VacuumResult] = []
+    for rank, path in paths.items():
+        if progress is not None:
+            progress(len(out), len(paths))
+        out.append(vacuum_log(path, rank))
+    if progress is not None:
+        progress(len(out), len(paths))
+    return out

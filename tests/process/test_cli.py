@@ -179,7 +179,11 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
     argv = ["replay", root, "--from-batch", "0", "--to-batch", "8", "--span", "2", "--dry-run"]
     assert main(argv, stdout=io.StringIO()) == 0
     assert main(["verify", root], stdout=io.StringIO()) == 0
+    assert main(["vacuum", root], stdout=io.StringIO()) == 0
+    assert main(["upgrade", root, "--execute"], stdout=io.StringIO()) == 0
     if tty:
         assert "replay" in err.getvalue() and "span" in err.getvalue()
+        assert "vacuum" in err.getvalue() and "rank" in err.getvalue()
+        assert "upgrade" in err.getvalue()
     else:
         assert err.getvalue() == ""

@@ -100,3 +100,14 @@ def test_an_upgrade_refuses_a_damaged_record_and_changes_nothing(tmp_path):
     with pytest.raises(FormatMismatchError):
         DeltaLog(path, readonly=True)  # still format 1: the transaction was not committed
     assert len(open(os.path.join(path, "data.mdb"), "rb").read()) == len(before)
+
+
+def test_an_upgrade_reports_its_progress_in_records(tmp_path):
+    from persistent_delta.cli.upgrade import upgrade
+
+    path = str(tmp_path / "log")
+    _store(path)
+    _downgrade_to_v1(path)
+    seen = []
+    (result,) = upgrade(path, execute=True, progress=seen.append)
+    assert result.applied and sum(seen) == result.records > 0
