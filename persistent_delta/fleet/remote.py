@@ -365,12 +365,16 @@ class RemoteConsumer:
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
 
-    def bootstrap(self) -> Dict[str, torch.Tensor]:
+    def bootstrap(self, progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, torch.Tensor]:
         """A full base state from the stream, for a replica that joins late or after its
         position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
         from every rank's base (:func:`persistent_delta.fleet.ship.upload_base`), and
         every rank's position moved just past the base's publish (in memory; ``commit`` stores
         it). Apply the polls that follow to the returned tables.
+
+        Args:
+            progress: called with (ranks fetched, ranks) before the first rank's base and
+                after each (e.g. a tqdm bar's ``total``/``n``).
 
         Raises:
             NotALogError: a rank of the job has no base on the stream.
@@ -379,7 +383,10 @@ class RemoteConsumer:
         self._check()
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
-        for rank in sorted(self._expected or self._meta):
+        ranks = sorted(self._expected or self._meta)
+        for done, rank in enumerate(ranks):
+            if progress is not None:
+                progress(done, len(ranks))
             buf = self._retrying(lambda: self.conn.object_get(self.job, subjects.base_name(rank)))
             if buf is None:
                 raise NotALogError(f"job {self.job!r}: rank {rank} has no base on {self.server}; upload one "
@@ -394,6 +401,8 @@ class RemoteConsumer:
                 t = full.setdefault(fqn, torch.zeros(rows, cols, dtype=values.dtype))
                 r0, c0 = (shard.row_offset, shard.col_offset) if shard is not None else (0, 0)
                 t[r0:r0 + values.shape[0], c0:c0 + values.shape[1]] = values
+        if progress is not None:
+            progress(len(ranks), len(ranks))
         if len(set(stamps.values())) > 1:
             raise InvalidInputError(f"job {self.job!r}: the ranks' bases were taken at different publishes "
                                     f"{stamps}; upload them at the same step on every rank")

@@ -95,7 +95,9 @@ def test_a_base_uploaded_through_a_transport_bootstraps_a_replica(tmp_path):
     upload_base(None, JOB, 0, 2, {"t": weights}, transport=conn)
     conn.close()
     with RemoteConsumer(None, JOB, "late", transport=broker.connect()) as c:
-        tables = c.bootstrap()
+        seen = []
+        tables = c.bootstrap(progress=lambda done, total: seen.append((done, total)))
+        assert seen == [(0, 1), (1, 1)]  # before the rank's base and after it
         assert torch.equal(tables["t"], weights)
         assert c.position() == {0: 3}
         with DeltaReader(root, start=3) as local:
