@@ -30,8 +30,17 @@ over the rounds during which other processes used less than ``--noisy-cpus`` CPU
 holds one block of every model, so dropping whole rounds keeps the comparison fair), and
 ``ratios_median_of_rounds`` is the median over rounds of the per-round ratio (robust to bursts).
 
+``--device cuda`` runs the three models on this process's GPU (a one-rank NCCL group; the
+CUDA builds of torch and fbgemm-gpu: docs/gpu-check.md); each timed step then ends with
+``torch.cuda.synchronize()``, so a step's time is its GPU time, not its launch time.
+
 ``--null`` attaches no tracker at all (an A/A run): the three ratios should then be 1.0, and
 their spread is the noise floor of the comparison on this machine.
+
+``--metrics`` has the persistent tracker serve its Prometheus metrics
+(:func:`persistent_delta.ops.metrics.serve_metrics`) and scrapes them every ``--scrape-every``
+seconds from a thread of the same process for the whole run: compare its ratios with a run
+without it.
 
 Prints one JSON line per tracking mode. ``--cprofile DIR`` writes cProfile stats of the
 persistent model's training-thread time (``DIR/step_<mode>.prof``).
@@ -98,9 +107,10 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     root = workdir(f"step-{mode.name.lower()}")
     total = args.warmup + args.steps
     log("%s: building %d batches and 3 DMPs", mode.name, total)
-    batches = make_batches(w, total, seed=args.seed)
-    dmps = {v: build_dmp(w, seed=args.seed) for v in VARIANTS}
+    batches = make_batches(w, total, seed=args.seed, device=args.device)
+    dmps = {v: build_dmp(w, seed=args.seed, device=args.device) for v in VARIANTS}
     trackers = {v: _attach(v, dmps[v], mode, root, args.durability, args.null) for v in VARIANTS}
+    scraper = _Scraper(trackers["persistent"], args.scrape_every) if args.metrics and trackers["persistent"] else None
     times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
     reads: Dict[str, List[float]] = {v: [] for v in VARIANTS}
     done = {v: 0 for v in VARIANTS}
@@ -120,6 +130,8 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
             rows = tr.get_unique(CONSUMER)
             tr_s = time.perf_counter() - t1
             del rows
+        if args.device == "cuda":
+            torch.cuda.synchronize()  # (the step's GPU work, not its launch, is what is timed)
         if profile:
             prof.disable()
         dt = time.perf_counter() - t0
@@ -156,6 +168,7 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     quiet = [rt for rt, f in zip(round_times, round_foreign) if f < args.noisy_cpus]
 
     stats = {v: Stats.of(times[v]) for v in VARIANTS}
+    scrapes = scraper.close() if scraper is not None else 0
     pers = trackers["persistent"]
     writer_stats = pers.stats() if hasattr(pers, "stats") else {}
     log_bytes = _file_size(os.path.join(pers.path, "data.mdb")) if pers is not None else 0
@@ -213,6 +226,9 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
         "step_overhead",
         mode=mode.name,
         null_run=args.null,
+        device=args.device,
+        metrics=bool(args.metrics),
+        metrics_scrapes=scrapes,
         world_size=1,
         steps=stats["untracked"].n,
         warmup=args.warmup,
@@ -239,6 +255,37 @@ def run_mode(mode: TrackingMode, args: argparse.Namespace, w: Workload) -> Dict[
     )
 
 
+class _Scraper:
+    """``--metrics``: the persistent tracker serves its metrics (``serve_metrics(tracker=...)``)
+    and a thread scrapes them every ``every`` seconds, as Prometheus would, for the whole run."""
+
+    def __init__(self, tracker: Any, every: float) -> None:
+        import threading
+        import urllib.request
+
+        from persistent_delta.ops.metrics import serve_metrics
+
+        self.server = serve_metrics(tracker=tracker, job="bench", port=0)
+        self.stop = threading.Event()
+        self.scrapes = 0
+        url = f"http://127.0.0.1:{self.server.port}/metrics"
+
+        def scrape() -> None:
+            while not self.stop.wait(every):
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    resp.read()
+                self.scrapes += 1
+
+        self.thread = threading.Thread(target=scrape, name="bench-scraper", daemon=True)
+        self.thread.start()
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        self.server.close()
+        return self.scrapes
+
+
 def _file_size(p: str) -> int:
     try:
         return os.path.getsize(p)
@@ -259,6 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--durability", default=None, help="persistent_delta durability (default: its default)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the models train (cuda: a one-rank NCCL group on the current GPU)")
     ap.add_argument("--cprofile", default=None, metavar="DIR")
     ap.add_argument("--null", action="store_true",
                     help="A/A run: no tracker on any model (the ratios then show the method's noise floor)")
@@ -266,6 +315,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="wait up to this many seconds for other processes to go quiet before each mode")
     ap.add_argument("--noisy-cpus", type=float, default=0.3,
                     help="a round during which other processes used more CPUs than this is 'noisy'")
+    ap.add_argument("--metrics", action="store_true",
+                    help="the persistent tracker serves Prometheus metrics, scraped every --scrape-every seconds")
+    ap.add_argument("--scrape-every", type=float, default=1.0, help="seconds between scrapes with --metrics")
     ap.add_argument("--quick", action="store_true", help="smoke run: 30 steps, 50k rows, batch 512")
     args = ap.parse_args(argv)
     if args.quick:
@@ -275,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    init_single_rank_pg()
+    init_single_rank_pg("nccl" if args.device == "cuda" else "gloo")
     w = Workload(rows=args.rows, batch=args.batch, sharding=args.sharding)
     for name in args.modes.split(","):
         run_mode(TrackingMode[name.strip()], args, w)
