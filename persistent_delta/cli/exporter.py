@@ -21,16 +21,16 @@ from persistent_delta.cli.ship import connect_options
 from persistent_delta.errors import InvalidInputError, PersistentDeltaError
 
 
-def missing_ops(what: str) -> PersistentDeltaError:
-    """The error for a missing optional dependency of the ``ops`` extra."""
-    return PersistentDeltaError(f"{what} needs the 'ops' extra: pip install 'persistent_delta[ops]'")
-
-
 def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> Dict[str, object]:
     """Serve until SIGTERM/SIGINT (or ``stop``); returns where it served.
 
+    Args:
+        args: the parsed ``exporter`` arguments.
+        stop: an event that ends serving (default: SIGTERM/SIGINT set it).
+
     Raises:
         InvalidInputError: neither a root nor ``--server`` (with ``--job``) was given.
+        PersistentDeltaError: ``prometheus_client`` is missing (the ``ops`` extra).
         OSError: the port is taken.
     """
     if not args.root and not args.server:
@@ -40,7 +40,7 @@ def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = Non
     try:
         from persistent_delta.ops.metrics import serve_metrics
     except ImportError as exc:
-        raise missing_ops("exporter") from exc
+        raise PersistentDeltaError("exporter needs the 'ops' extra: pip install 'persistent_delta[ops]'") from exc
     job = args.job or (os.path.basename(os.path.abspath(args.root)) if args.root else "")
     event = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

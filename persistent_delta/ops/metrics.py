@@ -252,22 +252,22 @@ class StreamCollector(Collector):
 
 class _Guarded(Collector):
     """A collector whose failure (a log being created, a server away) costs one scrape's series,
-    not the endpoint: it logs and exports ``persistent_delta_scrape_error 1``."""
+    not the endpoint: it logs and exports ``persistent_delta_<what>_scrape_error 1``."""
 
     def __init__(self, inner: Collector, what: str) -> None:
         self.inner = inner
         self.what = what
 
     def collect(self) -> Iterable[Metric]:
-        err = GaugeMetricFamily(PREFIX + "scrape_error", "1 when reading this source failed at this scrape.",
-                                labels=["source"])
+        err = GaugeMetricFamily(f"{PREFIX}{self.what}_scrape_error",
+                                f"1 when reading the {self.what} failed at this scrape.")
         try:
             out = list(self.inner.collect())
-            err.add_metric([self.what], 0.0)
+            err.add_metric([], 0.0)
         except Exception as exc:  # noqa: BLE001 - reported as a metric and logged; the next scrape retries
-            logger.warning("metrics: reading %s failed: %s", self.what, exc)
+            logger.warning("metrics: reading the %s failed: %s", self.what, exc)
             out = []
-            err.add_metric([self.what], 1.0)
+            err.add_metric([], 1.0)
         return [*out, err]
 
 

@@ -50,4 +50,4 @@ def test_stream_and_shipper_metrics(tmp_path, nats_server):
     feed = (("channel", "lookups"), ("job", job), ("rank", "0"))
     assert got[("persistent_delta_shipper_position", feed)] == ship.position
     assert got[("persistent_delta_shipper_lag_batches", feed)] == ship.lag_batches
-    assert got[("persistent_delta_scrape_error", (("source", "stream"),))] == 0
+    assert got[("persistent_delta_stream_scrape_error", ())] == 0

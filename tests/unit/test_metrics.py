@@ -66,8 +66,8 @@ def test_log_metrics_are_what_offsets_shows(root):
     assert got[("persistent_delta_consumer_lag_batches", slow)] == 9
     assert got[("persistent_delta_consumer_lag_bytes", slow)] > 0
     labels = {k for _, ls in got for k, _ in ls}
-    assert labels <= {"job", "rank", "consumer", "channel", "source"}, labels
-    assert got[("persistent_delta_scrape_error", (("source", "log"),))] == 0
+    assert labels <= {"job", "rank", "consumer", "channel"}, labels
+    assert got[("persistent_delta_log_scrape_error", ())] == 0
 
 
 def test_tables_only_on_request(root):
@@ -79,7 +79,7 @@ def test_tables_only_on_request(root):
 
 def test_a_missing_root_is_a_scrape_error_not_a_dead_endpoint(tmp_path):
     got = _series(generate_latest(build_registry(root=str(tmp_path / "nothing"), job="j")).decode())
-    assert got[("persistent_delta_scrape_error", (("source", "log"),))] == 1
+    assert got[("persistent_delta_log_scrape_error", ())] == 1
 
 
 def test_the_endpoint_serves_them(root):
