@@ -72,6 +72,7 @@ from persistent_delta.log.schema import (
     META_CHECKPOINT_FLOOR,
     META_CLOSED_END,
     META_CURR_BATCH,
+    META_RESTART_GEN,
     META_SNAPSHOT_END,
     META_TRACKER,
     META_UPDATE_MODE,
@@ -111,6 +112,22 @@ def lookups_end(r: ReadTxn) -> int:
     else:
         end = last_appended(r) + 1
     return max(end, log_start(r))
+
+
+def restart_generation(r: ReadTxn) -> int:
+    """The restart generation of a tracker's log: agreed over the job's ranks and written by
+    each rank in the transaction where a multi-rank restart (which drops the batches not every
+    rank completed) or restore (which replaces the lost timeline) changes its records. The
+    ranks write one after the other: while their generations differ, some ranks' records are
+    changed and others' not yet, and a poll must read none of them (:func:`settled`)."""
+    return int(r.meta(META_RESTART_GEN, 0))
+
+
+def settled(generations: Dict[int, int]) -> bool:
+    """Whether the ranks' restart generations (rank -> :func:`restart_generation`) agree: no
+    restart or restore is half-way through, so a poll over these ranks holds no batch that one
+    rank already dropped or replaced and another still holds (a column half)."""
+    return len(set(generations.values())) <= 1
 
 
 def bounds(r: ReadTxn, channel: str) -> Tuple[int, int]:

@@ -59,6 +59,9 @@ META_TRACKER = "tracker"  # TrackerMeta
 META_CURR_BATCH = "curr_batch_idx"  # the batch being recorded (complete: every batch below)
 META_CLOSED_END = "closed_end"  # set by close(): every batch below it is complete
 META_CHECKPOINT_FLOOR = "checkpoint_floor"  # first batch after the latest model checkpoint
+# Agreed over a job's ranks and written by each rank in the transaction of a restart or restore
+# (multi-rank): ranks that hold different values are mid-way, and a poll reads none of them.
+META_RESTART_GEN = "restart_gen"
 META_SNAPSHOT_END = "snapshot_end"  # one past the newest snapshot stamp
 
 

@@ -18,7 +18,11 @@ at or above the world size (left from a run with more ranks) are ignored, with a
 end)`` per table, with shard-local ids mapped to global row ids. For a tracker's job ``end`` is
 the same on every rank: the smallest channel end over the job's ranks, so a poll holds only
 batches that every rank has completed (no merged table misses a column half; a missing rank
-holds every poll at its start). ``poll(timeout=)`` waits for a commit that completes a batch.
+holds every poll at its start). A restart or restore of a multi-rank job changes each rank's log
+in its own transaction; while the ranks' restart generations differ
+(:func:`~persistent_delta.log.position_rules.settled`) a poll reads nothing, so it never holds a
+batch one rank already dropped and another still holds. ``poll(timeout=)`` waits for a commit
+that completes a batch.
 
 * :class:`DeltaReader` keeps its positions in memory only: it holds back no retention and has
   no effect on the trainer; data deleted under it gives :class:`OffsetOutOfRangeError` (or its
@@ -324,16 +328,24 @@ class DeltaReader:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
-        bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel)))
+        bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel),
+                                            position_rules.restart_generation(r)))
                   for rank, log in self._logs.items()}
+        generations = {rank: b[3] for rank, b in bounds.items()}
         positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank], floor)
-                     for rank, (a, b, floor) in bounds.items()}
-        stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _) in bounds.items()}, self._expected, max_batches)
+                     for rank, (a, b, floor, _) in bounds.items()}
+        stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _, _) in bounds.items()}, self._expected, max_batches)
+        if not position_rules.settled(generations):  # a restart or restore is half-way: wait for it
+            stops = dict(positions)
         if max_bytes is not None:
             pieces = fetch.stored_bytes(self._logs, positions, stops, self.channel)
             stops = clip_stops(positions, stops, byte_cut(pieces, max_bytes, max(stops.values(), default=0)))
         ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take)
+        if stops != positions and {rank: log.read(position_rules.restart_generation)
+                                   for rank, log in self._logs.items()} != generations:
+            # a restart or restore began on some rank meanwhile: this read may mix its sides
+            ranks = fetch.fetch_ranks(self._logs, positions, dict(positions), self.channel, self._tables, self._buffers.take)
         for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,

@@ -44,6 +44,7 @@ from persistent_delta.log.schema import (
     META_CLOSED_END,
     META_CURR_BATCH,
     META_LOG_ID,
+    META_RESTART_GEN,
     META_TRACKER,
     META_UPDATE_MODE,
     Delivery,
@@ -75,6 +76,7 @@ def open_tracker_log(
     stored_mode = w.meta(META_UPDATE_MODE)
     if fresh:
         _wipe(w)
+        w.set_meta(META_CLOSED_END, 0)
     elif have is not None and (have.tracking_mode, have.tables) != (want.tracking_mode, want.tables):
         raise ConfigMismatchError(f"{w.path}: {_difference(have, want)}. Use the matching config, another path, or "
                                   "PersistentTrackerConfig(fresh=True) to start a fresh log (discarding this one)")
@@ -102,8 +104,8 @@ def open_tracker_log(
     curr_meta = int(w.meta(META_CURR_BATCH, 0))
     complete = max(curr_meta, int(w.meta(META_CLOSED_END, 0)))  # batches below it were complete
     curr = max(curr_meta, last_appended(w))
-    # The opener holds the writer lock: an earlier writer is gone and its open batch complete.
-    w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), curr + 1) if not fresh else 0)
+    # The end does not move here: the other ranks may still hold batches this rank never
+    # completed; resume_at moves it once they agreed on what to drop.
     return curr, complete
 
 
@@ -117,23 +119,30 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
     drops its records of batches at or above the smallest ``complete`` over ranks (no consumer
     saw them: polls stop at the end every rank completed), so no merged table misses a column
     half; and every rank continues at the largest ``batch_idx``, so no index is reused. The
-    batches in between read as empty on every rank. Returns the index to continue from."""
+    batches in between read as empty on every rank (the indices a restart skips). The same
+    transaction marks the open batch of the dead writer complete (the opener holds the writer
+    lock: nothing more can come) and, with several ranks, stores the agreed restart generation
+    (:func:`persistent_delta.log.position_rules.restart_generation`): the ranks commit one
+    after the other, and polls wait until they all have. Returns the index to continue from."""
     complete = batch_idx + 1 if complete is None else complete
-    lo, hi = complete, batch_idx
+    lo, hi, gen = complete, batch_idx, None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        both = torch.tensor([batch_idx, -complete], dtype=torch.int64)
+        mine = log.read(position_rules.restart_generation)
+        both = torch.tensor([batch_idx, -complete, mine + 1], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        hi, lo = int(both[0].item()), -int(both[1].item())
-    if hi == batch_idx and lo >= complete:
-        return batch_idx
+        hi, lo, gen = int(both[0].item()), -int(both[1].item()), int(both[2].item())
+    drop = not (hi == batch_idx and lo >= complete)
 
     def settle(w: WriteTxn) -> int:
         dropped = 0
-        for entry in w.tables().values():
-            for channel in CHANNELS:
-                dropped += delete_table_records(w, entry, lo, None, channel)[0]
-        w.set_meta(META_CURR_BATCH, hi)
+        if drop:
+            for entry in w.tables().values():
+                for channel in CHANNELS:
+                    dropped += delete_table_records(w, entry, lo, None, channel)[0]
+            w.set_meta(META_CURR_BATCH, hi)
         w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), hi + 1))
+        if gen is not None:
+            w.set_meta(META_RESTART_GEN, gen)
         return dropped
 
     dropped = log.write(settle)
@@ -199,14 +208,15 @@ def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: st
     return int(state["curr_batch_idx"])
 
 
-def agree_batch_idx(batch_idx: int) -> int:
-    """The largest ``batch_idx`` over ranks (a collective when a process group of more than
-    one rank is initialised; ``batch_idx`` itself otherwise)."""
+def agree_batch_idx(log: DeltaLog, batch_idx: int) -> Tuple[int, Optional[int]]:
+    """The largest ``batch_idx`` over ranks and the next restart generation (a collective when
+    a process group of more than one rank is initialised; ``(batch_idx, None)`` otherwise: a
+    single rank's log needs no generation)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        agreed = torch.tensor([batch_idx], dtype=torch.int64)
+        agreed = torch.tensor([batch_idx, log.read(position_rules.restart_generation) + 1], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return int(agreed.item())
-    return batch_idx
+        return int(agreed[0].item()), int(agreed[1].item())
+    return batch_idx, None
 
 
 def current_states(mode: TrackingMode, table: LocalTable, ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -232,12 +242,16 @@ def redeliver(
     checkpoint_batch: int,
     log_end_batch: int,
     side: Optional[Callable[[WriteTxn, int, int], List[AppendRecord]]] = None,
+    gen: Optional[int] = None,
 ) -> Dict[str, int]:
     """Replace the records of batches ``[checkpoint_batch + 1, log_end_batch + 1)`` (the lost
     timeline) by one re-delivery record per table stamped ``log_end_batch + 1``, and continue
     the log there. Returns rows re-delivered per table. ``side(w, first, stamp)`` does the same
     for side records (managed-collision slots: :meth:`persistent_delta.trainer.zch_capture.ZchCapture.redeliver`)
-    and returns the records to write at the stamp.
+    and returns the records to write at the stamp. ``gen``: the restart generation the ranks
+    agreed (:func:`agree_batch_idx`), stored in the same transaction: polls wait while the
+    ranks' generations differ, so none reads the lost timeline on one rank and its
+    replacement on another.
 
     Raises:
         OffsetOutOfRangeError: records after the checkpoint were already deleted.
@@ -265,6 +279,8 @@ def redeliver(
         write_records(w, encode_records(records, update_mode))
     w.set_meta(META_CURR_BATCH, stamp)
     w.set_meta(META_CHECKPOINT_FLOOR, first)
+    if gen is not None:
+        w.set_meta(META_RESTART_GEN, gen)
     logger.info(
         "restored to batch %d: re-delivering rows of batches [%d, %d) as batch %d: %s",
         checkpoint_batch, first, stamp, stamp, {r.fqn: int(r.ids.numel()) for r in records if r.kind == codec.KIND_LOOKUP},

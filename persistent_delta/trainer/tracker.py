@@ -316,13 +316,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         log_id = self._log.read(lambda r: r.meta("log_id"))
         ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path)
         # A kill can leave ranks one step apart: all continue from the same batch index.
-        last = restore.agree_batch_idx(self.curr_batch_idx)
+        last, gen = restore.agree_batch_idx(self._log, self.curr_batch_idx)
         if ckpt >= last:
             self.curr_batch_idx = self.curr_compact_index = ckpt
             self._log.write(lambda w: w.set_meta(META_CURR_BATCH, ckpt))
             return {}
         redelivered = self._log.write(
-            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver))
+            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver, gen))
         self._window.reset()
         self.curr_batch_idx = self.curr_compact_index = last + 1
         self._log.flush()

@@ -1,0 +1,82 @@
+"""A restart or restore changes the ranks' logs one rank after the other: a consumer polling in
+between never gets a batch that one rank holds and another does not (a column-wise table with
+one half). Rank 0 is killed between the two ranks' commits of a batch; rank 1's transaction of
+the restart (or of the restore) is held back while an out-of-process consumer polls."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import run_spawn
+from persistent_delta import DeltaConsumer
+from persistent_delta.testing import free_port
+from procs import REPO, SUPPORT
+from restore_cases import halves_missing, killed_between_commits_case
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("stage", ["restart", "restore"])
+def test_no_column_half_while_ranks_settle(tmp_path, stage):
+    r0, _ = run_spawn(killed_between_commits_case, 2, str(tmp_path / "log"), stage, timeout=240)
+    during, after = r0["during"], r0["after"]
+    assert not halves_missing(during), (stage, during)
+    assert not halves_missing(after), (stage, after)
+    assert during["ranges"]["0"] == during["ranges"]["1"], during["ranges"]
+    assert after["ranges"]["0"] == after["ranges"]["1"], after["ranges"]
+
+
+def _start(root: str, steps: int) -> list:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = free_port()
+    return [subprocess.Popen([sys.executable, os.path.join(SUPPORT, "restore_trainer_ranks.py"), root, str(r), str(port),
+                              str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for r in (0, 1)]
+
+
+def _check(poll, seen: list) -> None:
+    """No column-wise table of the poll has one half: both ranks hold the same ids."""
+    for fqn, parts in poll.tables().items():
+        ids = {p.rank: set(p.global_ids.tolist()) for p in parts}
+        assert ids.get(0, set()) == ids.get(1, set()), (fqn, poll.ranges(), seen[-3:])
+    for fqn, m in poll.merged().items():
+        assert m.states is not None, (fqn, poll.ranges())
+    seen.append(poll.ranges())
+
+
+@pytest.mark.slow
+def test_sigkill_and_restore_at_random_instants(tmp_path):
+    """Both ranks SIGKILLed at random instants (one first, the other a moment later), each run
+    restoring the newest checkpoint; a consumer polls all along, before, during and after the
+    restarts and restores, and never gets a column half."""
+    root = str(tmp_path / "log")
+    rng = random.Random(7)
+    seen: list = []
+    consumer = None
+    for trial in range(8):
+        procs = _start(root, 400 if trial < 7 else 10)
+        deadline = time.monotonic() + rng.uniform(2.0, 5.0)
+        while time.monotonic() < deadline or trial == 7 and any(p.poll() is None for p in procs):
+            if consumer is None and os.path.isdir(os.path.join(root, "rank-1")):
+                consumer = DeltaConsumer(root, "audit", wait=30)
+            if consumer is not None:
+                _check(consumer.poll(), seen)
+                consumer.commit()
+            time.sleep(0.05)
+        if trial < 7:
+            first = rng.randrange(2)
+            procs[first].send_signal(signal.SIGKILL)
+            time.sleep(rng.uniform(0.0, 0.3))
+            procs[1 - first].send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=120)
+    assert consumer is not None
+    _check(consumer.poll(), seen)
+    consumer.close()
+    assert any(b > a for ranges in seen for a, b in ranges.values())  # it did read
+

@@ -1,0 +1,151 @@
+"""Per-rank bodies of the restore tests (module level, so spawned ranks can import them).
+
+A restart or restore changes each rank's log in its own transaction, one rank after the other.
+These cases park one rank at the moment between the two ranks' transactions (right after the
+collective where they agree), poll with a
+``DeltaConsumer`` in another process while the ranks disagree, and report what it got.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_tracker.types import TrackingMode
+
+from harness import build_sharded_model, make_batches, train_step
+from procs import run_python
+from persistent_delta import PersistentTrackerConfig, attach
+
+# An out-of-process consumer: prints, per column-wise table, the ids of each rank's half and
+# whether the merged table has its states (a missing half merges without states).
+POLL = r"""
+import json, sys
+from persistent_delta import DeltaConsumer
+with DeltaConsumer(sys.argv[1], "audit") as c:
+    poll = c.poll()
+    out = {"ranges": {str(r): list(v) for r, v in poll.ranges().items()}, "halves": {}, "stateless": []}
+    for fqn, parts in poll.tables().items():
+        out["halves"][fqn] = {str(p.rank): sorted(p.global_ids.tolist()) for p in parts}
+    out["stateless"] = sorted(f for f, m in poll.merged().items() if m.states is None)
+    if sys.argv[2] == "commit":
+        c.commit()
+print(json.dumps(out))
+"""
+
+
+def poll_out_of_process(root: str, commit: bool = True) -> Dict[str, Any]:
+    """Poll as the registered consumer "audit" in another process (``commit``: and commit;
+    a commit writes to every rank's log, so it waits for a held one)."""
+    import json
+
+    return json.loads(run_python(POLL, root, "commit" if commit else "no").stdout.strip().splitlines()[-1])
+
+
+def _rewind(path: str, batch: int) -> None:
+    """As if this rank had been SIGKILLed before committing ``batch``: its records of ``batch``
+    on are gone and its open batch was ``batch``."""
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import META_CLOSED_END, META_CURR_BATCH
+
+    with DeltaLog(path) as log:
+        def rewind(w: Any) -> None:
+            for e in w.tables().values():
+                w.delete_records(e.table_id, batch, None)
+                e2 = e.copy()
+                e2.last_batch_idx = min(e2.last_batch_idx, batch - 1)
+                w.stage_table(e2)
+            w.set_meta(META_CURR_BATCH, batch)
+            w.set_meta(META_CLOSED_END, 0)
+        log.write(rewind)
+
+
+class ParkAfterCollective:
+    """Park this rank right after its next ``all_reduce`` (the restart's or restore's agreement,
+    which the other ranks have then passed too) until the file ``go`` appears: its next
+    transaction waits while the others' have committed. A delay of a real rank, nothing
+    replaced: the collective itself runs."""
+
+    def __init__(self, held: str, go: str) -> None:
+        self._held, self._go = held, go
+        self._real = dist.all_reduce
+
+    def arm(self) -> None:
+        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+            dist.all_reduce = self._real  # once
+            out = self._real(*args, **kwargs)
+            open(self._held, "w").close()
+            while not os.path.exists(self._go):
+                time.sleep(0.01)
+            return out
+        dist.all_reduce = all_reduce
+
+
+def killed_between_commits_case(rank: int, world_size: int, root: str, stage: str) -> Dict[str, Any]:
+    """Two ranks, column-wise tables: checkpoint at batch 3, train to batch 8, rank 1 commits
+    batch 8 and rank 0 is killed before it does; restart (and, with ``stage == "restore"``,
+    restore the checkpoint). Rank 1 is parked before its transaction of the ``stage`` while an
+    out-of-process consumer polls; returns (rank 0) what that poll and a poll after the ranks
+    settled got."""
+    flags = os.path.join(os.path.dirname(root), "flags")
+    os.makedirs(flags, exist_ok=True)
+    held, go = os.path.join(flags, "held"), os.path.join(flags, "go")
+    cfg = PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root)
+    dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_SGD")
+    batches = make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank)
+    t = attach(dmp, cfg)
+    for b in batches[:3]:
+        train_step(dmp, b)
+    ckpt = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+    tstate = t.state_dict()
+    dist.barrier()
+    if rank == 0:
+        poll_out_of_process(root)  # registers "audit" at the checkpoint: it reads batches 3.. later
+    dist.barrier()
+    for b in batches[3:8]:
+        train_step(dmp, b)
+    t.close()
+    if rank == 0:
+        _rewind(os.path.join(root, "rank-0"), 8)
+        if stage == "restart":
+            poll_out_of_process(root)  # "audit" reads what every rank completed: up to batch 8
+    dist.barrier()
+    out: Dict[str, Any] = {}
+    park = ParkAfterCollective(held, go)
+    if rank == 1 and stage == "restart":
+        park.arm()
+    t = attach(dmp, cfg)
+    if stage == "restore":
+        with torch.no_grad():
+            for fqn, w in ckpt.items():
+                t.local_tables[fqn].weights().copy_(w)
+        if rank == 1:
+            park.arm()
+        t.load_state_dict(tstate)
+    if rank == 0:
+        while not os.path.exists(held):
+            time.sleep(0.01)
+        out["during"] = poll_out_of_process(root, commit=False)
+        open(go, "w").close()
+    dist.barrier()
+    t.flush()
+    dist.barrier()
+    if rank == 0:
+        out["after"] = poll_out_of_process(root)
+    dist.barrier()
+    t.close()
+    return out
+
+
+def halves_missing(result: Dict[str, Any]) -> List[str]:
+    """The tables of a poll result where one rank's half holds ids the other's lacks."""
+    bad = []
+    for fqn, halves in result["halves"].items():
+        sets = [set(v) for v in halves.values()]
+        if len(sets) == 2 and sets[0] != sets[1] or len(sets) == 1 and sets[0]:
+            bad.append(fqn)
+    return bad + [f for f in result["stateless"] if f not in bad]
+
