@@ -89,7 +89,7 @@ def run_block(block: Block) -> None:
 
     for cmd in console_commands(block.code):
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):  # rich writes to sys.stdout
             rc = cli_main(shlex.split(cmd)[1:], stdout=out)
         if rc != 0:
             raise RuntimeError(f"`{cmd}` exited {rc}:\n{out.getvalue()}\n{err.getvalue()}")
@@ -118,7 +118,7 @@ def main(pages: List[str]) -> int:
                 except BaseException:  # report every block's failure, keep going
                     error = traceback.format_exc()
                     failed += 1
-                print(RESULT + json.dumps(dict(asdict(block), ok=error is None, error=error,
+                print("\n" + RESULT + json.dumps(dict(asdict(block), ok=error is None, error=error,
                                       seconds=round(time.monotonic() - t0, 2))), flush=True)
             if server is not None:
                 server.stop()
