@@ -29,11 +29,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from persistent_delta.log import codec, position_rules
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
-from persistent_delta.log.deltalog import DeltaLog, WriteTxn
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.log.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
                                      log_start, write_records)
 from persistent_delta.log.rows import compute_unique_rows
@@ -188,6 +189,41 @@ def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:
     kept for a restore. Returns the log id and the lookups consumers' positions."""
     w.set_meta(META_CHECKPOINT_FLOOR, batch_idx + 1)
     return {"log_id": w.meta(META_LOG_ID), "offsets": position_rules.committed_offsets(w)}
+
+
+# The key under which ``dmp.state_dict()`` carries the tracker's state (:func:`hook_model_state`).
+STATE_KEY = "persistent_delta_tracker"
+
+
+def hook_model_state(module: nn.Module, save: Callable[[], Dict[str, Any]],
+                     load: Callable[[Dict[str, Any]], None]) -> List[Any]:
+    """Make the tracker's state part of the model's: ``module.state_dict()`` (which a DMP's
+    ``state_dict()`` calls) gets ``save()`` under :data:`STATE_KEY`, and a state dict loaded
+    into ``module`` (``dmp.load_state_dict``) hands its :data:`STATE_KEY` entry to ``load``,
+    taking it out of the dict (so that no load reports it as unexpected). Returns the hook
+    handles (``.remove()`` each to undo)."""
+
+    def add(mod: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state_dict[prefix + STATE_KEY] = save()
+
+    def take(mod: nn.Module, state_dict: Dict[str, Any], prefix: str, *rest: Any) -> None:
+        state = state_dict.pop(prefix + STATE_KEY, None)
+        if state is not None:
+            load(state)
+
+    return [module.register_state_dict_post_hook(add), module.register_load_state_dict_pre_hook(take)]
+
+
+def unrestored(r: ReadTxn) -> Optional[Tuple[int, int]]:
+    """``(floor, last)`` when the log holds records of batches ``[floor, last]`` after its
+    latest model checkpoint mark (``floor``: the first batch after the checkpoint), else None.
+    A tracker that starts on such a log and trains without a restore keeps those lost steps'
+    rows in every replica."""
+    floor = r.meta(META_CHECKPOINT_FLOOR)
+    if floor is None:
+        return None
+    last = last_appended(r)
+    return (int(floor), last) if last >= int(floor) else None
 
 
 def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: str, path: str) -> int:

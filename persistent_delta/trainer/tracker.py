@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_MAP, ModelDeltaTracker
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -131,6 +133,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self.tracked_modules, self._mode, self.record_lookup, self.trigger_compaction if self._auto_compact else None
         )
         self.zch.hook()  # managed-collision tables: raw ids and slot reassignments (persistent_delta.trainer.zch_capture)
+        # A restore the first step must see (dmp.load_state_dict), or a warning it never came.
+        self._pending_restore: Optional[Dict[str, Any]] = None
+        self._unrestored = self._log.read(restore.unrestored)
+        self._state_hooks: List[Any] = []
         close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
@@ -140,8 +146,29 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Advance the batch index (DMP.forward calls it before the lookups) and hand the
         finished batch to the writer."""
         self._check()
+        if self._unrestored is not None or self._pending_restore is not None:
+            self._first_step()
         self.curr_batch_idx += 1
         self._hand_off(self._take_step())
+
+    def _first_step(self) -> None:
+        """Before the first step: restore the state a ``dmp.load_state_dict`` brought (now that
+        the optimizer state is loaded too), or warn that the log runs past the latest
+        checkpoint and nothing restored the tracker (a collective when a restore is due: every
+        rank takes its first step)."""
+        pending, self._pending_restore = self._pending_restore, None
+        if pending is not None:
+            self.load_state_dict(pending)
+            return
+        floor, last = self._unrestored or (0, 0)
+        self._unrestored = None
+        msg = (f"{self.path}: the log holds batches {floor}..{last} recorded after the latest model checkpoint "
+               f"(taken at batch {floor - 1}) and training continues without a tracker restore: if the model was "
+               "restored from that checkpoint, every replica keeps the rows of those lost steps. Restore the tracker "
+               "with the model: dmp.load_state_dict(checkpoint) with a checkpoint from dmp.state_dict() (it carries "
+               "the tracker's state), or tracker.load_state_dict(state) before the first step")
+        logger.warning("%s", msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def _recording_batch_idx(self) -> int:
         """The batch being recorded (what a side record captured now is stamped with)."""
@@ -306,12 +333,16 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Restore with a model checkpoint, after loading the model's weights and optimizer
         state: rows touched after the checkpoint are re-delivered to every consumer with their
         restored states (:mod:`.restore`); a collective with a process group. Returns fqn ->
-        rows re-delivered (empty when the log ended at the checkpoint).
+        rows re-delivered (empty when the log ended at the checkpoint). With :func:`attach`,
+        ``dmp.load_state_dict`` of a checkpoint from ``dmp.state_dict()`` calls it at the next
+        step; the batch indices continue after the re-delivery batch (indices are never
+        reused, so the lost timeline's indices are skipped).
 
         Raises:
             ConfigMismatchError: the state belongs to another log, rank or tracking mode.
             OffsetOutOfRangeError: the records since that checkpoint were already deleted.
         """
+        self._pending_restore = self._unrestored = None
         self._commit_recorded()
         log_id = self._log.read(lambda r: r.meta("log_id"))
         ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path)
@@ -327,6 +358,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.curr_batch_idx = self.curr_compact_index = last + 1
         self._log.flush()
         return redelivered
+
+    def _restore_at_first_step(self, state: Dict[str, Any]) -> None:
+        """``dmp.load_state_dict`` brought the tracker's state: restore it before the first
+        step, once the optimizer state is loaded as well (the restore reads it)."""
+        self._check()
+        self._pending_restore = state
 
     # ------------------------------------------------------------------ consumers
     @property
@@ -409,6 +446,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             if self._writer is not None:
                 self._writer.close(drain=False)
             unregister_hooks(self._hooked, self)
+            for handle in self._state_hooks:
+                handle.remove()
+            self._state_hooks = []
             self.zch.unhook()
             self._claims.release_all()
             self._hooked = []
@@ -439,6 +479,15 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     """Build a :class:`PersistentDeltaTracker` for a ``DistributedModelParallel`` and register
     it, so that ``dmp.get_delta_tracker()`` returns it and ``DMP.forward`` steps it.
 
+    The tracker's state joins the model's: ``dmp.state_dict()`` carries ``tracker.state_dict()``
+    under the key ``"persistent_delta_tracker"`` (taking it marks a checkpoint), and
+    ``dmp.load_state_dict(checkpoint)`` takes that entry out and restores the tracker before the
+    next step (after the optimizer state is loaded too), as ``tracker.load_state_dict`` does. A
+    model without a tracker loads such a checkpoint as well: the DMP reports the key in
+    ``unexpected_keys`` (drop it with ``checkpoint.pop("persistent_delta_tracker")``). If the
+    log holds batches after its latest checkpoint mark and the first step comes with no
+    restore, the tracker warns (logging and ``RuntimeWarning``).
+
     Raises:
         InvalidInputError: ``dmp`` is not a DMP, or it already has a delta tracker.
     """
@@ -451,4 +500,8 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     tracker = PersistentDeltaTracker(wrapped, config)
     tracker._dmp = dmp  # type: ignore[attr-defined]
     trackers[Trackers.DELTA_TRACKER.name] = tracker
+    # On the module inside DDP: the DMP moves a DDP's "module." prefix, and loads that module's
+    # part of a state dict as its own (a key beside it would be lost in the move).
+    model = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+    tracker._state_hooks = restore.hook_model_state(model, tracker.state_dict, tracker._restore_at_first_step)
     return tracker

@@ -16,7 +16,7 @@ from harness import run_spawn
 from persistent_delta import DeltaConsumer
 from persistent_delta.testing import free_port
 from procs import REPO, SUPPORT
-from restore_cases import halves_missing, killed_between_commits_case
+from restore_cases import halves_missing, killed_between_commits_case, model_state_case
 
 pytestmark = pytest.mark.dist
 
@@ -80,3 +80,24 @@ def test_sigkill_and_restore_at_random_instants(tmp_path):
     consumer.close()
     assert any(b > a for ranges in seen for a, b in ranges.values())  # it did read
 
+
+def test_dmp_load_state_dict_restores_the_tracker(tmp_path):
+    """``dmp.state_dict()`` carries the tracker's state and ``dmp.load_state_dict`` restores
+    it at the first step: the lost batches' rows are re-delivered with the checkpoint's values
+    and nothing warns; an untracked model still loads that checkpoint (strict)."""
+    r0, r1 = run_spawn(model_state_case, 2, str(tmp_path / "log"), "dmp", timeout=240)
+    for r in (r0, r1):
+        assert r["key_saved"], r
+        assert r["unexpected"] == [], r
+        assert r["warnings"] == [], r
+        assert r["after_step"] == r["last"] + 2, r  # the re-delivery batch, then the step
+        assert r["redelivered_rows"] > 0 and r["redelivered_exact"], r
+        assert r["plain_unexpected"] == ["persistent_delta_tracker"], r
+
+
+def test_forgotten_tracker_restore_warns(tmp_path):
+    """Restoring the model but not the tracker warns at the first step, saying what to do."""
+    r0, r1 = run_spawn(model_state_case, 2, str(tmp_path / "log"), "weights", timeout=240)
+    for r in (r0, r1):
+        assert r["after_step"] == r["last"] + 1, r
+        assert len(r["warnings"]) == 1 and "dmp.load_state_dict" in r["warnings"][0], r

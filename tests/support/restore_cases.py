@@ -149,3 +149,65 @@ def halves_missing(result: Dict[str, Any]) -> List[str]:
             bad.append(fqn)
     return bad + [f for f in result["stateless"] if f not in bad]
 
+
+def model_state_case(rank: int, world_size: int, root: str, how: str) -> Dict[str, Any]:
+    """Checkpoint with ``dmp.state_dict()`` at batch 3, train to batch 8, restart the tracker
+    (a new one on the same path) and restore the model: ``how == "dmp"`` with
+    ``dmp.load_state_dict`` of that checkpoint (the tracker's state comes along);
+    ``how == "weights"``: the table weights only (the tracker's restore forgotten). Reports
+    the batch index after one step, the warnings of that step, and (``"dmp"``) whether the
+    re-delivered rows hold the checkpoint's values. An untracked model loads the same
+    checkpoint strictly."""
+    import warnings
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.trainer.restore import STATE_KEY
+
+    ckpt_file = os.path.join(os.path.dirname(root), f"ckpt.{rank}")
+    cfg = PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root)
+    dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_SGD")
+    batches = make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank)
+    t = attach(dmp, cfg)
+    for b in batches[:3]:
+        train_step(dmp, b)
+    state = dmp.state_dict()
+    out: Dict[str, Any] = {"key_saved": STATE_KEY in state}
+    torch.save(state, ckpt_file)
+    saved_weights = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+    for b in batches[3:8]:
+        train_step(dmp, b)
+    t.close()
+    dist.barrier()
+    t = attach(dmp, cfg)
+    last = t.curr_batch_idx
+    ckpt = torch.load(ckpt_file, weights_only=False)
+    if how == "dmp":
+        result = dmp.load_state_dict(ckpt)
+        out["unexpected"] = list(result.unexpected_keys)
+    else:
+        with torch.no_grad():
+            for fqn, w in saved_weights.items():
+                t.local_tables[fqn].weights().copy_(w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(dmp, batches[8])
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    out["last"], out["after_step"] = last, t.curr_batch_idx
+    t.flush()
+    dist.barrier()
+    if how == "dmp":  # the re-delivery batch (last + 1) holds the checkpoint's values of its rows
+        with DeltaReader(root, start=last + 1) as reader:
+            poll = reader.poll(max_batches=1)
+        same, rows = True, 0
+        for fqn, d in poll.ranks[rank].tables.items():
+            ids = d.rows.ids.long()
+            rows += int(ids.numel())
+            same = same and bool(torch.equal(d.rows.states, saved_weights[fqn][ids]))
+        out["redelivered_rows"], out["redelivered_exact"] = rows, same
+    dist.barrier()
+    t.close()
+    # a model without a tracker loads the checkpoint strictly: the tracker's entry is reported
+    plain = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_SGD", seed=1)
+    result = plain.load_state_dict(torch.load(ckpt_file, weights_only=False), strict=True)
+    out["plain_unexpected"] = list(result.unexpected_keys)
+    return out
