@@ -200,8 +200,9 @@ def repeat(fn: Any, n: int, setup: Any = None) -> List[float]:
 # --------------------------------------------------------------------------------- process group
 
 
-def init_single_rank_pg() -> None:
-    """A one-rank gloo process group in this process (for a real DMP on CPU)."""
+def init_single_rank_pg(backend: str = "gloo") -> None:
+    """A one-rank process group in this process (gloo for a real DMP on CPU; ``"nccl"`` for one
+    on this process's current GPU)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -211,7 +212,7 @@ def init_single_rank_pg() -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
         timeout=datetime.timedelta(seconds=600),
     )
 

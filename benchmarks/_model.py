@@ -4,14 +4,15 @@
 ``EXACT_ROWWISE_ADAGRAD`` applied in backward), a bottom MLP on dense features, sum pooling of
 the ``pooling`` ids of each sample per feature, and a top MLP to one logit (BCE loss). The dense
 parameters are trained with Adagrad. ``build_dmp`` shards it with ``DistributedModelParallel``
-over the default (gloo) process group and sets every table from a seed, so models built with
-the same seed are identical.
+over the default process group (gloo on CPU, NCCL on a GPU: ``device``) and sets every table from
+a seed, so models built with the same seed are identical. ``optimizer="adagrad"`` fuses
+``EXACT_ADAGRAD`` instead (a per-element momentum, what TorchRec's MOMENTUM_LAST reads).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,16 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from benchmarks._common import ZipfIds
 
 DENSE_IN = 13
+# optimizer name -> (the optimizer TorchRec fuses into the TBE, its arguments)
+OPTIMIZERS: Dict[str, Tuple[type, Dict[str, float]]] = {
+    "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.05, "eps": 1e-8}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-8}),
+}
+
+
+def torch_device(device: str) -> torch.device:
+    """``"cpu"``, or ``"cuda"``: this process's current CUDA device (``torch.cuda.set_device``)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
 
 
 @dataclass(frozen=True)
@@ -65,18 +76,21 @@ class RecModel(nn.Module):
         return nn.functional.binary_cross_entropy_with_logits(logit, labels)
 
 
-def build_dmp(w: Workload, seed: int = 0) -> DistributedModelParallel:
-    """Shard a :class:`RecModel` over the default process group (must be initialised)."""
+def build_dmp(w: Workload, seed: int = 0, device: str = "cpu", optimizer: str = "rowwise_adagrad") -> DistributedModelParallel:
+    """Shard a :class:`RecModel` over the default process group (must be initialised; NCCL for
+    ``device="cuda"``, one GPU per rank) with the fused ``optimizer`` (:data:`OPTIMIZERS`)."""
     torch.manual_seed(seed)
     model = RecModel(w)
-    _apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(), {"lr": 0.05, "eps": 1e-8})
+    opt_cls, opt_kw = OPTIMIZERS[optimizer]
+    _apply_optimizer_in_backward(opt_cls, model.sparse.parameters(), dict(opt_kw))
     ws = dist.get_world_size()
     gens = {f"t{t}": (row_wise() if w.sharding == "row_wise" else table_wise(rank=t % ws)) for t in range(w.num_tables)}
-    plan = construct_module_sharding_plan(model.sparse, gens, local_size=ws, world_size=ws, device_type="cpu")
+    dev = torch_device(device)
+    plan = construct_module_sharding_plan(model.sparse, gens, local_size=ws, world_size=ws, device_type=dev.type)
     pg = dist.GroupMember.WORLD
     assert pg is not None
     dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=ShardingPlan({"sparse": plan})
+        model, env=ShardingEnv.from_process_group(pg), device=dev, plan=ShardingPlan({"sparse": plan})
     )
     # Identical tables for identical seeds (DMP initialises its own shards otherwise).
     with torch.no_grad():
@@ -114,8 +128,10 @@ class BatchData:
     labels: torch.Tensor
 
 
-def make_batches(w: Workload, n: int, seed: int, rank: int = 0) -> List[BatchData]:
-    """``n`` batches of Zipf ids (one sampler per table, fixed ``pooling`` ids per sample)."""
+def make_batches(w: Workload, n: int, seed: int, rank: int = 0, device: str = "cpu") -> List[BatchData]:
+    """``n`` batches of Zipf ids (one sampler per table, fixed ``pooling`` ids per sample), on
+    ``device`` (the ids drawn on CPU: the same batches on every device)."""
+    dev = torch_device(device)
     samplers = [ZipfIds(w.rows, w.zipf_s, seed * 1000 + t) for t in range(w.num_tables)]
     g = torch.Generator().manual_seed(seed * 31 + rank)
     out = []
@@ -124,10 +140,10 @@ def make_batches(w: Workload, n: int, seed: int, rank: int = 0) -> List[BatchDat
         vals = torch.cat([s.sample(w.batch * w.pooling) for s in samplers])
         out.append(
             BatchData(
-                dense=torch.rand(w.batch, DENSE_IN, generator=g),
-                values=vals,
-                lengths=lengths,
-                labels=(torch.rand(w.batch, generator=g) > 0.5).float(),
+                dense=torch.rand(w.batch, DENSE_IN, generator=g).to(dev),
+                values=vals.to(dev),
+                lengths=lengths.to(dev),
+                labels=(torch.rand(w.batch, generator=g) > 0.5).float().to(dev),
             )
         )
     return out
