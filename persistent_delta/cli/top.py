@@ -73,7 +73,7 @@ def _writers(url: str) -> List[WriterRow]:
     return [WriterRow(url, rank, v.get("persistent_delta_batch_index"), v.get("persistent_delta_writer_queue_depth"),
                       v.get("persistent_delta_writer_queue_bytes"),
                       v.get("persistent_delta_training_wait_seconds_total"))
-            for rank, v in sorted(by_rank.items())]
+            for rank, v in sorted(by_rank.items()) if "persistent_delta_batch_index" in v]  # a trainer's series
 
 
 def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[str] = None,

@@ -1,6 +1,7 @@
 """A real Prometheus scrapes the exporter (reading the log from outside) and a trainer's own
 endpoint while the trainer and two consumers run, one of them stalled: the lag it stores is the
-lag ``offsets`` reports, the statuses are ok and stalled, and the batch index is the trainer's."""
+lag ``offsets`` reports, the statuses are ok and stalled, the batch index and publishes are the
+trainer's (and ``top`` reads the same writer from the trainer's endpoint)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from prometheus_server import BINARY, MISSING, prometheus
 pytest.importorskip("prometheus_client")
 
 from persistent_delta import DeltaConsumer  # noqa: E402
+from persistent_delta.cli.top import snapshot  # noqa: E402
 from persistent_delta.ops.metrics import HEALTH_CODES  # noqa: E402
 from persistent_delta.ops.positions import describe  # noqa: E402
 from persistent_delta.testing import free_port  # noqa: E402
@@ -74,6 +76,9 @@ def test_prometheus_sees_the_lag_offsets_reports(tmp_path):
             t.join()
         reader.poll()
         reader.commit()
+        # top's view reads the trainer's writer from its endpoint
+        view = snapshot(root, metrics=[f"http://127.0.0.1:{trainer_port}/metrics"])
+        assert not view.errors and [(w.rank, w.batch_index, w.queue_depth) for w in view.writers] == [("0", last, 0)]
         with prometheus(str(tmp_path / "prom"), {"exporter": f"127.0.0.1:{port}",
                                                  "trainer": f"127.0.0.1:{trainer_port}"}) as prom:
             time.sleep(STALL_AFTER)  # the slow consumer's silence outlasts the least stall
@@ -93,6 +98,8 @@ def test_prometheus_sees_the_lag_offsets_reports(tmp_path):
             prom.wait_for(f'persistent_delta_batch_index{{job="{JOB}"}}', {(("job", JOB), ("rank", "0")): float(last)})
             commits = prom.wait_for(f'persistent_delta_writer_commits_total{{job="{JOB}"}}')
             assert min(commits.values()) > 0
+            publishes = prom.wait_for(f'persistent_delta_publishes_total{{job="{JOB}"}}')
+            assert list(publishes.values()) == [60 // 5]
         slow.close()
         reader.close()
     finally:

@@ -2,7 +2,7 @@
 ``serve_metrics(tracker=...)``.
 
 Usage: python metrics_trainer.py ROOT STEPS STOPFILE. Prints ``PORT <port>`` once serving, trains
-STEPS steps (its consumer "a" reads every 3), flushes and prints ``DONE <curr_batch_idx>``, then
+STEPS steps (its consumer "a" reads every 3 steps, "b" is published to every 5), flushes and prints ``DONE <curr_batch_idx>``, then
 keeps serving until STOPFILE exists, and closes.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     root, steps, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     init_gloo()
     dmp = build_sharded_model(0, 1, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=500)
-    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["a"], path=root))
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["a", "b"], path=root))
     srv = serve_metrics(tracker=tracker, job="metrics-test", port=0)
     print("PORT", srv.port, flush=True)
     batches = make_batches("ec", 20, 32, seed=7, world_size=1, rank=0, rows=500)
@@ -33,6 +33,8 @@ def main() -> None:
         train_step(dmp, batches[step % 20])
         if step % 3 == 2:
             tracker.get_unique("a")
+        if step % 5 == 4:
+            tracker.publish("b")
         time.sleep(0.05)  # a job that lasts a few scrapes
     tracker.flush()
     print("DONE", tracker.curr_batch_idx, flush=True)
