@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-all demo demo-fleet bench docs clean
+.PHONY: venv test test-unit test-all demo demo-fleet bench gpu-check gpu-check-dry docs clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,15 @@ demo-fleet: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
+
+# The tracker's CUDA path on a GPU (docs/gpu-check.md: needs the CUDA builds of torch and fbgemm-gpu,
+# which this venv does not install; exit 2 and a message without them). gpu-check-dry: the same
+# harness on CPU.
+gpu-check:
+	$(PY) -m benchmarks.gpu_check --device cuda
+
+gpu-check-dry: $(STAMP)
+	$(PY) -m benchmarks.gpu_check --device cpu
 
 # The docs site (MkDocs, Material theme; the API from docstrings) into site/; strict: warnings fail.
 docs: $(STAMP)
