@@ -73,7 +73,17 @@ WHAT_TO_DO: Dict[str, str] = {
     "TransportError": "The stream server could not be reached in time: check it runs and the URL, "
                       "credentials and TLS options; retry the call. Shippers retry by themselves.",
     "KeyConflictError": "Another process changed the key first: read it again and decide.",
+    "StreamKeyError": "Create a key with `persistent-delta keygen PATH` (owner-only), and give it to the "
+                      "shipper and every consumer of the job (`key=`, `--key-file`, "
+                      "`PERSISTENT_DELTA_STREAM_KEY_FILE`).",
+    "AuthenticationError": "A message was forged, altered or signed with another key: check who can publish "
+                           "on the job's subjects and that every side holds the job's key. The reader skipped "
+                           "it (`subject` and `seq` name it).",
+    "StreamDataError": "A message does not fit the job's tables (shape, dtype, ids, bounds): nothing of it was "
+                       "applied. Check that the shipper and the consumers belong to the same job; `subject` and "
+                       "`seq` name the message.",
 }
+# (An entry may name an error another change is adding; the check is that no error lacks one.)
 
 
 # ------------------------------------------------------------------------------ the CLI

@@ -38,6 +38,7 @@ def test_the_site_builds_strictly(tmp_path):
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow  # a second full build; the check that the strict build can fail
 def test_a_broken_link_fails_the_strict_build(tmp_path):
     """The strict build can fail: a copy of the docs with a link to a missing page is refused."""
     import shutil
@@ -61,14 +62,15 @@ def test_fragments_are_rare_and_the_readme_runs_its_quickstart():
     assert any(b.runs and b.lang == "console" for b in readme)
 
 
-@pytest.mark.parametrize("page", RUNNABLE)
-def test_every_code_block_of_the_page_runs(page):
+def test_every_code_block_runs():
+    """One child process runs every page's blocks (torch and TorchRec imported once), each page
+    in a fresh directory; every failure is reported with its page and line."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "doc_blocks.py"), page],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "doc_blocks.py"), *RUNNABLE],
+                          capture_output=True, text=True, timeout=900, env=env)
     results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     failed = [f"{r['page']}:{r['line']} ({r['lang']})\n{r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n\n".join(failed)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(results) == sum(b.runs for b in blocks(page))
+    assert len(results) == sum(b.runs for p in RUNNABLE for b in blocks(p)), proc.stderr[-4000:]
