@@ -545,7 +545,7 @@ def apply_published(root: str, per_rank: List[Dict[str, Any]]) -> Dict[str, Any]
     with DeltaConsumer(os.path.join(root, "publish"), "replica", channel="snapshots") as consumer:
         poll = consumer.poll()
         if not poll.complete:
-            raise AssertionError(f"the poll is not complete: {poll.ranges()}")
+            raise AssertionError(f"the poll is not complete: {poll.ranges}")
         applied = apply_poll(replica, poll, complete_only=True)
         consumer.commit()
     bad = {fqn: int((replica[fqn] != want[fqn]).any(1).sum()) for fqn in want}
@@ -797,7 +797,7 @@ def run(args: argparse.Namespace) -> int:
         per = run_ranks(args.device, world, root, s, rank_checks, args.delay_cycles, args.rank_timeout)
         for name in rank_checks:
             ok = all(r[0] for r in per[name])
-            detail: Any = {f"rank {i}": r[2] for i, r in enumerate(per[name])}
+            detail: Any = "\n".join(f"--- rank {i} ---\n{r[2]}" for i, r in enumerate(per[name]) if not r[0])
             secs = max(r[1] for r in per[name]) if ok else time.monotonic() - t0
             if ok and name == "publish_apply":
                 results.append(_timed(name, lambda: apply_published(root, [r[2] for r in per[name]])))
