@@ -117,3 +117,17 @@ def test_a_real_consumer_that_stops_committing_while_data_arrives_is_stalled(tmp
     buf = io.StringIO()
     assert main(["offsets", root], stdout=buf) == 0  # the default least silence (30 s) has not passed
     assert "HEALTH" in buf.getvalue() and "stalled" not in buf.getvalue()
+
+
+def test_the_least_silence_comes_from_the_argument_then_the_environment(monkeypatch):
+    from persistent_delta.config import STALL_AFTER_S, stall_after_s
+    from persistent_delta.errors import InvalidInputError
+
+    assert stall_after_s() == STALL_AFTER_S
+    monkeypatch.setenv("PERSISTENT_DELTA_STALL_AFTER_S", "2.5")
+    assert stall_after_s() == 2.5 and stall_after_s(1.0) == 1.0
+    # the rule reads it: 3 s of silence while data arrives is stalled under 2.5 s, not under 30 s
+    assert health((), offset=0, end=5, now=T0 + 3, last_commit=T0) is Health.STALLED
+    monkeypatch.setenv("PERSISTENT_DELTA_STALL_AFTER_S", "soon")
+    with pytest.raises(InvalidInputError, match="PERSISTENT_DELTA_STALL_AFTER_S"):
+        stall_after_s()
