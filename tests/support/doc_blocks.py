@@ -4,8 +4,10 @@ A page's blocks run in order in one fresh directory (so a command can read the l
 block wrote), each Python block in a fresh namespace with the repository on ``sys.path``
 (``from examples.tiny_model import tiny_trainer`` works as from a clone's root). In a
 ``console`` block every ``$ persistent-delta ...`` line runs (in process, through
-:func:`persistent_delta.cli.main.main`, what the console script calls) and must exit 0. A block right after a ``<!-- fragment -->`` line is not run: used only where a
-block needs what a page cannot build (a whole multi-host job); shell blocks other than
+:func:`persistent_delta.cli.main.main`, what the console script calls) and must exit 0; a
+``yaml`` block (a configuration snippet) must load as a mapping. A block right after a
+``<!-- fragment -->`` line is not run: used only where a block needs what a page cannot build
+(a multi-rank managed-collision trainer, say); shell blocks other than
 ``console`` (``bash``: make, pip, servers on your hosts) and ``text`` are never run.
 
 A page whose Python blocks read ``NATS_URL`` gets a local NATS JetStream server
@@ -46,7 +48,7 @@ class Block:
 
     @property
     def runs(self) -> bool:
-        return not self.fragment and self.lang in ("python", "console")
+        return not self.fragment and self.lang in ("python", "console", "yaml")
 
 
 def doc_pages() -> List[str]:
@@ -84,6 +86,12 @@ def run_block(block: Block) -> None:
     if block.lang == "python":
         code = compile(block.code, f"{block.page}:{block.line}", "exec")
         exec(code, {"__name__": "__main__"})
+        return
+    if block.lang == "yaml":  # a configuration snippet: it must at least load
+        import yaml
+
+        if not isinstance(yaml.safe_load(block.code), dict):
+            raise ValueError("a yaml block that is not a mapping")
         return
     from persistent_delta.cli.main import main as cli_main  # what the console script runs
 
