@@ -15,7 +15,7 @@ What it does, end to end, on CPU:
    state and ``tracker.state_dict()`` (the ``checkpoint`` consumer reads the log then too);
    the initial and final tables are saved with ``persistent_delta.trainer.save_shards.save_local_shards``
    (``<out>/initial/`` and ``<out>/final/``, one ``rank-<r>.safetensors`` per rank) and
-   assembled into full tables with ``load_shards`` and ``full_rows``;
+   assembled into full tables with ``load_base``;
 4. at ``--kill-at`` the demo SIGKILLs the trainer (both ranks) and restarts it from its last
    checkpoint; ``tracker.load_state_dict`` re-delivers the rows touched after it;
 5. at the end it checks that the replica equals the trainer's tables bit for bit, prints the
@@ -244,12 +244,9 @@ def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
 def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
     """Full tables (fqn -> [rows, cols]) from the per-rank files that
     ``persistent_delta.trainer.save_shards.save_local_shards`` wrote into ``ckpt_dir``."""
-    from persistent_delta.log.shard_files import full_rows, load_shards
+    from persistent_delta.read.apply import load_base
 
-    return {
-        fqn: full_rows(fqn, shards, torch.arange(int(shards[0][0].global_rows or 0)))
-        for fqn, shards in load_shards(ckpt_dir).items()
-    }
+    return load_base(ckpt_dir)
 
 
 def serve(args: argparse.Namespace) -> int:

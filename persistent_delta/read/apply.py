@@ -17,6 +17,10 @@ A tracker job's poll stops at the end every rank completed, so it never holds pa
 publish; ``complete_only=True`` also refuses a poll whose ranks were read up to different
 ends, or that misses a rank of the job (see :attr:`DeltaPoll.complete`). Nothing is applied
 when a check fails.
+
+A replica's starting tables (its *base*) come from the trainer's shard files
+(:func:`load_base`) or from a base uploaded to the stream
+(:meth:`persistent_delta.fleet.remote.RemoteConsumer.bootstrap`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,38 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
 from persistent_delta.errors import IncompletePollError, InvalidInputError
+from persistent_delta.log.layout import PathLike
+from persistent_delta.log.shard_files import full_rows, load_shards
 from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.threads import intra_op_threads
+
+
+def load_base(shard_dir: PathLike) -> Dict[str, torch.Tensor]:
+    """A replica's starting tables from the trainer's shard files: every table whole, in
+    global row ids, assembled from the ``rank-<r>.safetensors`` files that
+    :func:`persistent_delta.trainer.save_shards.save_local_shards` wrote on every rank into
+    ``shard_dir`` (row-wise shards stacked, column-wise halves side by side). Apply the
+    snapshots published after the files were taken to these tables (:func:`apply_poll`);
+    :func:`persistent_delta.log.shard_files.shard_batches` says which batch each rank's file
+    holds. Reads every file whole: it needs memory for the full tables plus one rank's shards.
+
+    Args:
+        shard_dir: the directory every rank passed to ``save_local_shards``.
+
+    Returns:
+        fqn -> the full table, shape ``(global_rows, global_cols)``, the shards' dtype.
+
+    Raises:
+        NotALogError: ``shard_dir`` holds no shard files.
+        InvalidInputError: a malformed file, or a row or column no rank file holds (a rank's
+            file is missing).
+    """
+    tables: Dict[str, torch.Tensor] = {}
+    for fqn, shards in load_shards(shard_dir).items():
+        rows = shards[0][0].global_rows  # load_shards checked it is set on every shard
+        tables[fqn] = full_rows(fqn, shards, torch.arange(int(rows or 0)))
+    return tables
 
 
 @dataclass
