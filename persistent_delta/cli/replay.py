@@ -159,7 +159,7 @@ def plan_ranges(
             if entry.offset < start:
                 raise OffsetOutOfRangeError(
                     f"consumer {consumer!r} is at batch {entry.offset} on rank {rank}, below the log start {start}: "
-                    f"reset it (persistent-delta offsets ROOT --reset {consumer} --to-earliest --execute)"
+                    f"reset it (persistent-delta offsets {os.path.dirname(log.path)} --reset {consumer} --to-earliest --execute)"
                 )
             begin = entry.offset
             while position_rules.read_start(r, begin) < begin:  # a fixed point: reading there is exact

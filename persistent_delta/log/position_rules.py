@@ -218,11 +218,14 @@ def position_status(entry: ConsumerEntry, start: int, end: int, floor: Optional[
 
 def serve_position(
     position: int, start: int, end: int, channel: str, reset: Optional[str], name: str, where: str,
-    floor: Optional[int] = None,
+    floor: Optional[int] = None, root: Optional[str] = None,
 ) -> int:
     """The position a read at ``position`` may use: itself when it can be served, else moved
     by the ``reset`` policy (``"earliest"``: the start, ``"latest"``: the end). ``floor``:
-    :func:`served_from` (default ``start``, as on the lookups channel).
+    :func:`served_from` (default ``start``, as on the lookups channel). ``root``: the log root
+    of a registered consumer ``name`` (its error advises the offsets tool); None for an
+    unregistered reader (its position lives in memory: the advice is the reader's own
+    arguments).
 
     Raises:
         OffsetOutOfRangeError: it cannot be served and ``reset`` is None.
@@ -236,9 +239,14 @@ def serve_position(
             f"below the log start {start}: those batches were deleted (retention, expiry, or clear while this consumer "
             "was not registered)" if below else f"past the log end {end} (the log was started afresh?)"
         )
+        if root is None:
+            raise OffsetOutOfRangeError(
+                f"this reader (unregistered) is at batch {position}, {why}, in {where}. Start it within the log "
+                f"(start='earliest', 'latest' or a batch in [{start}, {end}]), or pass reset='earliest' or 'latest'"
+            )
         raise OffsetOutOfRangeError(
             f"consumer {name!r} is at batch {position}, {why}, in {where}. Pass reset='earliest' or 'latest', or run "
-            f"`persistent-delta offsets ROOT --reset {name} --to-earliest --execute`"
+            f"`persistent-delta offsets {root} --reset {name} --to-earliest --execute`"
         )
     new = start if reset == "earliest" else end
     logger.warning("consumer %r in %s: position %d out of [%d, %d]; reset to %s (%d)", name, where, position, start, end,

@@ -67,6 +67,7 @@ from persistent_delta.log.watch import FileWatch
 from persistent_delta.log.schema import (
     LOOKUPS,
     META_TRACKER,
+    SNAPSHOTS,
     ConsumerEntry,
     Delivery,
     TrackerMeta,
@@ -333,7 +334,7 @@ class DeltaReader:
                   for rank, log in self._logs.items()}
         generations = {rank: b[3] for rank, b in bounds.items()}
         positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,
-                                                   self._label(), where[rank], floor)
+                                                   self._label(), where[rank], floor, self._registered_root())
                      for rank, (a, b, floor, _) in bounds.items()}
         stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _, _) in bounds.items()}, self._expected, max_batches)
         if not position_rules.settled(generations):  # a restart or restore is half-way: wait for it
@@ -354,6 +355,10 @@ class DeltaReader:
 
     def _label(self) -> str:
         return "(unregistered reader)"
+
+    def _registered_root(self) -> Optional[str]:
+        """The log root where this reader's name is registered (None: it has no name)."""
+        return None
 
     # ------------------------------------------------------------------ positions
     def position(self) -> Dict[int, int]:
@@ -471,8 +476,14 @@ class DeltaConsumer(DeltaReader):
     def _label(self) -> str:
         return self.name
 
+    def _registered_root(self) -> Optional[str]:
+        return self.root
+
     # ------------------------------------------------------------------ registration
     def _first_position(self, rank: int, log: DeltaLog) -> int:
+        found = log.read(lambda r: r.consumer(self.name))
+        if found is not None:  # a name of the other channel: say so before anyone's claim on it
+            self._check_entry(rank, found)
         claims = ConsumerClaims(log.path)
         claims.claim(self.name, "consume with it")
         try:
@@ -485,12 +496,22 @@ class DeltaConsumer(DeltaReader):
         return offset
 
     def _check_entry(self, rank: int, entry: ConsumerEntry) -> int:
-        if entry.channel != self.channel:
+        if entry.channel == self.channel:
+            return entry.offset
+        other = f"{self.name}.{self.channel}"
+        if entry.channel == LOOKUPS and entry.delivery == Delivery.IN_TRANSACTION and self.channel == SNAPSHOTS:
+            # One name, one consumer: the trainer's consumer reads lookups; its publishes are
+            # read back by another consumer, of the snapshots channel.
             raise ConfigMismatchError(
-                f"consumer {self.name!r} is registered for channel {entry.channel!r} on rank {rank}, not "
-                f"{self.channel!r}; use another name, or delete it (persistent-delta offsets ROOT --delete NAME --execute)"
+                f"consumer {self.name!r} is the trainer's (lookups) consumer on rank {rank}: "
+                f"tracker.publish({self.name!r}) writes snapshots of the rows it changed, and a replica reads "
+                f"them under a name of its own, e.g. DeltaConsumer({self.root!r}, {other!r}, channel='snapshots')"
             )
-        return entry.offset
+        raise ConfigMismatchError(
+            f"consumer {self.name!r} is registered for channel {entry.channel!r} on rank {rank}, not "
+            f"{self.channel!r}; use another name (e.g. {other!r}), or, if nothing uses it any more, delete it: "
+            f"persistent-delta offsets {self.root} --delete {self.name} --execute"
+        )
 
     def _load(self, rank: int, log: DeltaLog) -> int:
         entry = log.read(lambda r: r.consumer(self.name))

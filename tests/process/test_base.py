@@ -25,3 +25,13 @@ def test_load_base_assembles_full_tables(tmp_path, sharding):
     for fqn, full in expected.items():
         assert not torch.isnan(full).any(), fqn  # the ranks' shards tile the table
         assert base[fqn].shape == full.shape and torch.equal(base[fqn], full), fqn
+
+
+def test_the_trainers_consumer_name_is_refused_for_snapshots_with_the_name_to_use(tmp_path):
+    """``tracker.publish("serving")`` writes snapshots; a replica asking for them as "serving"
+    is refused with the name to use instead (not an advice to delete the trainer's consumer),
+    and that name works."""
+    (r,) = run_spawn(same_name_case, 1, str(tmp_path / "log"), timeout=180)
+    assert r["first"].startswith("ERROR ConfigMismatchError"), r
+    assert "--delete" not in r["first"] and "tracker.publish('serving')" in r["first"], r
+    assert r["second"] is not None and r["second"].startswith("ROWS ") and int(r["second"].split()[1]) > 0, r

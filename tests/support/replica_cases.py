@@ -24,3 +24,37 @@ def shard_files_case(rank: int, world_size: int, root: str, shard_dir: str, shar
            for fqn, lt in t.local_tables.items()}
     t.close()
     return out
+
+
+# A replica process: the first name it tries is the one the trainer publishes to.
+REPLICA = r"""
+import sys
+from persistent_delta import DeltaConsumer
+from persistent_delta.errors import PersistentDeltaError
+root, name = sys.argv[1], sys.argv[2]
+try:
+    with DeltaConsumer(root, name, channel="snapshots") as c:
+        print("ROWS", c.poll().num_rows)
+except PersistentDeltaError as exc:
+    print("ERROR", type(exc).__name__, exc)
+"""
+
+
+def same_name_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """The trainer publishes to "serving"; a replica in another process asks for the snapshots
+    as "serving", then under the name the error suggests."""
+    from procs import run_python
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root, consumers=["serving"]))
+    for b in make_batches("ec", 2, 8, seed=3, world_size=world_size, rank=rank):
+        train_step(dmp, b)
+    t.publish("serving")
+    t.flush()
+    first = run_python(REPLICA, root, "serving").stdout.strip().splitlines()[-1]
+    second = None
+    if "DeltaConsumer(" in first:  # the error names the call to make: run it
+        suggested = first.split("DeltaConsumer(", 1)[1].split(",")[1].strip().strip("'\"")
+        second = run_python(REPLICA, root, suggested).stdout.strip().splitlines()[-1]
+    t.close()
+    return {"first": first, "second": second}
