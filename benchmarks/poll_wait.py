@@ -90,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             while got < args.commits:
                 poll = reader.poll(timeout=5.0)
                 now = time.time()
-                for _, (a, b) in poll.ranges().items():
+                for _, (a, b) in poll.ranges.items():
                     for batch in range(max(a, 1), b):
                         arrivals.setdefault(batch, now)
                 got = max(arrivals, default=0)

@@ -157,7 +157,7 @@ def freshness(steps: int, url: Any, replicas: int, base: str, batch: int, commit
                                                 dtype=d.states.dtype)
             apply_poll(tables, p, complete_only=True)  # the library's one "applied" (at its read_threads)
             now = time.time()
-            for r, (s, e) in p.ranges().items():
+            for r, (s, e) in p.ranges.items():
                 for b in range(s, e):
                     applied.setdefault(b, now)
                     shipped.setdefault(b, consumer.last_shipped.get(r, now))

@@ -27,7 +27,7 @@ from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
 from persistent_delta.cli.remote import change_remote, describe_remote
-from persistent_delta.cli.replay import replay
+from persistent_delta.cli.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
 from persistent_delta.cli.top import run_top
@@ -91,6 +91,16 @@ def render(out: Output, fmt: str, stream: TextIO) -> None:
             stream.write("(none)\n")
     for note in out.notes:
         stream.write(note + "\n")
+
+
+def _states_cell(f: ReplayFile) -> str:
+    """The STATES cell of a replay file: the states' shape, or each column shard's
+    (``col<c> RxW``) when a column-split table's states do not tile a row."""
+    if f.states_shape:
+        return "x".join(map(str, f.states_shape))
+    if f.column_states:
+        return " ".join(f"col{c} " + "x".join(map(str, shape)) for c, shape in sorted(f.column_states.items()))
+    return "-"
 
 
 def _jsonable(obj: object) -> JSONValue:
@@ -279,7 +289,7 @@ def _cmd_replay(args: argparse.Namespace) -> Output:
     finally:
         bar.close()
     rows = [[f.kind, f"[{f.start_idx}, {f.end_idx})", f.fqn, f.rows,
-             "x".join(map(str, f.states_shape)) if f.states_shape else "-", "yes" if f.column_split else "no",
+             _states_cell(f), "yes" if f.column_split else "no",
              f.path or "-"] for f in report.files]
     ranges = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in sorted(report.ranges.items()))
     title = ("DRY RUN: nothing written. " if report.dry_run else "") + f"{len(report.spans)} span(s); {ranges}"

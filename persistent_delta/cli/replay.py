@@ -86,6 +86,9 @@ class ReplayFile:
     column_split: bool
     path: Optional[str]
     bytes: int = 0
+    # a column-split table whose shards' states do not tile a row (e.g. a row-wise optimizer
+    # state per shard): col_offset -> the shape of ``states.col<c>`` (ids in ``ids.col<c>``)
+    column_states: Dict[int, List[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -332,6 +335,10 @@ def _replay(root: str, out: Optional[str], final: Optional[str], from_batch: Opt
                 if z is not None:  # reassigned slots were re-initialised, looked up or not
                     touched[fqn].append(z.slots)
                 report.files.append(_export_span(m, ws, we, mode, out, dry_run, z))
+                if report.files[-1].column_states and not any(f"{fqn}: column shards" in n for n in report.notes):
+                    report.notes.append(
+                        f"{fqn}: column shards exported side by side (ids.col<c>, states.col<c> per column offset c): "
+                        "their states do not tile a full row (each shard keeps its own per-row state)")
             if progress is not None:
                 progress(i + 1, len(report.spans))
     finally:
@@ -371,7 +378,9 @@ def _export_span(m: MergedDelta, ws: int, we: int, mode: str, out: Optional[str]
     states = tensors.get("states")
     f = ReplayFile(kind="delta", start_idx=ws, end_idx=we, fqn=m.fqn, rows=int(m.global_ids.numel()),
                    states_shape=list(states.shape) if states is not None else None,
-                   column_split=m.column_split, path=None)
+                   column_split=m.column_split, path=None,
+                   column_states={int(k[len("states.col"):]): list(v.shape) for k, v in tensors.items()
+                                  if k.startswith("states.col")})
     if not dry_run and out is not None:
         f.path = os.path.join(out, f"span-{ws:012d}-{we:012d}", f"{file_name(m.fqn)}.safetensors")
         meta = {

@@ -115,7 +115,7 @@ def apply_poll(
             f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
     if complete_only and not poll.complete:
         raise IncompletePollError(
-            f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges()}: "
+            f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "
             "some rank's part of these publishes is not in it; nothing was applied")
     with torch.no_grad(), intra_op_threads(poll.read_threads):
         plan: List[Tuple[torch.Tensor, TableDelta]] = []
@@ -130,7 +130,7 @@ def apply_poll(
             for part in parts:
                 if part.ids.numel() and part.states is not None:
                     plan.append((_target(fqn, table, part), part))
-        out = Applied(ranges=poll.ranges(), publishes=poll.publishes)
+        out = Applied(ranges=poll.ranges, publishes=poll.publishes)
         for target, part in plan:
             states = part.states
             assert states is not None

@@ -11,6 +11,7 @@ half-open range it actually read. Reading the log into these types is
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -74,7 +75,13 @@ class TableDelta:
 
 @dataclass
 class RankDelta:
-    """What one poll read from one rank: ``[start_idx, end_idx)`` and the per-table deltas."""
+    """What one poll read from one rank: ``[start_idx, end_idx)`` and the per-table deltas.
+
+    Batch indices start at 1 (``DMP.forward`` steps the tracker before the first lookups), and a
+    range may hold indices with no records: after a restart the ranks continue at the largest
+    index any of them persisted and drop what not every rank completed, and a restore stamps
+    its re-delivery after the lost batches; indices are never reused, so those batches read
+    as empty."""
 
     rank: int
     path: str
@@ -262,6 +269,16 @@ def _joined(parts: Sequence[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
     return first.as_strided(size, first.stride())
 
 
+class Ranges(Dict[int, Tuple[int, int]]):
+    """:attr:`DeltaPoll.ranges`: rank -> ``(start_idx, end_idx)`` read (half-open). Calling it
+    (the method it was) returns itself, with a ``DeprecationWarning``."""
+
+    def __call__(self) -> "Ranges":
+        warnings.warn("DeltaPoll.ranges is a property: use poll.ranges, not poll.ranges()", DeprecationWarning,
+                      stacklevel=2)
+        return self
+
+
 @dataclass
 class DeltaPoll:
     """The result of :meth:`DeltaConsumer.poll`: per rank, the range read and per-table deltas.
@@ -348,9 +365,12 @@ class DeltaPoll:
                     z.states = m.states.index_select(0, pos)
         return out
 
-    def ranges(self) -> Dict[int, Tuple[int, int]]:
-        """rank -> ``(start_idx, end_idx)`` read (half-open)."""
-        return {r: (d.start_idx, d.end_idx) for r, d in self.ranks.items()}
+    @property
+    def ranges(self) -> "Ranges":
+        """rank -> ``(start_idx, end_idx)`` read (half-open). A property, like
+        :attr:`complete` and :attr:`publishes` (``poll.ranges()`` still works, with a
+        ``DeprecationWarning``)."""
+        return Ranges({r: (d.start_idx, d.end_idx) for r, d in self.ranks.items()})
 
     @property
     def num_rows(self) -> int:

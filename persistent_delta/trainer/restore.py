@@ -149,8 +149,9 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
     dropped = log.write(settle)
     if dropped or hi != batch_idx:
         logger.warning("%s: continuing at batch %d with the other ranks (persisted here: %d; complete on every "
-                       "rank: below %d); dropped %d records of batches not complete on every rank", log.path, hi,
-                       batch_idx, lo, dropped)
+                       "rank: below %d); dropped %d records of batches not complete on every rank. Batch indices "
+                       "are never reused, so batches [%d, %d) read as empty on every rank", log.path, hi,
+                       batch_idx, lo, dropped, lo, hi + 1)
     return hi
 
 
@@ -318,7 +319,8 @@ def redeliver(
     if gen is not None:
         w.set_meta(META_RESTART_GEN, gen)
     logger.info(
-        "restored to batch %d: re-delivering rows of batches [%d, %d) as batch %d: %s",
+        "restored to batch %d: re-delivering rows of batches [%d, %d) as batch %d (those batches now read as "
+        "empty: indices are never reused, so a consumer never mixes the lost timeline with the new one): %s",
         checkpoint_batch, first, stamp, stamp, {r.fqn: int(r.ids.numel()) for r in records if r.kind == codec.KIND_LOOKUP},
     )
     return {r.fqn: int(r.ids.numel()) for r in records if r.kind == codec.KIND_LOOKUP}

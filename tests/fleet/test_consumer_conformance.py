@@ -82,7 +82,7 @@ def _drain(c: Consumer, **kw: int) -> List[Tuple[int, int]]:
     for _ in range(4 * BATCHES):
         if c.position() == c.end_offsets():
             break
-        ranges = c.poll(**kw).ranges()
+        ranges = c.poll(**kw).ranges
         assert set(ranges) == set(range(RANKS))
         for rank, (start, end) in ranges.items():
             assert start == prev[rank] <= end, (rank, start, end, prev)
@@ -124,7 +124,7 @@ def test_polls_are_half_open_and_contiguous(kind):
     with open_("all") as c:
         assert _drain(c) == [(0, BATCHES)]
         empty = c.poll(timeout=0.05)
-        assert empty.empty and empty.ranges() == {rank: (BATCHES, BATCHES) for rank in range(RANKS)}
+        assert empty.empty and empty.ranges == {rank: (BATCHES, BATCHES) for rank in range(RANKS)}
 
 
 def test_max_batches_bounds_every_poll_alike(kind):
@@ -179,7 +179,7 @@ def test_positions_after_commit_and_seek(kind):
         c.poll(max_batches=2)
         c.seek(1)
         assert c.position() == {rank: 1 for rank in range(RANKS)}
-        assert c.poll(max_batches=1).ranges() == {rank: (1, 2) for rank in range(RANKS)}
+        assert c.poll(max_batches=1).ranges == {rank: (1, 2) for rank in range(RANKS)}
     with open_("pos") as again:  # uncommitted positions are dropped; committed ones stay
         want = 0 if name == "reader" else 3
         assert again.position() == {rank: want for rank in range(RANKS)}

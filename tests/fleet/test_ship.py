@@ -306,7 +306,7 @@ def test_unreachable_stream_never_holds_the_trainer_and_the_bound_gives_out_of_r
     time.sleep(1.0)  # the shipper registers before training starts
     consumer = RemoteConsumer(nats_server.url, job, "reader", wait=30)
     open(flag, "w").close()
-    wait_for(lambda: consumer.poll(timeout=0.2).ranges()[0][1] >= 4, 30, "the first batches on the stream")
+    wait_for(lambda: consumer.poll(timeout=0.2).ranges[0][1] >= 4, 30, "the first batches on the stream")
     consumer.commit()
     seen = consumer.position()[0]
     consumer.close()
@@ -321,19 +321,19 @@ def test_unreachable_stream_never_holds_the_trainer_and_the_bound_gives_out_of_r
     with RemoteConsumer(nats_server.url, job, "reader", wait=30) as c:
         assert c.position()[0] == seen
         got = c.poll(max_batches=100)  # what the shipper shipped before the outage, up to the gap
-        end = got.ranges()[0][1]
+        end = got.ranges[0][1]
         with pytest.raises(OffsetOutOfRangeError):
             while True:
                 p = c.poll(timeout=0.5)
                 assert not p.empty or c.position()[0] < c.end_offsets()[0], "no error at the gap"
-                end = p.ranges()[0][1]
+                end = p.ranges[0][1]
     assert end < 60
     with RemoteConsumer(nats_server.url, job, "reader2", reset="earliest", wait=30) as c2:
         c2.seek(end)
         p = c2.poll(timeout=1.0)
-        assert p.ranges()[0][0] > end  # moved over the gap, by the policy
+        assert p.ranges[0][0] > end  # moved over the gap, by the policy
         with DeltaReader(root) as local:
-            assert p.ranges()[0][0] == local.position()[0]  # the log start: the first batch shipped after the gap
+            assert p.ranges[0][0] == local.position()[0]  # the log start: the first batch shipped after the gap
 
 
 # ----------------------------------------------------------------------------- format, chunks, ids
@@ -351,7 +351,7 @@ def test_a_64_mib_record_is_chunked_and_arrives_bit_exact(tmp_path, nats_server)
     assert stats["messages"] > 64  # chunked: the server's max payload is 1 MiB
     with RemoteConsumer(nats_server.url, "job-d", "r", wait=10) as c, DeltaReader(root) as local:
         got, want = c.poll(), local.poll()
-        assert got.ranges() == want.ranges() == {0: (0, 2)}
+        assert got.ranges == want.ranges == {0: (0, 2)}
         for fqn, w in want.ranks[0].tables.items():
             g = got.ranks[0].tables[fqn]
             assert torch.equal(g.ids, w.ids) and torch.equal(g.states, w.states), fqn
@@ -377,7 +377,7 @@ def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path,
     write_and_ship(range(0, 5))
     for name in ("strict", "lenient"):
         with RemoteConsumer(nats_server.url, "job-lim", name, wait=10) as c:
-            assert c.poll().ranges() == {0: (0, 5)}
+            assert c.poll().ranges == {0: (0, 5)}
             c.commit()
     write_and_ship(range(5, 40))  # 35 x 16 KiB more than the stream keeps: [5, ...) is dropped
     conn = nats.Connection(nats_server.url)
@@ -392,11 +392,11 @@ def test_the_streams_own_limit_drops_old_ranges_and_a_consumer_is_told(tmp_path,
     for name, reset in (("lenient", "earliest"), ("newcomer", None)):
         with RemoteConsumer(nats_server.url, "job-lim", name, reset=reset, wait=10) as c:
             got = c.poll()
-            (start, end), = got.ranges().values()
-            assert 5 < start < end == 40, (name, got.ranges())
+            (start, end), = got.ranges.values()
+            assert 5 < start < end == 40, (name, got.ranges)
             with DeltaReader(root, start=start) as local:
                 want = local.poll()
-            assert want.ranges() == {0: (start, 40)}
+            assert want.ranges == {0: (start, 40)}
             g, w = got.ranks[0].tables["t"], want.ranks[0].tables["t"]
             assert torch.equal(g.ids, w.ids) and torch.equal(g.states, w.states), name
 
@@ -480,7 +480,7 @@ def test_remote_poll_max_bytes_cuts_at_range_ends_and_reads_at_least_one(tmp_pat
             got = []
             while c.position()[0] < 12:
                 p = c.poll(max_bytes=limit)
-                got.append(p.ranges()[0])
+                got.append(p.ranges[0])
                 with DeltaReader(root, start=got[-1][0]) as local:
                     w = local.poll(max_batches=got[-1][1] - got[-1][0]).ranks[0].tables["t"]
                 assert torch.equal(p.ranks[0].tables["t"].ids, w.ids) and torch.equal(p.ranks[0].tables["t"].states,
@@ -520,7 +520,7 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
         assert not conn.send_all(parts + [marker])
         with RemoteConsumer(nats_server.url, "job-e", "r", wait=10) as c:
             p = c.poll()
-            assert p.ranges() == {0: (0, 6)}
+            assert p.ranges == {0: (0, 6)}
             assert float(p.ranks[0].tables["t"].states[0, 0]) == 0.0  # the re-send was not applied over it
             c.commit()
             with pytest.raises(LogLockedError):
@@ -573,7 +573,7 @@ def test_offsets_server_resets_and_deletes_remote_consumers(tmp_path, nats_serve
     assert cli_main(base + ["--reset", "r", "--to-batch", "2", "--execute"], stdout=io.StringIO()) == 0
     with RemoteConsumer(nats_server.url, "job-f", "r", wait=10) as c:
         assert c.position() == {0: 2}
-        assert c.poll().ranges() == {0: (2, 5)}
+        assert c.poll().ranges == {0: (2, 5)}
     assert cli_main(base + ["--delete", "r", "--execute"], stdout=io.StringIO()) == 0
     buf = io.StringIO()
     assert cli_main(base + ["--format", "json"], stdout=buf) == 0
@@ -601,7 +601,7 @@ def _cluster_case(tmp_path, cluster, batches: int) -> None:
     others = [s.url for i, s in enumerate(cluster.servers) if i != victim]
     with RemoteConsumer(others, "job-g", "r", wait=30) as c, DeltaReader(root) as local:
         got, want = c.poll(), local.poll()
-        assert got.ranges() == want.ranges() == {0: (0, batches)}
+        assert got.ranges == want.ranges == {0: (0, batches)}
         g, w = got.ranks[0].tables["t"], want.ranks[0].tables["t"]
         assert torch.equal(g.ids, w.ids) and torch.equal(g.states, w.states)
 

@@ -114,7 +114,7 @@ with open(out, "w") as f:
                 break
             time.sleep(rng.uniform(0, 0.05))
             continue
-        (start, end), = p.ranges().values()
+        (start, end), = p.ranges.values()
         ids = {fqn: m.global_ids.tolist() for fqn, m in p.merged().items()}
         time.sleep(rng.uniform(0, 0.03))  # the trainer runs between a poll and its commit
         committed = c.commit()[0]

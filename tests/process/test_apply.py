@@ -64,7 +64,7 @@ def test_a_replica_holds_the_tables_of_the_last_publish_call(job):
         assert poll.complete and poll.world_size == 2
         applied = apply_poll(replica, poll, complete_only=True)
         consumer.commit()
-    assert applied.rows > 0 and applied.ranges == poll.ranges()
+    assert applied.rows > 0 and applied.ranges == poll.ranges
     for fqn in want:
         assert torch.equal(replica[fqn], want[fqn]), fqn
     # each publish carries the time of its publish() call (the earliest over ranks)
@@ -122,7 +122,7 @@ def test_max_bytes_catches_up_in_whole_publishes(job):
             assert len(poll.publishes) >= 1
             apply_poll(replica, poll, complete_only=True)
             consumer.commit()
-            ranges.append(poll.ranges())
+            ranges.append(poll.ranges)
     assert len(ranges) > 1, "max_bytes did not split the catch-up"
     for prev, nxt in zip(ranges, ranges[1:]):
         assert all(prev[r][1] == nxt[r][0] for r in prev), (prev, nxt)  # contiguous, nothing skipped
@@ -140,7 +140,7 @@ def test_refusals_apply_nothing(job):
         stamps = sorted(results[0]["windows"])
         consumer.seek(stamps[1], rank=1)
         poll = consumer.poll(max_batches=stamps[1] - stamps[0])
-        assert poll.ranges()[0][1] != poll.ranges()[1][1] and not poll.complete
+        assert poll.ranges[0][1] != poll.ranges[1][1] and not poll.complete
         with pytest.raises(IncompletePollError):
             apply_poll(replica, poll, complete_only=True)
         wrong_dtype = {k: v.double() for k, v in replica.items()}

@@ -48,7 +48,7 @@ def test_poll_commit_and_redelivery(tmp_path):
     with DeltaConsumer(root, "c") as c:
         assert c.position() == {0: 0, 1: 0}
         p = c.poll(max_batches=2)
-        assert p.ranges() == {0: (0, 2), 1: (0, 2)}
+        assert p.ranges == {0: (0, 2), 1: (0, 2)}
         assert _ids(p) == {0: [0, 1, 2], 1: [100, 101, 102]}
         states = p.tables()["t"][0].states
         assert torch.equal(states, torch.tensor([[0.0] * 3, [1.0] * 3, [2.0] * 3]))  # FIRST per id
@@ -62,10 +62,10 @@ def test_poll_commit_and_redelivery(tmp_path):
     with DeltaConsumer(root, "c") as c:
         assert c.position() == {0: 2, 1: 2}
         p = c.poll()
-        assert p.ranges() == {0: (2, 6), 1: (2, 6)} and p.num_rows == 10
+        assert p.ranges == {0: (2, 6), 1: (2, 6)} and p.num_rows == 10
         assert c.poll().empty
         c.seek(4, rank=1)
-        assert c.poll().ranges() == {0: (6, 6), 1: (4, 6)}
+        assert c.poll().ranges == {0: (6, 6), 1: (4, 6)}
         merged = p.merged()["t"]
         assert merged.global_ids.tolist() == [2, 3, 4, 5, 6, 102, 103, 104, 105, 106]
         assert not merged.column_split
@@ -117,11 +117,11 @@ def test_offset_out_of_range_and_reset_policies(tmp_path):
             c.poll()
     with DeltaConsumer(root, "c", reset="earliest") as c:
         p = c.poll()
-        assert p.ranges() == {0: (3, 6)} and _ids(p) == {0: [3, 4, 5, 6]}
+        assert p.ranges == {0: (3, 6)} and _ids(p) == {0: [3, 4, 5, 6]}
     with DeltaConsumer(root, "c", reset="latest") as c:
-        assert c.poll().ranges() == {0: (6, 6)}
+        assert c.poll().ranges == {0: (6, 6)}
         c.seek(50)
-        assert c.poll().ranges() == {0: (6, 6)}  # past the end: reset to latest
+        assert c.poll().ranges == {0: (6, 6)}  # past the end: reset to latest
     with DeltaConsumer(root, "c") as c:
         c.seek(50)
         with pytest.raises(OffsetOutOfRangeError, match="past the log end"):
@@ -158,9 +158,9 @@ def test_snapshots_channel(tmp_path):
         with DeltaConsumer(root, "replica", channel="snapshots") as c:
             assert c.position() == {0: 3} and c.end_offsets() == {0: 6}
             p = c.poll(max_batches=1)
-            assert p.ranges() == {0: (3, 4)} and p.merged()["t"].states.flatten().tolist() == [1.0, 2.0]
+            assert p.ranges == {0: (3, 4)} and p.merged()["t"].states.flatten().tolist() == [1.0, 2.0]
             p = c.poll()
-            assert p.ranges() == {0: (4, 6)}
+            assert p.ranges == {0: (4, 6)}
             m = p.merged()["t"]
             assert m.global_ids.tolist() == [2, 7] and m.states.flatten().tolist() == [20.0, 70.0]
             c.commit()
@@ -226,7 +226,7 @@ def test_consumer_reads_while_a_writer_process_appends(tmp_path):
             done = writer.poll() is not None
             p = c.poll(max_batches=7)
             if not p.empty:
-                ranges.append(p.ranges()[0])
+                ranges.append(p.ranges[0])
                 seen.extend(x for x in p.merged()["u"].global_ids.tolist())
                 c.commit()
             elif done:
@@ -256,7 +256,7 @@ while True:
         time.sleep(0.02)
         continue
     polls += 1
-    entry = {"ranges": {str(r): list(v) for r, v in p.ranges().items()},
+    entry = {"ranges": {str(r): list(v) for r, v in p.ranges.items()},
              "ids": {f"{t.rank}/{t.fqn}": t.global_ids.tolist() for t in p}}
     if mode == "crash" and polls == 4:
         f.write(json.dumps(dict(entry, committed=False)) + "\\n"); f.flush(); os.fsync(f.fileno())

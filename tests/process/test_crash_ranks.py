@@ -64,7 +64,7 @@ def _run(tmp_path, trials: int, seed: int) -> None:
         assert s0 == s1, f"trial {i}: the ranks resumed at {s0} and {s1}"
         with DeltaConsumer(root, "watch") as c:
             poll = c.poll()
-            ranges = poll.ranges()
+            ranges = poll.ranges
             assert ranges[0] == ranges[1], (i, ranges, _state(root))
             start, end = ranges[0]
             if last_end is not None:

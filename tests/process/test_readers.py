@@ -63,7 +63,7 @@ def test_an_unregistered_reader_leaves_no_trace(tmp_path):
         r0.step()
     with DeltaReader(root) as reader:
         poll = reader.poll()
-        assert poll.ranges() == {0: (0, 6)} and poll.num_rows > 0
+        assert poll.ranges == {0: (0, 6)} and poll.num_rows > 0
         r0.step()
         dropped = r0.window.rows_dropped
         r0.step()
@@ -71,7 +71,7 @@ def test_an_unregistered_reader_leaves_no_trace(tmp_path):
         assert set(r0.log.read(lambda r: r.consumers())) == {"trainer"}  # nothing registered
         # position 6 lies inside the trainer's filtered read window (started at 0): the poll reads
         # from the window start and says so (at-least-once, never a lost row)
-        assert reader.poll().ranges() == {0: (0, 8)}
+        assert reader.poll().ranges == {0: (0, 8)}
         # retention is not held back by a reader: data deleted under it is out of range
         reader.seek(2)
         r0.log.write(lambda w: delete_below(w, 6))
@@ -80,7 +80,7 @@ def test_an_unregistered_reader_leaves_no_trace(tmp_path):
     with DeltaReader(root, start="latest") as reader:
         assert reader.position() == {0: 8} and reader.poll().empty
     with DeltaReader(root, start=7) as reader:
-        assert reader.poll().ranges()[0][1] == 8
+        assert reader.poll().ranges[0][1] == 8
     r0.log.close()
 
 
@@ -96,15 +96,15 @@ def test_the_job_s_ranks_come_from_the_world_size(tmp_path, caplog):
     assert "ignoring rank-2" in caplog.text
     assert reader.missing_ranks() == [1] and reader.ranks == [0]
     first = reader.poll()
-    assert first.empty and first.ranges() == {0: (0, 0)}  # held until every rank has the batches
+    assert first.empty and first.ranges == {0: (0, 0)}  # held until every rank has the batches
     r1 = Rank(root, 1, 2)
     for _ in range(2):
         r1.step()
     second = reader.poll()  # rank 1 picked up; both read up to the batch both completed
-    assert second.ranges() == {0: (0, 3), 1: (0, 3)}, second.ranges()
+    assert second.ranges == {0: (0, 3), 1: (0, 3)}, second.ranges
     r1.step()
     r0.step()
-    assert reader.poll().ranges() == {0: (3, 4), 1: (3, 4)}
+    assert reader.poll().ranges == {0: (3, 4), 1: (3, 4)}
     reader.close()
     r0.log.close()
     r1.log.close()
@@ -131,7 +131,7 @@ def test_a_consumer_waits_for_a_trainer_that_starts_later(tmp_path):
     with DeltaConsumer(root, "early", wait=10) as c:
         t.join()
         poll = c.poll(timeout=5)
-        assert poll.ranges() == {0: (0, 2)} and poll.num_rows == len(_ids(1))
+        assert poll.ranges == {0: (0, 2)} and poll.num_rows == len(_ids(1))
     made[0].log.close()
 
 
@@ -143,7 +143,7 @@ def test_poll_waits_for_the_commit_that_completes_a_batch(tmp_path):
         reader.poll()
         t0 = time.monotonic()
         empty = reader.poll(timeout=0.2)
-        assert empty.empty and empty.ranges() == {0: (2, 2)} and time.monotonic() - t0 >= 0.2
+        assert empty.empty and empty.ranges == {0: (2, 2)} and time.monotonic() - t0 >= 0.2
 
         def commit_soon() -> None:
             time.sleep(0.2)
@@ -155,7 +155,7 @@ def test_poll_waits_for_the_commit_that_completes_a_batch(tmp_path):
         got = reader.poll(timeout=10)
         waited = time.monotonic() - t0
         t.join()
-        assert got.ranges() == {0: (2, 3)} and 0.15 < waited < 5, waited
+        assert got.ranges == {0: (2, 3)} and 0.15 < waited < 5, waited
     r0.log.close()
 
 

@@ -43,10 +43,10 @@ def _check(poll, seen: list) -> None:
     """No column-wise table of the poll has one half: both ranks hold the same ids."""
     for fqn, parts in poll.tables().items():
         ids = {p.rank: set(p.global_ids.tolist()) for p in parts}
-        assert ids.get(0, set()) == ids.get(1, set()), (fqn, poll.ranges(), seen[-3:])
+        assert ids.get(0, set()) == ids.get(1, set()), (fqn, poll.ranges, seen[-3:])
     for fqn, m in poll.merged().items():
-        assert m.states is not None, (fqn, poll.ranges())
-    seen.append(poll.ranges())
+        assert m.states is not None, (fqn, poll.ranges)
+    seen.append(poll.ranges)
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def _apply(consumer, replica, max_batches=None) -> dict:
     for z in poll.zch().values():
         replica.apply(z)
     consumer.commit()
-    return poll.ranges()
+    return poll.ranges
 
 
 def _replica_run(tmp_path, skip_restore: bool = False):

@@ -27,7 +27,7 @@ import json, sys
 from persistent_delta import DeltaConsumer
 with DeltaConsumer(sys.argv[1], "audit") as c:
     poll = c.poll()
-    out = {"ranges": {str(r): list(v) for r, v in poll.ranges().items()}, "halves": {}, "stateless": []}
+    out = {"ranges": {str(r): list(v) for r, v in poll.ranges.items()}, "halves": {}, "stateless": []}
     for fqn, parts in poll.tables().items():
         out["halves"][fqn] = {str(p.rank): sorted(p.global_ids.tolist()) for p in parts}
     out["stateless"] = sorted(f for f, m in poll.merged().items() if m.states is None)

@@ -89,7 +89,7 @@ def main() -> int:
             apply_poll(tables, poll, complete_only=True)  # every rank over the same range, or nothing applied
             if not poll.empty:
                 polls += 1
-                log.write(json.dumps({"ranges": {str(r): v for r, v in poll.ranges().items()}}) + "\n")
+                log.write(json.dumps({"ranges": {str(r): v for r, v in poll.ranges.items()}}) + "\n")
                 log.flush()
                 tmp = state + ".tmp"
                 torch.save(tables, tmp)

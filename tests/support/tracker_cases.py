@@ -608,7 +608,7 @@ def rank_agreement_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     if rank == 0:
         with DeltaReader(root) as reader:
             poll = reader.poll()
-            out["ranges"] = poll.ranges()
+            out["ranges"] = poll.ranges
         def records(path: str) -> int:
             with DeltaLog(path, readonly=True) as log:
                 return log.read(lambda r: sum(len(list(r.iter_record_keys(e.table_id, 5, 7)))
@@ -704,7 +704,7 @@ def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
         t.publish("serving")
         t.flush()
         p = live.poll()
-        live_ranges.append(p.ranges()[rank])
+        live_ranges.append(p.ranges[rank])
         live.commit()
     out: Dict[str, Any] = {"live_ranges": live_ranges, "stale_start": stale.position()[rank]}
     statuses = {c.name: c.status for c in describe(root)[rank].consumers}
@@ -717,7 +717,7 @@ def snapshot_bound_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     stale.close()
     with DeltaConsumer(root, "stale", channel="snapshots", register=False, reset="earliest") as again:
         p = again.poll()
-        out["reset_range"] = p.ranges()[rank]
+        out["reset_range"] = p.ranges[rank]
         out["reset_rows"] = sum(d.ids.numel() for d in p)
     live.close()
     t.close()

@@ -136,7 +136,7 @@ def test_pending_rows_use_the_consumers_read_start(tmp_path):
     assert (late.pending_records, late.pending_rows, late.pending_bytes) == want
     with DeltaConsumer(root, "late", register=False) as c:
         poll = c.poll()
-    assert poll.ranges() == {0: (0, 31)} and poll.num_rows == len(touched(1, 31))
+    assert poll.ranges == {0: (0, 31)} and poll.num_rows == len(touched(1, 31))
 
 
 def test_compaction_is_split_at_positions_and_stops_below_a_poller(tmp_path):
@@ -184,7 +184,7 @@ def test_the_retention_bound_expires_a_dead_consumer_loudly(tmp_path, caplog):
         with pytest.raises(OffsetOutOfRangeError, match="below the log start"):
             c.poll()
     with DeltaConsumer(root, "ext", register=False, reset="earliest") as c:
-        assert c.poll().ranges() == {0: (31, 31)}
+        assert c.poll().ranges == {0: (31, 31)}
         c.commit()
     with DeltaLog(os.path.join(root), readonly=True) as log:
         assert not log.read(lambda r: r.consumer("ext")).expired  # a commit re-arms it

@@ -39,7 +39,7 @@ def _ship(root: str, broker: MemoryBroker) -> None:
 
 
 def _assert_same(got, want) -> None:
-    assert got.ranges() == want.ranges()
+    assert got.ranges == want.ranges
     for rank, w in want.ranks.items():
         for fqn, wt in w.tables.items():
             gt = got.ranks[rank].tables[fqn]
@@ -71,7 +71,7 @@ def test_a_shipper_and_a_remote_consumer_run_unchanged_over_the_memory_transport
         start = 0
         while c.position() != c.end_offsets():
             got = c.poll(max_batches=4)
-            (lo, hi), = set(got.ranges().values())
+            (lo, hi), = set(got.ranges.values())
             assert lo == start
             with DeltaReader(root, start=lo) as local:
                 _assert_same(got, local.poll(max_batches=hi - lo))
