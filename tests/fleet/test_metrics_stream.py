@@ -1,5 +1,6 @@
 """The metrics of a job's stream (remote consumers, shippers) read from outside, and a shipper's
-own: the positions and lags ``offsets --server`` shows, and the shipper's counters."""
+own: the positions and lags ``offsets --server`` shows, and the shipper's counters; ``top``
+shows the same stream."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_stream_and_shipper_metrics(tmp_path, nats_server):
     assert got[("persistent_delta_shipper_position", feed)] == ship.position
     assert got[("persistent_delta_shipper_lag_batches", feed)] == ship.lag_batches
     assert got[("persistent_delta_stream_scrape_error", ())] == 0
+
+    # top's view of the same stream: the remote consumer and the shipper, drawn
+    from rich.console import Console
+
+    from persistent_delta.cli.top import draw, snapshot
+
+    view = snapshot(None, nats_server.url, job)
+    assert not view.errors
+    assert [(c.consumer, c.lag) for c in view.remote] == [("r", 4)]
+    assert [(x.rank, x.channel, x.position) for x in view.shippers] == [(0, "lookups", ship.position)]
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+    console.print(draw(view))
+    text = console.export_text()
+    assert "REMOTE CONSUMERS" in text and "SHIPPERS" in text
