@@ -265,7 +265,8 @@ def serve(args: argparse.Namespace) -> int:
         from persistent_delta.fleet.remote import RemoteConsumer
 
         _forbid(os.path.join(out, "log"))  # the replica reads the stream only, never the trainer's disk
-        consumer: Any = RemoteConsumer(args.server, "demo", "replica", channel="snapshots", wait=120)
+        consumer: Any = RemoteConsumer(args.server, "demo", "replica", channel="snapshots", wait=120,
+                                       key=args.key_file)  # the job's stream key: no key, no data
         done_file = "SHIPPED"  # the driver saw every published batch on the stream
     else:
         consumer = DeltaConsumer(os.path.join(out, "log"), "replica", channel="snapshots")
@@ -302,7 +303,8 @@ def _forbid(root: str) -> None:
 
 def _shipper(args: argparse.Namespace) -> subprocess.Popen:  # type: ignore[type-arg]
     return subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", os.path.join(args.out, "log"),
-                             "--server", args.server, "--job", "demo", "--channels", "snapshots"],
+                             "--server", args.server, "--job", "demo", "--channels", "snapshots",
+                             "--key-file", args.key_file],
                             start_new_session=True)
 
 
@@ -345,10 +347,13 @@ def drive(args: argparse.Namespace) -> int:
           f"SIGKILL at step {args.kill_at}; output in {out}", flush=True)
     nats = None
     if args.fleet:
+        from persistent_delta.fleet.auth import write_key_file
         from persistent_delta.testing import LocalServer
 
         nats = LocalServer(os.path.join(out, "nats")).start()
         args.server = nats.url
+        args.key_file = os.path.join(out, "stream.key")  # `persistent-delta keygen`: shipper and replica share it
+        write_key_file(args.key_file)
         print(f"[demo] fleet: JetStream server at {nats.url}; shipper -> stream -> replica (no access to the log)",
               flush=True)
     try:
@@ -452,6 +457,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--fleet", action="store_true",
                    help="across hosts: a local JetStream server, a shipper, and a replica reading only from the stream")
     p.add_argument("--server", default=None, help=argparse.SUPPRESS)  # set by the driver in --fleet mode
+    p.add_argument("--key-file", default=None, help=argparse.SUPPRESS)  # the stream key, made by the driver
     args = p.parse_args(argv)
     if args.dim % 8:
         p.error("--dim must be a multiple of 8")

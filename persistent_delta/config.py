@@ -5,22 +5,25 @@ consumers, tools) a setting resolves the same way: **an explicit argument, then 
 ``PERSISTENT_DELTA_*`` environment variable, then the default** (:meth:`LogOptions.resolve`).
 The environment variables (read when a log is opened):
 
-=================================  ==========================================================
-``PERSISTENT_DELTA_DURABILITY``    ``sync`` | ``no_metasync`` | ``on_flush`` (default)
-``PERSISTENT_DELTA_MAP_SIZE``      initial LMDB map size in bytes (default 1 GiB)
-``PERSISTENT_DELTA_MAX_MAP_SIZE``  largest map the log may grow to (default 16 TiB)
-``PERSISTENT_DELTA_MAX_READERS``   LMDB reader slots, fixed by the first opener (default 256)
-``PERSISTENT_DELTA_TUNE_MALLOC``   ``1``: a writer raises glibc's malloc thresholds (default ``0``;
-                                   see :mod:`persistent_delta.log.alloc`)
-``PERSISTENT_DELTA_RETENTION_*``   ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
-                                   off; see :class:`RetentionBound`)
-``PERSISTENT_DELTA_GROUP_ACCESS``  ``1``: logs created group-readable/writable (default owner-only)
-``PERSISTENT_DELTA_READ_THREADS``  torch intra-op threads of a reader's polls and ``apply_poll``
-                                   (default 1; ``0``: the process's own setting)
-``PERSISTENT_DELTA_STALL_AFTER_S`` the least time without a commit, while data arrives, before
-                                   a consumer's health says stalled (default 30; see
-                                   :mod:`persistent_delta.ops.health`)
-=================================  ==========================================================
+=====================================  ==========================================================
+``PERSISTENT_DELTA_DURABILITY``        ``sync`` | ``no_metasync`` | ``on_flush`` (default)
+``PERSISTENT_DELTA_MAP_SIZE``          initial LMDB map size in bytes (default 1 GiB)
+``PERSISTENT_DELTA_MAX_MAP_SIZE``      largest map the log may grow to (default 16 TiB)
+``PERSISTENT_DELTA_MAX_READERS``       LMDB reader slots, fixed by the first opener (default 256)
+``PERSISTENT_DELTA_TUNE_MALLOC``       ``1``: a writer raises glibc's malloc thresholds (default ``0``;
+                                       see :mod:`persistent_delta.log.alloc`)
+``PERSISTENT_DELTA_RETENTION_*``       ``MAX_BATCHES`` / ``MAX_BYTES``: the retention bound (default
+                                       off; see :class:`RetentionBound`)
+``PERSISTENT_DELTA_GROUP_ACCESS``      ``1``: logs created group-readable/writable (default owner-only)
+``PERSISTENT_DELTA_READ_THREADS``      torch intra-op threads of a reader's polls and ``apply_poll``
+                                       (default 1; ``0``: the process's own setting)
+``PERSISTENT_DELTA_STALL_AFTER_S``     the least time without a commit, while data arrives, before
+                                       a consumer's health says stalled (default 30; see
+                                       :mod:`persistent_delta.ops.health`)
+``PERSISTENT_DELTA_STREAM_KEY_FILE``   the job's stream key file(s) for shippers and remote consumers
+                                       (``os.pathsep``-separated: the first signs, any verifies;
+                                       see :mod:`persistent_delta.fleet.auth`)
+=====================================  ==========================================================
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
@@ -88,6 +91,16 @@ def stall_after_s(value: Optional[float] = None) -> float:
     if out < 0:
         raise InvalidInputError(f"PERSISTENT_DELTA_STALL_AFTER_S={raw!r} must be >= 0")
     return out
+
+
+STREAM_KEY_FILE_ENV = "PERSISTENT_DELTA_STREAM_KEY_FILE"
+
+
+def stream_key_files() -> List[str]:
+    """The stream key files named by ``PERSISTENT_DELTA_STREAM_KEY_FILE`` (``os.pathsep``-separated;
+    the first signs, any verifies), or ``[]``."""
+    raw = os.environ.get(STREAM_KEY_FILE_ENV, "")
+    return [p for p in raw.split(os.pathsep) if p]
 
 
 def _env_durability(default: Durability) -> Durability:

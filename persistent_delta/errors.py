@@ -123,3 +123,34 @@ class KeyConflictError(PersistentDeltaError):
     """A compare-and-set on a key-value bucket of the stream lost: the key exists (create) or
     is no longer at the revision given (update). Read the key again and decide; a remote
     consumer's claim on its name is the one caller today."""
+
+
+class StreamKeyError(PersistentDeltaError):
+    """A shipper, remote consumer or tool has no stream key (and was not told ``insecure=True``),
+    or a key file is unreadable, malformed or readable by others. Create one with
+    ``persistent-delta keygen PATH`` and pass it (``key=``, ``--key-file``,
+    ``PERSISTENT_DELTA_STREAM_KEY_FILE``) to the shipper and every consumer of the job."""
+
+
+class AuthenticationError(CorruptRecordError):
+    """A message, bucket value or base on the stream failed its authenticator: forged, altered,
+    or signed with a key this reader does not hold. Readers report it and skip the message
+    (``RemoteConsumer.rejected``); ``subject`` and ``seq`` say which one. Check who publishes on
+    the job's subjects (``docs/guides/security.md``) and that both sides hold the job's key."""
+
+    def __init__(self, message: str, subject: str = "", seq: int = 0) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.seq = seq
+
+
+class StreamDataError(CorruptRecordError):
+    """A record from the stream (or a base) does not match the job's table metadata: another
+    row width or dtype, ids outside the rank's shard, a range or stamp out of bounds, a size
+    past the reader's limits. Nothing of it is applied and no position moves past it; ``subject``
+    and ``seq`` say which message."""
+
+    def __init__(self, message: str, subject: str = "", seq: int = 0) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.seq = seq

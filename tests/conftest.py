@@ -21,6 +21,29 @@ if SUPPORT not in sys.path:
 from nats_servers import nats_cluster, nats_server  # noqa: E402,F401 - fixtures for every test
 
 
+def _session_stream_key() -> None:
+    """Stream data is authenticated ("no key, no data"): every shipper and remote consumer of the
+    tests -- and the child processes they start, which inherit the environment -- holds one
+    session key, named by ``PERSISTENT_DELTA_STREAM_KEY_FILE``. Tests of the key handling itself
+    pass keys explicitly or clear the variable."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from persistent_delta.fleet.auth import write_key_file
+
+    if os.environ.get("PERSISTENT_DELTA_STREAM_KEY_FILE"):
+        return
+    d = tempfile.mkdtemp(prefix="pd-test-key-")
+    atexit.register(shutil.rmtree, d, True)
+    path = os.path.join(d, "stream.key")
+    write_key_file(path)
+    os.environ["PERSISTENT_DELTA_STREAM_KEY_FILE"] = path
+
+
+_session_stream_key()
+
+
 @pytest.fixture
 def log_dir(tmp_path) -> str:
     return str(tmp_path / "log")

@@ -29,6 +29,7 @@ from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe,
 from persistent_delta.cli.remote import change_remote, describe_remote
 from persistent_delta.cli.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
+from persistent_delta.cli.keygen import run_keygen
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
 from persistent_delta.cli.top import run_top
 from persistent_delta.cli.upgrade import upgrade
@@ -258,6 +259,13 @@ def _cmd_ship(args: argparse.Namespace) -> Output:
         Table("SHIPPED", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "RANGES", "ROW-BYTES", "RETRIES"], rows)])
 
 
+def _cmd_keygen(args: argparse.Namespace) -> Output:
+    key = run_keygen(args)
+    return Output(data={"path": args.path, "key_id": key.key_id},
+                  notes=[f"keygen: wrote stream key {key.key_id} to {args.path} (mode 0600); give it to the shipper "
+                         "and every consumer of the job (--key-file / key= / PERSISTENT_DELTA_STREAM_KEY_FILE)"])
+
+
 # ------------------------------------------------------------------------------ exporter
 
 
@@ -400,6 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
                         "core, the shipper then runs on what it leaves (freshness pays)")
     s.set_defaults(func=_cmd_ship)
+
+    k = sub.add_parser("keygen", parents=[fmt], help="create a job's stream key file (mode 0600)",
+                       description="The key authenticates everything the shipper writes to the stream; the shipper "
+                                   "and every remote consumer of the job need the same file.")
+    k.add_argument("path", help="the key file to create (never overwritten)")
+    k.add_argument("--key-id", metavar="ID", help="the key's id, [A-Za-z0-9_-]{1,32} (default random)")
+    k.set_defaults(func=_cmd_keygen)
 
     e = sub.add_parser("exporter", parents=[fmt], help="serve a job's metrics to Prometheus (logs, consumers, stream)",
                        description="Serves /metrics in Prometheus' format, read at each scrape from the log root "

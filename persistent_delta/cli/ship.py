@@ -30,6 +30,10 @@ def add_connect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", metavar="PEM", help="CA certificate for TLS")
     p.add_argument("--tls-cert", metavar="PEM", help="client certificate for TLS")
     p.add_argument("--tls-key", metavar="PEM", help="client key for TLS")
+    p.add_argument("--key-file", metavar="FILE", action="append",
+                   help="the job's stream key (persistent-delta keygen); repeat during a rotation: the first signs "
+                        "(default PERSISTENT_DELTA_STREAM_KEY_FILE)")
+    p.add_argument("--insecure", action="store_true", help="run without a stream key: stream data not authenticated")
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
@@ -70,6 +74,7 @@ def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: event.set())
     with Shipper(args.root, args.server, args.job, channels=_channels(args.channels), ranks=ranks,
-                 connect=connect_options(args), stream=stream, max_batches=args.max_batches) as shipper:
+                 connect=connect_options(args), stream=stream, max_batches=args.max_batches,
+                 key=getattr(args, "key_file", None), insecure=getattr(args, "insecure", False)) as shipper:
         shipper.run(until=event)
         return shipper.stats()

@@ -57,6 +57,8 @@ from persistent_delta.log import codec, position_rules
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
+    AuthenticationError,
+    CorruptRecordError,
     FormatMismatchError,
     InvalidInputError,
     KeyConflictError,
@@ -64,6 +66,8 @@ from persistent_delta.errors import (
     LogLockedError,
     NotALogError,
     OffsetOutOfRangeError,
+    PersistentDeltaError,
+    StreamDataError,
     TransportError,
     UnknownConsumerError,
 )
@@ -83,7 +87,9 @@ from persistent_delta.log.schema import (
 )
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
-from persistent_delta.fleet.wire import Marker, RangeAssembler, RankTables, SideRecord
+from persistent_delta.fleet.auth import KeySpec, Keyring, open_value, resolve_keyring, verify_message
+from persistent_delta.fleet.ranges import MarkerScan, scan_markers
+from persistent_delta.fleet.wire import MAX_BATCH_IDX, Marker, RangeAssembler, RangeContent, RankTables, SideRecord
 from persistent_delta.log.zch_records import is_managed, side_delta
 
 logger = logging.getLogger(__name__)
@@ -115,6 +121,16 @@ class _RankState:
     buffered: int = 0
     gap: Optional[_Range] = None  # the first range found above the buffered end (tables {} when incomplete)
     gap_complete: bool = False
+    left: Set[str] = field(default_factory=set)  # epochs an explicit epoch start replaced: their markers are replays
+
+
+def _check_ids(ids: torch.Tensor, shard: Optional[ShardInfo], where: str, seq: int) -> None:
+    """Raise StreamDataError unless ``ids`` are 1-D int64 local row ids within the rank's shard."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise StreamDataError(f"{where}: ids of dtype {ids.dtype} and shape {tuple(ids.shape)}, want 1-D int64", seq=seq)
+    rows = shard.local_rows if shard is not None else None
+    if ids.numel() and (int(ids.min()) < 0 or (rows is not None and int(ids.max()) >= rows)):
+        raise StreamDataError(f"{where}: ids outside the rank's shard [0, {rows})", seq=seq)
 
 
 def offsets_key(name: str, channel: str) -> str:
@@ -150,8 +166,15 @@ class RemoteConsumer:
             0: the process's setting).
         transport: read through this transport instead of a connection to ``server`` (the
             consumer closes it on :meth:`close`).
+        key: the job's stream key(s) (a :class:`~persistent_delta.fleet.auth.StreamKey`, a key
+            file, or several: during a rotation, the old and the new); default
+            ``PERSISTENT_DELTA_STREAM_KEY_FILE``. Every message, metadata value and base is
+            verified with it; what does not authenticate is skipped and reported in
+            :attr:`rejected`.
+        insecure: read unauthenticated data when no key is found (an explicit opt-out).
 
     Raises:
+        StreamKeyError: no key, and not ``insecure``.
         TransportError: the server cannot be reached within ``wait``.
         NotALogError: no shipper has stored the job's table metadata within ``wait``.
         LogLockedError: another process uses the name.
@@ -172,10 +195,15 @@ class RemoteConsumer:
         retry_s: float = 30.0,
         read_threads: Optional[int] = None,
         transport: Optional[Transport] = None,
+        key: KeySpec = None,
+        insecure: bool = False,
     ) -> None:
         self._closed = True
+        self.rejected: Deque[PersistentDeltaError] = deque(maxlen=100)  # the last messages skipped, and why
         self._read_threads = LogOptions.resolve(read_threads=read_threads).read_threads
         self.job = subjects.check_job(job)
+        self._ring: Keyring = resolve_keyring(key, insecure, f"remote consumer of job {self.job!r}")
+        self._scans: Dict[int, MarkerScan] = {}
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
         if reset is not None and reset not in position_rules.RESET_POLICIES:
@@ -187,6 +215,8 @@ class RemoteConsumer:
         check_table_filter(tables, None)
         self.reset = reset
         self._tables_filter = list(tables) if tables is not None else None
+        if isinstance(max_buffer_bytes, bool) or not isinstance(max_buffer_bytes, int) or max_buffer_bytes < 1:
+            raise InvalidInputError(f"max_buffer_bytes must be a positive integer, got {max_buffer_bytes!r}")
         self._max_buffer = int(max_buffer_bytes)
         self._retry_s = float(retry_s)
         self._lost = False
@@ -287,13 +317,26 @@ class RemoteConsumer:
 
     def _refresh_meta(self) -> None:
         for key, (value, _) in self.conn.kv_entries(self.job, subjects.META, subjects.TABLES_KEYS).items():
-            rt = RankTables.decode(value, f"job {self.job} {key}")
+            try:
+                rt = RankTables.decode(open_value(self._ring, self.job, subjects.META, key, value), f"job {self.job} {key}")
+                if key != subjects.tables_key(rt.rank) or (self._expected is not None and rt.rank not in self._expected):
+                    raise StreamDataError(f"job {self.job} {key}: holds the table metadata of rank {rt.rank}",
+                                          subject=key)
+            except CorruptRecordError as exc:
+                self._reject(exc)
+                continue
             self._meta[rt.rank] = rt
             if rt.world_size is not None and self._expected is None:
                 self._expected = set(range(rt.world_size))
         for rank in sorted(self._meta) if self._expected is None else sorted(self._expected & set(self._meta)):
             if rank not in self._ranks:
                 self._ranks[rank] = self._new_state(rank)
+
+    def _reject(self, exc: PersistentDeltaError) -> None:
+        """Report a message, value or range that is skipped (never applied)."""
+        self.rejected.append(exc)
+        self.last_error = str(exc)[:500]
+        logger.warning("remote consumer %r of job %s: skipped: %s", getattr(self, "name", "?"), self.job, exc)
 
     def _job_tables(self) -> List[str]:
         return sorted({fqn for rt in self._meta.values() for fqn in rt.entries})
@@ -308,7 +351,7 @@ class RemoteConsumer:
 
     # ------------------------------------------------------------------ positions
     def _new_state(self, rank: int) -> _RankState:
-        return _RankState(rank, None, 1, None, RangeAssembler(self.job, self.channel, rank))
+        return _RankState(rank, None, 1, None, RangeAssembler(self.job, self.channel, rank, self._max_buffer))
 
     def _load_positions(self) -> None:
         got = self._retrying(lambda: self.conn.kv_get(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel)))
@@ -316,25 +359,52 @@ class RemoteConsumer:
         if got is not None:
             d = codec.unpack(got.value, "remote offsets")
             stored = d.get("ranks", {}) if isinstance(d, dict) else {}
+            if not isinstance(stored, dict):
+                stored = {"": stored}  # reported below as malformed
         for rank, st in self._ranks.items():
             entry = stored.get(str(rank))
             if entry is not None:
-                st.pos = None if entry.get("pos") is None else int(entry["pos"])  # None: reset to earliest
-                st.seq, st.epoch = int(entry["seq"]), entry.get("epoch")
+                pos, seq, epoch = self._stored_position(entry, rank)
+                st.pos, st.seq, st.epoch = pos, seq, epoch  # pos None: reset to earliest
                 st.resume_seq = st.seq
             elif self.reset == "latest":
                 self._to_latest(st)
             else:
                 self._to_earliest(st)
 
+    def _stored_position(self, entry: object, rank: int) -> "tuple[Optional[int], int, Optional[str]]":
+        """(pos, seq, epoch) of a stored position entry, checked.
+
+        Raises:
+            StreamDataError: malformed (reset it with ``offsets --server`` or ``seek``).
+        """
+        try:
+            if not isinstance(entry, dict):
+                raise ValueError("not a map")
+            pos, seq, epoch = entry.get("pos"), entry["seq"], entry.get("epoch")
+            for v, lo in ((pos, 0), (seq, 1)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v < MAX_BATCH_IDX):
+                    raise ValueError(f"{str(v)[:40]} is not a position")
+            if epoch is not None and not isinstance(epoch, str):
+                raise ValueError("epoch is not a string")
+            return pos, int(seq), epoch
+        except (KeyError, ValueError) as exc:
+            raise StreamDataError(f"the stored position of remote consumer {self.name!r} ({self.channel}) for "
+                                  f"{self._where(rank)} is malformed ({exc}); reset it (offsets --server --reset) or "
+                                  "seek() and commit()") from exc
+
+    def _scan(self, rank: int) -> MarkerScan:
+        """Rank ``rank``'s latest genuine range, read forward (the last message may be a replay)."""
+        scan = self._scans.setdefault(rank, MarkerScan())
+        return self._retrying(lambda: scan_markers(self.conn, self._ring, self.job, self.channel, rank, scan,
+                                                   self._reject))
+
     def _to_latest(self, st: _RankState) -> None:
-        last = self._retrying(lambda: self.conn.last_message(
-            self.job, subjects.end_subject(self.job, self.channel, st.rank)))
+        m = self._scan(st.rank).latest
         self._clear(st)
-        if last is None:
+        if m is None:
             st.pos, st.seq, st.epoch = None, 1, None
             return
-        m = Marker.decode(last.data, last.seq, self._where(st.rank))
         st.pos, st.seq, st.epoch = m.end, m.seq + 1, m.epoch
         st.resume_seq = st.seq
 
@@ -346,7 +416,7 @@ class RemoteConsumer:
         st.ranges.clear()
         st.buffered = 0
         st.gap = None
-        st.assembler = RangeAssembler(self.job, self.channel, st.rank)
+        st.assembler = RangeAssembler(self.job, self.channel, st.rank, self._max_buffer)
 
     def position(self) -> Dict[int, int]:
         """rank -> the next batch_idx ``poll`` reads (0 for a rank with nothing shipped yet)."""
@@ -377,22 +447,29 @@ class RemoteConsumer:
                 after each (e.g. a tqdm bar's ``total``/``n``).
 
         Raises:
-            NotALogError: a rank of the job has no base on the stream.
+            NotALogError: a rank of the job has no base on the stream (or no table metadata).
             InvalidInputError: the ranks' bases were taken at different publishes.
+            AuthenticationError: a base does not authenticate with the job's key.
+            StreamDataError: a base does not match the job's table metadata (a table missing or
+                unknown, another shape or dtype, a stamp out of bounds). Nothing moves.
         """
         self._check()
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
+        bases: Dict[int, Dict[str, torch.Tensor]] = {}
         ranks = sorted(self._expected or self._meta)
         for done, rank in enumerate(ranks):
             if progress is not None:
                 progress(done, len(ranks))
-            buf = self._retrying(lambda: self.conn.object_get(self.job, subjects.base_name(rank)))
-            if buf is None:
-                raise NotALogError(f"job {self.job!r}: rank {rank} has no base on {self.server}; upload one "
-                                   "with persistent_delta.fleet.ship.upload_base on every rank")
-            stamp, tables = wire.decode_base(buf, self._where(rank))
-            stamps[rank] = stamp
+            name = subjects.base_name(rank)
+            buf = self._retrying(lambda: self.conn.object_get(self.job, name))
+            if buf is None or rank not in self._meta:
+                raise NotALogError(f"job {self.job!r}: rank {rank} has no base (or no table metadata) on {self.server}; "
+                                   "upload one with persistent_delta.fleet.ship.upload_base on every rank")
+            body = open_value(self._ring, self.job, subjects.BASE, name, buf)
+            stamps[rank], bases[rank] = wire.decode_base(body, self._where(rank))
+            self._check_base(rank, stamps[rank], bases[rank])
+        for rank, tables in bases.items():
             meta = self._meta[rank]
             for fqn, values in tables.items():
                 shard = ShardInfo.from_entry(TableEntry.from_bytes(fqn, meta.entries[fqn]))
@@ -400,6 +477,9 @@ class RemoteConsumer:
                 cols = shard.global_cols if shard is not None and shard.global_cols is not None else values.shape[1]
                 t = full.setdefault(fqn, torch.zeros(rows, cols, dtype=values.dtype))
                 r0, c0 = (shard.row_offset, shard.col_offset) if shard is not None else (0, 0)
+                if t.dtype != values.dtype or r0 + values.shape[0] > t.shape[0] or c0 + values.shape[1] > t.shape[1]:
+                    raise StreamDataError(f"{self._where(rank)}: the base of {fqn!r} does not fit the full table "
+                                          f"{tuple(t.shape)} {t.dtype} at ({r0}, {c0})")
                 t[r0:r0 + values.shape[0], c0:c0 + values.shape[1]] = values
         if progress is not None:
             progress(len(ranks), len(ranks))
@@ -412,14 +492,39 @@ class RemoteConsumer:
             st.pos, st.seq, st.epoch, st.resume_seq = stamp + 1, 1, None, 1
         return full
 
+    def _check_base(self, rank: int, stamp: int, tables: Dict[str, torch.Tensor]) -> None:
+        """A rank's base against its table metadata: every table, 2-D floats, the shard's shape,
+        the table's value dtype where known (the stamp's bounds are :func:`wire.decode_base`'s).
+
+        Raises:
+            StreamDataError: it does not match.
+        """
+        where = f"{self._where(rank)}: base"
+        entries = self._meta[rank].entries
+        if set(tables) != set(entries):
+            raise StreamDataError(f"{where} holds tables {sorted(tables)[:20]}, the rank's metadata lists "
+                                  f"{sorted(entries)[:20]}")
+        for fqn, values in tables.items():
+            entry = TableEntry.from_bytes(fqn, entries[fqn])
+            shard = ShardInfo.from_entry(entry)
+            if values.dim() != 2 or not values.is_floating_point():
+                raise StreamDataError(f"{where} of {fqn!r} is {values.dtype} of shape {tuple(values.shape)}, want "
+                                      "2-D floats")
+            want = (shard.local_rows if shard is not None else None, shard.local_cols if shard is not None else None)
+            for got, w, what in ((values.shape[0], want[0], "rows"), (values.shape[1], want[1], "columns")):
+                if w is not None and got != w:
+                    raise StreamDataError(f"{where} of {fqn!r} has {got} {what}, the rank's shard has {w}")
+            dtype = entry.values_dtype
+            if dtype is not None and codec.dtype_from_name(dtype) != values.dtype:
+                raise StreamDataError(f"{where} of {fqn!r} is {values.dtype}, the table's values are {dtype}")
+
     def end_offsets(self) -> Dict[int, int]:
         """rank -> one past the last batch shipped to the stream."""
         self._check()
         out = {}
         for rank in self._ranks:
-            last = self._retrying(lambda: self.conn.last_message(
-                self.job, subjects.end_subject(self.job, self.channel, rank)))
-            out[rank] = 0 if last is None else Marker.decode(last.data, last.seq, self._where(rank)).end
+            m = self._scan(rank).latest
+            out[rank] = 0 if m is None else m.end
         return out
 
     def _retrying(self, fn: Callable[[], _T]) -> _T:
@@ -478,12 +583,27 @@ class RemoteConsumer:
             if not msgs:
                 return
             for seq, subj, headers, data in msgs:
-                wire.check_format(headers, self._where(st.rank))  # refused again by the next poll, never skipped
-                st.seq = seq + 1
-                if subj != end_subject:
-                    st.assembler.add_part(headers, data)
+                try:  # anything that does not authenticate is skipped (and reported): never applied
+                    verify_message(self._ring, self.job, subj, headers, data, seq)
+                except AuthenticationError as exc:
+                    st.seq = seq + 1
+                    self._reject(exc)
                     continue
-                m = Marker.decode(data, seq, self._where(st.rank))
+                if self._ring.insecure and wire.FORMAT_HEADER not in headers:
+                    st.seq = seq + 1  # unauthenticated and not ours: foreign
+                    self._reject(StreamDataError(f"{self._where(st.rank)}: message {seq} on {subj[:200]!r} is not "
+                                                 "a persistent_delta message", subject=subj, seq=seq))
+                    continue
+                wire.check_format(headers, self._where(st.rank))  # authenticated: refused again by the next poll
+                st.seq = seq + 1
+                try:
+                    if subj != end_subject:
+                        st.assembler.add_part(headers, data, seq, subj)
+                        continue
+                    m = Marker.decode(data, seq, self._where(st.rank), headers)
+                except StreamDataError as exc:
+                    self._reject(exc)
+                    continue
                 if m.side is None and self._managed(st.rank):
                     st.seq = seq  # refused again by the next poll, never skipped
                     raise FormatMismatchError(
@@ -504,7 +624,19 @@ class RemoteConsumer:
             is_managed(TableEntry.from_bytes(fqn, b)) for fqn, b in meta.entries.items())
 
     def _on_marker(self, st: _RankState, m: Marker) -> None:
-        got = st.assembler.complete(m)
+        if st.epoch is not None and m.epoch != st.epoch and (m.epoch in st.left or (m.prev is not None and any(
+                r.marker.epoch == m.epoch for r in st.ranges))):
+            return  # a replay of an epoch an explicit epoch start replaced
+        try:
+            if m.digests is None and not self._ring.insecure:
+                raise StreamDataError(f"{self._where(st.rank)}: range marker {m.seq} does not list its parts' digests",
+                                      seq=m.seq)
+            got = st.assembler.complete(m)
+            if got is not None:
+                self._validate(st.rank, m, got)
+        except CorruptRecordError as exc:
+            self._reject(exc)
+            return  # as if never sent: never applied, and no position moves past it
         tables, side, stamps = (None, {}, {}) if got is None else (got.tables, got.side, got.stamps)
         expected = st.ranges[-1].marker.end if st.ranges else st.pos
         restarted = (st.epoch is not None and m.epoch != st.epoch and expected is not None
@@ -526,7 +658,42 @@ class RemoteConsumer:
         assert tables is not None
         st.ranges.append(_Range(m, tables, nbytes, side, stamps))
         st.buffered += nbytes
+        if st.epoch is not None and m.epoch != st.epoch and m.prev is None:
+            st.left.add(st.epoch)  # an explicit epoch start: the old epoch's markers are replays from now on
         st.epoch = m.epoch
+
+    def _validate(self, rank: int, m: Marker, got: RangeContent) -> None:
+        """Check a complete range against the rank's table metadata before anything of it is kept.
+
+        Raises:
+            StreamDataError: a table not in the metadata, ids not int64 / 1-D / within the rank's
+                shard, states of another dtype or row shape, stamps out of bounds.
+        """
+        meta = self._meta.get(rank)
+        where = f"{self._where(rank)}: range [{m.start}, {m.end}) (marker {m.seq})"
+        if meta is None:
+            raise StreamDataError(f"{where}: the rank has no table metadata", seq=m.seq)
+        for fqn, u in got.tables.items():
+            if fqn not in meta.entries:
+                raise StreamDataError(f"{where}: table {fqn[:200]!r} is not in the rank's metadata", seq=m.seq)
+            entry = TableEntry.from_bytes(fqn, meta.entries[fqn])
+            _check_ids(u.ids, ShardInfo.from_entry(entry), f"{where} table {fqn!r}", m.seq)
+            want = entry.empty_states(self.channel)
+            if want is None:
+                if u.states is not None:
+                    raise StreamDataError(f"{where} table {fqn!r}: rows carry states, the table has none", seq=m.seq)
+            elif u.states is None or u.states.dtype != want.dtype or \
+                    tuple(u.states.shape) != (u.ids.numel(), *want.shape[1:]):
+                got_s = None if u.states is None else (u.states.dtype, tuple(u.states.shape))
+                raise StreamDataError(f"{where} table {fqn!r}: states {got_s}, the table's metadata says "
+                                      f"{want.dtype} rows of shape {tuple(want.shape[1:])} for {u.ids.numel()} ids",
+                                      seq=m.seq)
+        for fqn, t in got.stamps.items():
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= m.end):
+                raise StreamDataError(f"{where} table {fqn!r}: publish stamps outside [0, {m.end})", seq=m.seq)
+        for fqn in got.side:
+            if fqn not in meta.entries:
+                raise StreamDataError(f"{where}: side records of {fqn[:200]!r}, not a table of the rank", seq=m.seq)
 
     def _resolve_gap(self, st: _RankState) -> None:
         """A gap at the position: raise, or apply the reset policy."""

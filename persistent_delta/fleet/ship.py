@@ -47,23 +47,31 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import subjects, wire
+from persistent_delta.fleet.auth import KeySpec, Keyring, resolve_keyring, seal_value
+from persistent_delta.fleet.ranges import MarkerScan, scan_markers
 from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.read.polling import check_max_batches
-from persistent_delta.errors import InvalidInputError, NotALogError, TransportError, UnknownConsumerError
+from persistent_delta.errors import (
+    InvalidInputError,
+    NotALogError,
+    PersistentDeltaError,
+    TransportError,
+    UnknownConsumerError,
+)
 from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
-from persistent_delta.fleet.wire import Marker, RankTables
+from persistent_delta.fleet.wire import RankTables
 from persistent_delta.log.watch import FileWatch
 
 logger = logging.getLogger(__name__)
@@ -77,6 +85,7 @@ _COMMIT_EVERY_S = 0.1
 def upload_base(
     server: Optional[ServerSpec], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
     connect: Optional[ConnectOptions] = None, replicas: int = 1, transport: Optional[Transport] = None,
+    key: KeySpec = None, insecure: bool = False,
 ) -> None:
     """Upload a rank's **base** (its full tables) to the job's object store, so that a replica
     joining late (or after its position expired) can start from a full state without the
@@ -99,20 +108,26 @@ def upload_base(
         replicas: replicas of the object store, where this call creates it.
         transport: send through this transport instead of a connection to ``server`` (it is
             left open).
+        key: the job's stream key (a :class:`~persistent_delta.fleet.auth.StreamKey`, a key
+            file, or several: the first signs); default ``PERSISTENT_DELTA_STREAM_KEY_FILE``.
+        insecure: upload unsigned when no key is found (consumers with a key refuse it).
 
     Raises:
         TransportError: the server is unreachable.
         InvalidInputError: neither ``server`` nor ``transport`` given.
+        StreamKeyError: no key, and not ``insecure``.
     """
-    data = wire.encode_base(stamp, tables)
+    ring = resolve_keyring(key, insecure, f"upload_base of job {job!r}")
+    name = subjects.base_name(rank)
+    data = seal_value(ring, subjects.check_job(job), subjects.BASE, name, wire.encode_base(stamp, tables))
     if transport is not None:
-        transport.object_put(subjects.check_job(job), subjects.base_name(rank), data, replicas=replicas)
+        transport.object_put(subjects.check_job(job), name, data, replicas=replicas)
         return
     if server is None:
         raise InvalidInputError("upload_base needs a server URL or a transport")
     conn = open_transport(server, connect)
     try:
-        conn.object_put(subjects.check_job(job), subjects.base_name(rank), data, replicas=replicas)
+        conn.object_put(subjects.check_job(job), name, data, replicas=replicas)
     finally:
         conn.close()
 
@@ -138,6 +153,7 @@ class FeedStats:
     row_bytes: int = 0
     payload_bytes: int = 0
     retries: int = 0
+    rejected: int = 0  # messages on its subjects that did not authenticate or decode (skipped)
     last_shipped: float = 0.0
     last_error: str = ""
 
@@ -157,6 +173,8 @@ class _Feed:
     dirty: bool = False  # shipped and acknowledged, not yet committed locally
     committed_at: float = 0.0
     log: Optional[DeltaLog] = None  # read-only, for the side records of managed-collision tables
+    prev: Optional[int] = None  # the end of the range last shipped in this epoch (None: none yet)
+    scan: MarkerScan = field(default_factory=MarkerScan)  # this rank's markers read so far
 
 
 class Shipper:
@@ -175,9 +193,14 @@ class Shipper:
         options: :class:`LogOptions` for opening the logs.
         transport: ship through this transport instead of a connection to ``server`` (the
             shipper closes it on :meth:`close`).
+        key: the job's stream key, which signs every message and bucket value it writes (a
+            :class:`~persistent_delta.fleet.auth.StreamKey`, a key file from ``persistent-delta
+            keygen``, or several: the first signs); default ``PERSISTENT_DELTA_STREAM_KEY_FILE``.
+        insecure: ship unsigned when no key is found (consumers holding a key refuse it).
 
     Raises:
         InvalidInputError: a bad argument, or neither ``server`` nor ``transport`` given.
+        StreamKeyError: no key, and not ``insecure``.
 
     Not thread-safe: use it from one thread (``run``), or let :meth:`start` run it in one.
     """
@@ -194,9 +217,12 @@ class Shipper:
         max_batches: int = 16,
         options: Optional[LogOptions] = None,
         transport: Optional[Transport] = None,
+        key: KeySpec = None,
+        insecure: bool = False,
     ) -> None:
         self.root = os.fspath(root)
         self.job = subjects.check_job(job)
+        self._ring: Keyring = resolve_keyring(key, insecure, f"shipper of job {self.job!r}")
         if server is None and transport is None:
             raise InvalidInputError("a shipper needs a server URL or a transport")
         self.server = server
@@ -285,25 +311,54 @@ class Shipper:
         prev = conn.kv_get(self.job, subjects.META, subjects.shipper_key(rank, feed.channel))
         epoch = ""
         if prev is not None and not feed.new_registration:
-            state = codec.unpack(prev.value, "shipper state")
-            if isinstance(state, dict) and state.get("log_id") == feed.log_id:
-                epoch = str(state.get("epoch", ""))
+            epoch = self._stored_epoch(feed, prev.value)
         if not epoch:
             epoch = subjects.new_epoch(feed.log_id)
+        if epoch != feed.epoch:
+            feed.prev = None
         feed.epoch = feed.stats.epoch = epoch
         conn.kv_put(self.job, subjects.META, subjects.shipper_key(rank, feed.channel), self._state(feed))
         self._store_tables(feed)
-        last = conn.last_message(self.job, subjects.end_subject(self.job, feed.channel, rank))
+        # the latest genuine range of this rank, read forward (the last message may be forged or
+        # a replay): catch the local position up with what the stream acknowledged
+        scan_markers(conn, self._ring, self.job, feed.channel, rank, feed.scan, self._rejected(feed))
         pos = feed.consumer.position()[rank]
-        if last is not None:
-            m = Marker.decode(last.data, last.seq, f"stream {subjects.stream_name(self.job)}")
-            if m.epoch == epoch and m.end > pos:
+        m = feed.scan.latest
+        if m is not None and m.epoch == epoch:
+            feed.prev = m.end
+            if m.end > pos:
                 logger.info("shipper %s: rank %d %s: the stream has up to batch %d already; local position %d -> %d",
                             self.job, rank, feed.channel, m.end, pos, m.end)
                 feed.consumer.seek(m.end, rank)
                 feed.consumer.commit()
         feed.new_registration = False
         feed.synced = True
+
+    def _stored_epoch(self, feed: _Feed, value: bytes) -> str:
+        """The epoch of this shipper's stored state, when it authenticates and is of this log."""
+        try:
+            state = codec.unpack(value, "shipper state")
+        except PersistentDeltaError:
+            return ""
+        if not isinstance(state, dict) or state.get("log_id") != feed.log_id or not isinstance(state.get("epoch"), str):
+            return ""
+        tag = state.get("epoch_auth")
+        why = self._ring.check(tag if isinstance(tag, str) else None, self._epoch_fields(feed, state["epoch"]))
+        if why is not None:
+            logger.warning("shipper %s: rank %d %s: the stored epoch is not this shipper's (%s); registering a new epoch",
+                           self.job, feed.rank, feed.channel, why)
+            return ""
+        return str(state["epoch"])
+
+    def _epoch_fields(self, feed: _Feed, epoch: str) -> List[str]:
+        return ["epoch", self.job, str(feed.rank), feed.channel, feed.log_id, epoch]
+
+    def _rejected(self, feed: _Feed) -> Any:
+        def report(exc: PersistentDeltaError) -> None:
+            feed.stats.rejected += 1
+            feed.stats.last_error = str(exc)[:500]
+            logger.warning("shipper %s: rank %d %s: skipped a message: %s", self.job, feed.rank, feed.channel, exc)
+        return report
 
     def _store_tables(self, feed: _Feed) -> None:
         assert self._conn is not None
@@ -316,11 +371,14 @@ class Shipper:
                     modes={c: position_rules.update_mode(r, c).value for c in CHANNELS},
                     entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
             tables = log.read(read)
-        self._conn.kv_put(self.job, subjects.META, subjects.tables_key(feed.rank), tables.encode())
+        key = subjects.tables_key(feed.rank)
+        self._conn.kv_put(self.job, subjects.META, key, seal_value(self._ring, self.job, subjects.META, key,
+                                                                    tables.encode()))
 
     def _state(self, feed: _Feed) -> bytes:
         return codec.pack({"epoch": feed.epoch, "log_id": feed.log_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "time": time.time(), "stats": asdict(feed.stats)})
+                           "time": time.time(), "stats": asdict(feed.stats),
+                           "epoch_auth": self._ring.sign(self._epoch_fields(feed, feed.epoch))})
 
     # ------------------------------------------------------------------ shipping
     def _send(self, feed: _Feed, msgs: List[wire.Message]) -> bool:
@@ -376,11 +434,12 @@ class Shipper:
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
             if feed.channel == LOOKUPS else None
         parts, marker, row_bytes = wire.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                     d.end_idx, rows, chunk, info, side, stamps)
+                                                     d.end_idx, rows, chunk, info, side, stamps, self._ring, feed.prev)
         if not (self._send(feed, parts) and self._send(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0
         feed.dirty = True  # acknowledged: the local commit may follow (see _commit)
+        feed.prev = d.end_idx
         st.ranges += 1
         st.batches += d.end_idx - pos
         st.messages += len(parts) + 1

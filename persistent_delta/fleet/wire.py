@@ -28,28 +28,44 @@ move.
 
 Every message carries the header ``PD-Format`` (:data:`FORMAT_VERSION`); a reader refuses
 another one. Parts also carry ``PD-Epoch``, ``PD-Range`` (``start-end``) and ``PD-Part``
-(``part/chunk/chunks``).
+(``part/chunk/chunks``). Every message carries ``PD-Auth``, its authenticator under the job's
+key (:mod:`persistent_delta.fleet.auth`). A marker also lists the sha256 of each part
+(``"digests"``, in part order: the marker is bound to its parts) and the end of the range its
+shipper shipped before it in the same epoch (``"prev"``; None: the first range of an epoch --
+an epoch change is an explicit, authenticated event).
+
+**Limits.** Everything read from the stream is untrusted until authenticated, and bounded
+before anything is allocated: a marker lists at most :data:`MAX_PARTS` parts of at most
+:data:`MAX_PART_BYTES` bytes each, in at most one chunk per byte; batch indices lie in
+``[0, MAX_BATCH_IDX)``. A reader refuses anything else with
+:class:`~persistent_delta.errors.StreamDataError`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-from torchrec.distributed.model_tracker.types import UniqueRows
+from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
-from persistent_delta.errors import CorruptRecordError, FormatMismatchError
+from persistent_delta.errors import CorruptRecordError, FormatMismatchError, StreamDataError
+from persistent_delta.fleet.auth import Keyring, digest, sign_message
 from persistent_delta.fleet.subjects import data_subject, end_subject, msg_id, stream_name
 from persistent_delta.log import codec
-from persistent_delta.log.schema import SNAPSHOTS
+from persistent_delta.log.schema import SNAPSHOTS, TableEntry
 
 FORMAT_VERSION = 1
 FORMAT_HEADER = "PD-Format"
 # Bytes of a transport's max payload left for the headers (ours and the transport's own).
 HEADROOM = 4096
 _MIN_CHUNK = 1024
+#: Bounds on what a marker may declare (checked before anything is allocated).
+MAX_PARTS = 1 << 16
+MAX_PART_BYTES = 1 << 40
+MAX_BATCH_IDX = 1 << 62
 
 
 def chunk_size(max_payload: int) -> int:
@@ -85,7 +101,7 @@ SideRecord = Tuple[int, torch.Tensor, torch.Tensor]  # (kind, ids, states): a ma
 def encode_range(
     job: str, epoch: str, channel: str, rank: int, start: int, end: int, rows: Dict[str, UniqueRows],
     chunk_bytes: int, info: Optional[Dict[str, Any]] = None, side: Optional[Dict[str, List[SideRecord]]] = None,
-    stamps: Optional[Dict[str, torch.Tensor]] = None,
+    stamps: Optional[Dict[str, torch.Tensor]] = None, ring: Optional[Keyring] = None, prev: Optional[int] = None,
 ) -> Tuple[List[Message], Message, int]:
     """The messages of one shipped range: every table's part (chunked to ``chunk_bytes``), the
     side records of managed-collision tables (``side``: fqn -> records in order, each a part of
@@ -107,6 +123,10 @@ def encode_range(
         info: extra marker fields (``log_id``, ``log_end``, ``publishes``).
         side: the managed-collision tables' side records (None: not shipped on this channel).
         stamps: the replicated tables' per-row publish stamps.
+        ring: the shipper's keyring: every message is signed with its first key (None or an
+            insecure keyring: unsigned).
+        prev: the end of the range shipped before this one in the same epoch (None: the
+            epoch's first range).
 
     Returns:
         ``(parts, marker, row_bytes)``: the part messages in order, the marker, and the bytes
@@ -116,18 +136,23 @@ def encode_range(
     listing: List[List[Any]] = []
     side_listing: List[List[Any]] = []
     stamps_listing: List[List[Any]] = []
+    digests: List[str] = []
     row_bytes = 0
+    ring = ring or Keyring([])
 
     def add(i: int, fqn: str, value: bytearray) -> int:
         base = msg_id(job, epoch, channel, rank, start, end, i)
         codec.seal_record(value, base.encode())
+        digests.append(digest(value))
         mv = memoryview(value)
         n = max(1, -(-len(value) // chunk_bytes))
+        subject = data_subject(job, channel, rank, fqn)
         for j in range(n):
-            parts.append(Message(data_subject(job, channel, rank, fqn), mv[j * chunk_bytes:(j + 1) * chunk_bytes], {
-                FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch, "PD-Range": f"{start}-{end}",
-                "PD-Part": f"{i}/{j}/{n}",
-            }, msg_id(job, epoch, channel, rank, start, end, i, j)))
+            payload = mv[j * chunk_bytes:(j + 1) * chunk_bytes]
+            headers = {FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch, "PD-Range": f"{start}-{end}",
+                       "PD-Part": f"{i}/{j}/{n}"}
+            sign_message(ring, job, subject, headers, payload)
+            parts.append(Message(subject, payload, headers, msg_id(job, epoch, channel, rank, start, end, i, j)))
         return n
 
     for i, (fqn, u) in enumerate(sorted(rows.items())):
@@ -145,14 +170,16 @@ def encode_range(
         stamps_listing.append([fqn, add(i, fqn, value), len(value)])
         i += 1
     body = {"v": FORMAT_VERSION, "job": job, "epoch": epoch, "channel": channel, "rank": int(rank), "start": int(start),
-            "end": int(end), "parts": listing, "shipped": time.time(), **(info or {})}
+            "end": int(end), "parts": listing, "shipped": time.time(), "prev": None if prev is None else int(prev),
+            "digests": digests, **(info or {})}
     if side is not None:
         body["side"] = side_listing
     if stamps_listing:
         body["stamps"] = stamps_listing
-    marker = Message(end_subject(job, channel, rank), codec.pack(body), {
-        FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch, "PD-Range": f"{start}-{end}",
-    }, msg_id(job, epoch, channel, rank, start, end, "end"))
+    payload = codec.pack(body)
+    headers = {FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch, "PD-Range": f"{start}-{end}"}
+    sign_message(ring, job, end_subject(job, channel, rank), headers, payload)
+    marker = Message(end_subject(job, channel, rank), payload, headers, msg_id(job, epoch, channel, rank, start, end, "end"))
     return parts, marker, row_bytes
 
 
@@ -168,36 +195,103 @@ def check_format(headers: Optional[Dict[str, str]], where: str) -> None:
                                   "older side (shipper or consumer)")
 
 
+Listing = Tuple[str, int, int]  # a marker's entry of one part: (fqn, chunks, bytes)
+
+
+def _bounded_int(v: object, lo: int, hi: int, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
+        raise ValueError(f"{what} must be an integer in [{lo}, {hi}), got {str(v)[:40]}")
+    return v
+
+
+def _listing(v: object, what: str) -> List[Listing]:
+    if not isinstance(v, list) or len(v) > MAX_PARTS:
+        raise ValueError(f"{what} must be a list of at most {MAX_PARTS} entries")
+    out = []
+    for e in v:
+        if not isinstance(e, (list, tuple)) or len(e) != 3 or not isinstance(e[0], str):
+            raise ValueError(f"an entry of {what} is not [fqn, chunks, bytes]")
+        nbytes = _bounded_int(e[2], 0, MAX_PART_BYTES, f"{what} bytes")
+        out.append((e[0], _bounded_int(e[1], 1, max(1, nbytes) + 1, f"{what} chunks"), nbytes))
+    return out
+
+
 @dataclass
 class Marker:
-    """A decoded range marker (see the module docs)."""
+    """A decoded range marker (see the module docs): every field bounded and typed."""
 
     epoch: str
     start: int
     end: int
-    parts: List[Tuple[str, int, int]]  # (fqn, chunks, bytes)
+    parts: List[Listing]  # (fqn, chunks, bytes)
     seq: int  # its stream sequence
     shipped: float
     info: Dict[str, Any] = field(default_factory=dict)
     # managed-collision side parts (fqn, chunks, bytes), numbered after ``parts``; None: the
     # shipper did not ship side records (an older one, or a channel without them)
-    side: Optional[List[Tuple[str, int, int]]] = None
+    side: Optional[List[Listing]] = None
     # replicated tables' per-row publish stamps (fqn, chunks, bytes), numbered last
-    stamps: List[Tuple[str, int, int]] = field(default_factory=list)
+    stamps: List[Listing] = field(default_factory=list)
+    prev: Optional[int] = None  # the end of the epoch's previous range (None: the epoch's first)
+    digests: Optional[List[str]] = None  # sha256 of each part, in part order
+    publishes: Dict[int, float] = field(default_factory=dict)  # publish stamp -> time, within [start, end)
+
+    @property
+    def listing(self) -> List[Listing]:
+        """Every part in order: tables, side records, stamps."""
+        return self.parts + (self.side or []) + self.stamps
 
     @staticmethod
-    def decode(data: bytes, seq: int, where: str) -> "Marker":
-        d = codec.unpack(data, f"range marker in {where}")
+    def decode(data: bytes, seq: int, where: str, headers: Optional[Dict[str, str]] = None) -> "Marker":
+        """Decode and bound a marker (``headers``: its message's, checked against its body).
+
+        Raises:
+            StreamDataError: malformed, or a field out of bounds (naming ``where`` and ``seq``).
+        """
         try:
-            assert isinstance(d, dict)
+            d = codec.unpack(data, "range marker")
+            if not isinstance(d, dict):
+                raise ValueError("not a map")
+            epoch = d["epoch"]
+            if not isinstance(epoch, str) or not 0 < len(epoch) <= 200:
+                raise ValueError("epoch must be a string of 1 to 200 characters")
+            start = _bounded_int(d["start"], 0, MAX_BATCH_IDX, "start")
+            end = _bounded_int(d["end"], start, MAX_BATCH_IDX, "end")
+            prev = d.get("prev")
+            prev = None if prev is None else _bounded_int(prev, 0, start + 1, "prev")
             side = d.get("side")
-            return Marker(str(d["epoch"]), int(d["start"]), int(d["end"]),
-                          [(str(f), int(n), int(b)) for f, n, b in d["parts"]], seq, float(d.get("shipped", 0.0)),
-                          {k: v for k, v in d.items() if k not in ("epoch", "start", "end", "parts", "side", "stamps")},
-                          None if side is None else [(str(f), int(n), int(b)) for f, n, b in side],
-                          [(str(f), int(n), int(b)) for f, n, b in d.get("stamps", [])])
-        except (AssertionError, KeyError, TypeError, ValueError) as exc:
-            raise CorruptRecordError(f"range marker in {where} (stream seq {seq}) is malformed: {exc}") from exc
+            parts, side_l, stamps = _listing(d["parts"], "parts"), None if side is None else _listing(side, "side"), \
+                _listing(d.get("stamps", []), "stamps")
+            n = len(parts) + len(side_l or []) + len(stamps)
+            if n > MAX_PARTS:
+                raise ValueError(f"{n} parts, at most {MAX_PARTS}")
+            digests = d.get("digests")
+            if digests is not None and (not isinstance(digests, list) or len(digests) != n
+                                        or not all(isinstance(x, str) and len(x) == 64 for x in digests)):
+                raise ValueError("digests must list one sha256 per part")
+            shipped = d.get("shipped", 0.0)
+            if isinstance(shipped, bool) or not isinstance(shipped, (int, float)) or not math.isfinite(shipped):
+                raise ValueError("shipped must be a finite time")
+            publishes: Dict[int, float] = {}
+            pubs = d.get("publishes", [])
+            if not isinstance(pubs, list) or len(pubs) > max(0, end - start):
+                raise ValueError("publishes must list at most one publish per batch")
+            for e in pubs:
+                if not isinstance(e, (list, tuple)) or len(e) != 2 or isinstance(e[1], bool) or \
+                        not isinstance(e[1], (int, float)) or not math.isfinite(e[1]):
+                    raise ValueError("a publish must be [stamp, time]")
+                publishes[_bounded_int(e[0], start, max(start, end), "a publish stamp")] = float(e[1])
+            log_end = d.get("log_end")
+            if log_end is not None:
+                _bounded_int(log_end, 0, MAX_BATCH_IDX, "log_end")
+            if headers is not None and (headers.get("PD-Epoch") != epoch or headers.get("PD-Range") != f"{start}-{end}"):
+                raise ValueError("its headers name another epoch or range than its body")
+            info = {k: v for k, v in d.items() if k in ("log_id", "log_end", "v", "job", "channel", "rank")}
+            info["publishes"] = [[b, t] for b, t in publishes.items()]
+            return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes)
+        except (AssertionError, KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError,
+                CorruptRecordError) as exc:
+            raise StreamDataError(f"range marker {seq} in {where} is malformed: {str(exc)[:300]}", seq=seq) from exc
 
 
 @dataclass
@@ -216,29 +310,44 @@ class RangeAssembler:
     Chunks are kept per (epoch, range) attempt; a marker takes its attempt's chunks and drops
     every other pending attempt (a shipper that died mid-range left them; its successor shipped
     the range again, under the same ids within the transport's duplicate window, or as a new
-    attempt). Memory: the pending chunks of the ranges not yet marked.
+    attempt). Memory: the pending chunks of the ranges not yet marked, at most ``max_pending``
+    bytes (other attempts are dropped first; past it the part is refused).
     """
 
-    def __init__(self, job: str, channel: str, rank: int) -> None:
+    def __init__(self, job: str, channel: str, rank: int, max_pending: int = 1 << 62) -> None:
         self.job, self.channel, self.rank = job, channel, rank
+        self.max_pending = int(max_pending)
         self._pending: Dict[Tuple[str, str], Dict[Tuple[int, int], bytes]] = {}
         self.pending_bytes = 0
 
-    def add_part(self, headers: Dict[str, str], data: bytes) -> None:
+    def add_part(self, headers: Dict[str, str], data: bytes, seq: int = 0, subject: str = "") -> None:
         """Keep one part chunk (its ``PD-*`` headers say which); a chunk seen before is ignored.
 
         Raises:
-            CorruptRecordError: the ``PD-Part`` header is missing or malformed.
+            StreamDataError: the ``PD-Part`` header is missing or malformed, or the pending parts
+                would pass ``max_pending`` bytes (raise the consumer's ``max_buffer_bytes``).
         """
-        key = (headers.get("PD-Epoch", ""), headers.get("PD-Range", ""))
+        key = (str(headers.get("PD-Epoch", ""))[:200], str(headers.get("PD-Range", ""))[:60])
         try:
-            i, j, _n = (int(x) for x in headers["PD-Part"].split("/"))
+            i, j, n = (int(x) for x in str(headers["PD-Part"])[:60].split("/"))
+            if not (0 <= i < MAX_PARTS and 0 <= j < n <= MAX_PART_BYTES):
+                raise ValueError("out of bounds")
         except (KeyError, ValueError) as exc:
-            raise CorruptRecordError(f"{self._where()}: a part message without a valid PD-Part header") from exc
+            raise StreamDataError(f"{self._where()}: part message {seq} on {subject[:200]!r} has no valid PD-Part "
+                                  "header", subject=subject, seq=seq) from exc
         chunks = self._pending.setdefault(key, {})
-        if (i, j) not in chunks:
-            chunks[(i, j)] = data
-            self.pending_bytes += len(data)
+        if (i, j) in chunks:
+            return
+        if self.pending_bytes + len(data) > self.max_pending:
+            for other in [k for k in self._pending if k != key]:  # stale attempts go first
+                self.pending_bytes -= sum(len(c) for c in self._pending.pop(other).values())
+            if self.pending_bytes + len(data) > self.max_pending:
+                raise StreamDataError(
+                    f"{self._where()}: part message {seq} on {subject[:200]!r}: the parts of range {key[1]!r} pass the "
+                    f"consumer's buffer limit of {self.max_pending} bytes before their marker; raise max_buffer_bytes "
+                    "(or check who publishes on the job's subjects)", subject=subject, seq=seq)
+        chunks[(i, j)] = data
+        self.pending_bytes += len(data)
 
     def complete(self, m: Marker) -> Optional["RangeContent"]:
         """The tables of the range ``m`` marks, its managed-collision side records (fqn ->
@@ -250,7 +359,17 @@ class RangeAssembler:
         stamps: Dict[str, torch.Tensor] = {}
         complete = True
         n_sides = len(m.parts) + len(m.side or [])
-        for i, (fqn, n, nbytes) in enumerate(m.parts + (m.side or []) + m.stamps):
+        try:
+            return self._assemble(m, chunks, tables, side, stamps, n_sides)
+        finally:
+            self._pending.clear()
+            self.pending_bytes = 0
+
+    def _assemble(self, m: Marker, chunks: Dict[Tuple[int, int], bytes], tables: Dict[str, UniqueRows],
+                  side: Dict[str, List[SideRecord]], stamps: Dict[str, torch.Tensor], n_sides: int
+                  ) -> Optional["RangeContent"]:
+        complete = True
+        for i, (fqn, n, nbytes) in enumerate(m.listing):
             rec = self._record(chunks, m, i, fqn, n, nbytes)
             if rec is None:
                 complete = False
@@ -268,19 +387,21 @@ class RangeAssembler:
             else:
                 raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r} is listed as a "
                                          f"managed-collision side record but holds record kind {rec.kind}")
-        self._pending.clear()
-        self.pending_bytes = 0
         return RangeContent(tables, side, stamps) if complete else None
 
     def _record(self, chunks: Dict[Tuple[int, int], bytes], m: Marker, i: int, fqn: str, n: int, nbytes: int
                 ) -> Optional[codec.DecodedRecord]:
-        pieces = [chunks.get((i, j)) for j in range(n)]
-        if any(p is None for p in pieces):
+        # count before building: a marker may declare any number of chunks (bounded by its bytes)
+        if sum(1 for (a, b) in chunks if a == i and b < n) < n:
             return None
-        buf = pieces[0] if n == 1 else b"".join(pieces)  # type: ignore[arg-type]
-        if len(buf) != nbytes:  # type: ignore[arg-type]
-            raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} has {len(buf)} bytes, "  # type: ignore[arg-type]
-                                     f"its marker says {nbytes}")
+        pieces = [chunks[(i, j)] for j in range(n)]
+        buf = pieces[0] if n == 1 else b"".join(pieces)
+        if len(buf) != nbytes:
+            raise StreamDataError(f"{self._where()}: range [{m.start}, {m.end}) part {i} has {len(buf)} bytes, "
+                                  f"its marker (stream seq {m.seq}) says {nbytes}", seq=m.seq)
+        if m.digests is not None and digest(buf) != m.digests[i]:
+            raise StreamDataError(f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r} is not the part "
+                                  f"its marker (stream seq {m.seq}) lists (another digest)", seq=m.seq)
         base = msg_id(self.job, m.epoch, self.channel, self.rank, m.start, m.end, i)
         try:
             return codec.decode_record(buf, key=base.encode())  # type: ignore[arg-type]
@@ -323,11 +444,20 @@ class RankTables:
                                       f"{d.get('v') if isinstance(d, dict) else '?'}, this reader reads {FORMAT_VERSION}")
         try:
             ws = d.get("world_size")
-            return RankTables(int(d["rank"]), str(d["log_id"]), None if ws is None else int(ws), d.get("tracker"),
+            rt = RankTables(int(d["rank"]), str(d["log_id"]), None if ws is None else int(ws), d.get("tracker"),
                               {str(k): str(v) for k, v in d["modes"].items()},
                               {str(k): bytes(v) for k, v in d["entries"].items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptRecordError(f"table metadata in {where} is malformed: {exc}") from exc
+            if ws is not None and not 1 <= int(ws) <= 1 << 20:
+                raise ValueError(f"world_size {ws} out of [1, 2**20]")
+            if not 0 <= rt.rank < (rt.world_size or 1 << 20):
+                raise ValueError(f"rank {rt.rank} out of the job's ranks")
+            for channel, mode in rt.modes.items():
+                UpdateMode(mode)  # ValueError: not an update mode
+            for fqn, entry in rt.entries.items():
+                TableEntry.from_bytes(fqn, entry)  # CorruptRecordError: malformed
+            return rt
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, CorruptRecordError) as exc:
+            raise StreamDataError(f"table metadata in {where} is malformed: {str(exc)[:300]}") from exc
 
 
 def encode_base(stamp: int, tables: Dict[str, torch.Tensor]) -> bytes:
@@ -351,12 +481,21 @@ def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
     if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
         raise FormatMismatchError(f"{where}: base of another format, this reader reads {FORMAT_VERSION}")
     out = {}
-    for fqn, raw in d["tables"].items():
-        rec = codec.decode_record(bytes(raw))
-        if rec.states is None:
-            raise CorruptRecordError(f"{where}: base of {fqn!r} holds no values")
-        out[str(fqn)] = rec.states.clone()
-    return int(d["stamp"]), out
+    try:
+        stamp = _bounded_int(d["stamp"], 0, MAX_BATCH_IDX, "stamp")
+        tables = d["tables"]
+        if not isinstance(tables, dict):
+            raise ValueError("tables must be a map")
+        for fqn, raw in tables.items():
+            if not isinstance(fqn, str) or not isinstance(raw, bytes):
+                raise ValueError("a table must be fqn -> record bytes")
+            rec = codec.decode_record(raw)
+            if rec.states is None:
+                raise ValueError(f"base of {fqn!r} holds no values")
+            out[fqn] = rec.states.clone()
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as exc:
+        raise StreamDataError(f"{where}: base is malformed: {str(exc)[:300]}") from exc
+    return stamp, out
 
 
 __all__ = ["FORMAT_VERSION", "FORMAT_HEADER", "HEADROOM", "chunk_size", "Message", "SideRecord", "encode_range",

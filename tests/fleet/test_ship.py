@@ -28,6 +28,7 @@ from persistent_delta.errors import FormatMismatchError, InvalidInputError, LogL
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.fleet.ship import Shipper
+from persistent_delta.fleet.auth import resolve_keyring, sign_message
 from persistent_delta.fleet import nats, subjects, wire
 from persistent_delta.fleet.transport import StreamOptions
 from procs import REPO, SUPPORT, other_uid
@@ -95,7 +96,14 @@ def start_replica(url: str, job: str, forbid: str, out: str, stop: str, *extra: 
     ou = other_uid()
     if ou is None:
         return _popen([sys.executable, *args, "--forbid-by", "hook"], log)
-    return _popen([ou.python, *args, "--forbid-by", "uid"], log, env=ou.env(out), user=ou.uid, group=ou.gid,
+    env = ou.env(out)
+    key = os.path.join(out, "stream.key")  # the job's stream key, given to the replica's user (owner-only)
+    if not os.path.exists(key):
+        shutil.copyfile(os.environ["PERSISTENT_DELTA_STREAM_KEY_FILE"], key)
+        os.chown(key, ou.uid, ou.gid)
+        os.chmod(key, 0o600)
+    env["PERSISTENT_DELTA_STREAM_KEY_FILE"] = key
+    return _popen([ou.python, *args, "--forbid-by", "uid"], log, env=env, user=ou.uid, group=ou.gid,
                   extra_groups=[])
 
 
@@ -516,7 +524,9 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
     conn = nats.Connection(nats_server.url)
     try:
         rows = {"t": UniqueRows(ids=torch.tensor([0]), states=torch.full((1, 4), 99.0))}
-        parts, marker, _ = wire.encode_range("job-e", "other-epoch", "lookups", 0, 0, 2, rows, 1 << 20, {"log_end": 6})
+        ring = resolve_keyring(None, False, "test")  # the session's stream key: a genuine (re-)send
+        parts, marker, _ = wire.encode_range("job-e", "other-epoch", "lookups", 0, 0, 2, rows, 1 << 20, {"log_end": 6},
+                                             ring=ring)
         assert not conn.send_all(parts + [marker])
         with RemoteConsumer(nats_server.url, "job-e", "r", wait=10) as c:
             p = c.poll()
@@ -525,8 +535,9 @@ def test_resends_are_applied_once_format_is_checked_and_a_name_has_one_user(tmp_
             c.commit()
             with pytest.raises(LogLockedError):
                 RemoteConsumer(nats_server.url, "job-e", "r")
-        bad = wire.Message(subjects.end_subject("job-e", "lookups", 0), marker.payload,
-                           {**marker.headers, "PD-Format": "999"}, "x")
+        headers = {**marker.headers, "PD-Format": "999"}
+        sign_message(ring, "job-e", marker.subject, headers, marker.payload)  # signed: a newer shipper, not noise
+        bad = wire.Message(subjects.end_subject("job-e", "lookups", 0), marker.payload, headers, "x")
         assert not conn.send_all([bad])
         with RemoteConsumer(nats_server.url, "job-e", "r", wait=10) as c:
             with pytest.raises(FormatMismatchError):

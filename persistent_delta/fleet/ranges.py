@@ -1,0 +1,116 @@
+"""A rank's shipped ranges as a reader finds them on the stream: what is genuine and latest.
+
+Owns: the rule that a rank's ranges only move forward, for readers that ask "how far has this
+rank been shipped" (a shipper catching up after a restart, a remote consumer starting at
+``"latest"``, ``end_offsets()``): :func:`scan_markers` reads a rank's range markers in stream
+order and keeps the latest genuine one. The stream's last message on the marker subject is not
+trusted: another client may have published after it, and a genuine old marker re-published
+later (a replay) authenticates.
+
+Design note
+-----------
+Markers are read forward from where the previous scan stopped (:class:`MarkerScan` keeps it,
+so repeated calls read only what is new). A marker that does not authenticate or decode is
+reported (``on_reject``) and skipped. Within an epoch, a marker whose end is not past the
+latest one is a re-send or a replay and changes nothing. Another epoch takes over only by an
+explicit, authenticated epoch start (a marker with ``prev`` None: its shipper registered
+afresh); once left, an epoch never comes back (its markers are replays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Set
+
+from persistent_delta.errors import CorruptRecordError, FormatMismatchError, PersistentDeltaError
+from persistent_delta.fleet import subjects
+from persistent_delta.fleet.auth import Keyring, verify_message
+from persistent_delta.fleet.transport import Transport
+from persistent_delta.fleet.wire import Marker, check_format
+
+_BATCH = 512
+_BYTES = 8 << 20
+
+
+@dataclass
+class MarkerScan:
+    """Where a scan of one rank's markers stands.
+
+    Attributes:
+        seq: the next stream sequence to read.
+        latest: the latest genuine range marker found (None: none yet).
+        left: epochs a later epoch start replaced (their markers are replays).
+        rejected: markers that did not authenticate or decode.
+    """
+
+    seq: int = 1
+    latest: Optional[Marker] = None
+    left: Set[str] = field(default_factory=set)
+    rejected: int = 0
+
+
+def accept(scan: MarkerScan, m: Marker) -> bool:
+    """Whether genuine marker ``m`` moves ``scan`` forward (and move it); False for a re-send,
+    a replay, or a marker of another epoch that does not start it."""
+    cur = scan.latest
+    if cur is None:
+        scan.latest = m
+        return True
+    if m.epoch == cur.epoch:
+        if m.end > cur.end:
+            scan.latest = m
+            return True
+        return False
+    if m.epoch in scan.left or m.prev is not None:
+        return False
+    scan.left.add(cur.epoch)
+    scan.latest = m
+    return True
+
+
+def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: int, scan: MarkerScan,
+                 on_reject: Callable[[PersistentDeltaError], None]) -> MarkerScan:
+    """Read rank ``rank``'s markers of ``channel`` from ``scan.seq`` to the stream's end.
+
+    Args:
+        conn: the transport.
+        ring: the keyring that verifies them.
+        job: the job.
+        channel: the channel.
+        rank: the rank.
+        scan: where the previous scan stopped (updated in place).
+        on_reject: called with the typed error of each marker that does not authenticate or decode.
+
+    Returns:
+        ``scan``.
+
+    Raises:
+        TransportError: the server cannot be reached.
+        FormatMismatchError: an authenticated marker of another format version.
+    """
+    subject = subjects.end_subject(job, channel, rank)
+    where = f"rank {rank} of job {job} ({channel})"
+    while True:
+        msgs, more = conn.get_batch(job, subject, scan.seq, _BATCH, _BYTES)
+        for seq, subj, headers, data in msgs:
+            scan.seq = seq + 1
+            try:
+                verify_message(ring, job, subj, headers, data, seq)
+                check_format(headers, where)
+                m = Marker.decode(data, seq, where, headers)
+            except FormatMismatchError as exc:
+                if not ring.insecure:
+                    raise  # authenticated: a newer shipper, not noise
+                scan.rejected += 1
+                on_reject(exc)
+                continue
+            except CorruptRecordError as exc:
+                scan.rejected += 1
+                on_reject(exc)
+                continue
+            accept(scan, m)
+        if not msgs or not more:
+            return scan
+
+
+__all__ = ["MarkerScan", "accept", "scan_markers"]

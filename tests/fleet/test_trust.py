@@ -1,0 +1,138 @@
+"""The stream is a trust boundary: another client on the same NATS server publishes forged or
+replayed range markers, and no real data is skipped, no position moves past unshipped data,
+and a replayed genuine marker never moves a rank's end back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torchrec.distributed.model_tracker.types import UpdateMode
+
+from persistent_delta import DeltaReader
+from persistent_delta.errors import AuthenticationError, StreamKeyError
+from persistent_delta.fleet import subjects, wire
+from persistent_delta.fleet.nats import Connection
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.fleet.ship import Shipper
+from persistent_delta.fleet.transport import StreamOptions
+from persistent_delta.fleet.wire import FORMAT_HEADER, FORMAT_VERSION, Message
+from persistent_delta.log import codec
+from logs import fill_store
+
+DIM = 8
+
+
+def _records(b: int):
+    n = 5 + b % 3
+    ids = (torch.arange(n) * 7 + b) % 100
+    return [("t", ids, torch.full((n, DIM), float(b)))]
+
+
+def _write(root: str, start: int, batches: int) -> None:
+    fill_store(os.path.join(root, "rank-0"), _records, batches=batches, mode=UpdateMode.LAST, start=start)
+
+
+def _forge_marker(conn: Connection, job: str, epoch: str, start: int, end: int, mid: str) -> None:
+    body = {"v": FORMAT_VERSION, "job": job, "epoch": epoch, "channel": "lookups", "rank": 0, "start": start,
+            "end": end, "parts": [], "shipped": 0.0, "log_end": end, "publishes": []}
+    subject = subjects.end_subject(job, "lookups", 0)
+    msg = Message(subject, codec.pack(body), {FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch,
+                                              "PD-Range": f"{start}-{end}"}, mid)
+    assert conn.send_all([msg]) == []
+
+
+def _rows_read(c: RemoteConsumer) -> int:
+    rows = 0
+    while c.position() != c.end_offsets():
+        got = c.poll(timeout=2)
+        rows += sum(t.ids.numel() for d in got.ranks.values() for t in d.tables.values())
+    return rows
+
+
+def _local_rows(root: str, start: int, end: int) -> int:
+    with DeltaReader(root, start=start) as r:
+        got = r.poll(max_batches=end - start)
+        assert got.ranges() == {0: (start, end)}
+        return sum(t.ids.numel() for d in got.ranks.values() for t in d.tables.values())
+
+
+def test_a_forged_marker_from_another_client_skips_no_real_data(tmp_path, nats_server):
+    """A second client publishes a marker without parts, under a made-up epoch, covering
+    [0, 32) before the shipper ships [0, 41): a consumer from the earliest range reads every
+    real row, and reports the forged marker instead of delivering it."""
+    root, job = str(tmp_path / "log"), "trust-a"
+    _write(root, 0, 41)
+    forger = Connection(nats_server.url)
+    forger.ensure_job(job, StreamOptions())
+    _forge_marker(forger, job, "made-up", 0, 32, "forged-1")
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=16) as s:
+        s.run(idle_exit_s=0.3)
+    forger.close()
+    with RemoteConsumer(nats_server.url, job, "replica", reset="earliest", wait=10) as c:
+        assert _rows_read(c) == _local_rows(root, 0, 41)
+        assert c.position() == {0: 41}
+        assert any(isinstance(e, AuthenticationError) and e.seq == 1 for e in c.rejected), list(c.rejected)
+
+
+def test_a_forged_marker_with_the_shippers_epoch_does_not_move_its_position(tmp_path, nats_server):
+    """The epoch is readable from the meta bucket: a marker forged with it for [21, 41) does not
+    move a restarted shipper's position past data it never shipped."""
+    root, job = str(tmp_path / "log"), "trust-b"
+    _write(root, 0, 21)
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=16) as s:
+        s.run(idle_exit_s=0.3)
+    forger = Connection(nats_server.url)
+    state = codec.unpack(forger.kv_get(job, subjects.META, subjects.shipper_key(0, "lookups")).value)
+    _forge_marker(forger, job, state["epoch"], 21, 41, "forged-2")
+    forger.close()
+    _write(root, 21, 20)
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=16) as s:
+        s.run(idle_exit_s=0.3)
+    with RemoteConsumer(nats_server.url, job, "replica", wait=10) as c:
+        assert _rows_read(c) == _local_rows(root, 0, 41)
+
+
+def test_a_replayed_genuine_marker_never_moves_a_ranks_end_back(tmp_path, nats_server):
+    """A genuine earlier marker and its parts, re-published later under new message ids, are
+    recognised as a replay: ``end_offsets()`` stays at the real end, and a new consumer at
+    ``"latest"`` starts there."""
+    root, job = str(tmp_path / "log"), "trust-c"
+    _write(root, 0, 45)
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=16) as s:
+        s.run(idle_exit_s=0.3)
+    forger = Connection(nats_server.url)
+    msgs, _ = forger.get_batch(job, subjects.rank_filter(job, "lookups", 0), 1, 1000, 1 << 24)
+    first_end = next(i for i, m in enumerate(msgs) if m.subject.endswith(".end"))
+    replay = [Message(m.subject, m.data, {k: v for k, v in m.headers.items() if k.startswith("PD-")}, f"replay-{i}")
+              for i, m in enumerate(msgs[:first_end + 1])]
+    assert wire.Marker.decode(bytes(replay[-1].payload), 0, "test").end == 16
+    assert forger.send_all(replay) == []
+    forger.close()
+    with RemoteConsumer(nats_server.url, job, "late", reset="latest", wait=10) as c:
+        assert c.end_offsets() == {0: 45}
+        assert c.position() == {0: 45}
+    with RemoteConsumer(nats_server.url, job, "all", reset="earliest", wait=10) as c:
+        assert _rows_read(c) == _local_rows(root, 0, 45)
+        assert c.poll(timeout=0.5).empty
+
+
+def test_no_key_no_data(tmp_path, nats_server, monkeypatch):
+    """Without a key a shipper and a remote consumer are refused with a typed error saying what
+    to do, unless the user opts out explicitly; a consumer with a key skips unsigned data."""
+    monkeypatch.delenv("PERSISTENT_DELTA_STREAM_KEY_FILE")
+    root, job = str(tmp_path / "log"), "trust-d"
+    _write(root, 0, 4)
+    with pytest.raises(StreamKeyError, match="persistent-delta keygen"):
+        Shipper(root, nats_server.url, job)
+    with pytest.raises(StreamKeyError, match="insecure=True"):
+        RemoteConsumer(nats_server.url, job, "r")
+    with Shipper(root, nats_server.url, job, channels=["lookups"], insecure=True) as s:
+        s.run(idle_exit_s=0.3)
+    with RemoteConsumer(nats_server.url, job, "open", insecure=True, wait=10) as c:
+        assert _rows_read(c) == _local_rows(root, 0, 4)
+    monkeypatch.undo()
+    with pytest.raises(Exception) as info:  # its table metadata is unsigned: no rank is known
+        RemoteConsumer(nats_server.url, job, "keyed", wait=0.5)
+    assert "no shipper has stored table metadata" in str(info.value)
