@@ -252,6 +252,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """
         name = check_consumer_name(consumer or self.DEFAULT_CONSUMER)
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
+        if self._pending_restore is not None:
+            self._first_step()
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
         rows = self._log.write(lambda w: consume.consume(w, name, end, mode, **self._read_rule))
@@ -305,6 +307,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         consumer's position) in one transaction in the background (``flush()`` waits)."""
         name, t = check_consumer_name(consumer), time.time()
         self._check()
+        if self._pending_restore is not None:
+            self._first_step()
         self._hand_off(self._take_step())
         pending = self._unsettled()
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
@@ -360,8 +364,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         return redelivered
 
     def _restore_at_first_step(self, state: Dict[str, Any]) -> None:
-        """``dmp.load_state_dict`` brought the tracker's state: restore it before the first
-        step, once the optimizer state is loaded as well (the restore reads it)."""
+        """``dmp.load_state_dict`` brought the tracker's state: restore it before the next
+        step, ``get_unique`` or ``publish``, once the optimizer state is loaded as well (the
+        restore reads it)."""
         self._check()
         self._pending_restore = state
 
@@ -482,7 +487,8 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     The tracker's state joins the model's: ``dmp.state_dict()`` carries ``tracker.state_dict()``
     under the key ``"persistent_delta_tracker"`` (taking it marks a checkpoint), and
     ``dmp.load_state_dict(checkpoint)`` takes that entry out and restores the tracker before the
-    next step (after the optimizer state is loaded too), as ``tracker.load_state_dict`` does. A
+    next step, ``get_unique`` or ``publish`` (after the optimizer state is loaded too), as
+    ``tracker.load_state_dict`` does. A
     model without a tracker loads such a checkpoint as well: the DMP reports the key in
     ``unexpected_keys`` (drop it with ``checkpoint.pop("persistent_delta_tracker")``). If the
     log holds batches after its latest checkpoint mark and the first step comes with no

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -51,34 +52,50 @@ def _check(poll, seen: list) -> None:
 
 @pytest.mark.slow
 def test_sigkill_and_restore_at_random_instants(tmp_path):
-    """Both ranks SIGKILLed at random instants (one first, the other a moment later), each run
-    restoring the newest checkpoint; a consumer polls all along, before, during and after the
-    restarts and restores, and never gets a column half."""
+    """Both ranks SIGKILLed at random instants after they started training (one first, the
+    other a moment later), each run restoring the newest checkpoint; a consumer polls all
+    along, before, during and after the restarts and restores, and never gets a column half."""
     root = str(tmp_path / "log")
     rng = random.Random(7)
     seen: list = []
     consumer = None
-    for trial in range(8):
-        procs = _start(root, 400 if trial < 7 else 10)
-        deadline = time.monotonic() + rng.uniform(2.0, 5.0)
-        while time.monotonic() < deadline or trial == 7 and any(p.poll() is None for p in procs):
+    trials = 8
+
+    def poll_for(seconds: float) -> None:
+        nonlocal consumer
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
             if consumer is None and os.path.isdir(os.path.join(root, "rank-1")):
                 consumer = DeltaConsumer(root, "audit", wait=30)
             if consumer is not None:
                 _check(consumer.poll(), seen)
                 consumer.commit()
             time.sleep(0.05)
-        if trial < 7:
+
+    for trial in range(trials + 1):
+        procs = _start(root, 400 if trial < trials else 10)
+        lines: list = [None, None]
+        readers = [threading.Thread(target=lambda i=i: lines.__setitem__(i, procs[i].stdout.readline()), daemon=True)
+                   for i in (0, 1)]
+        for t in readers:
+            t.start()
+        while any(t.is_alive() for t in readers):  # attached and restored: polls meanwhile see the restore
+            poll_for(0.2)
+        assert all((ln or "").startswith("START") for ln in lines), (trial, lines, [p.stderr.read()[-3000:] for p in procs])
+        if trial < trials:
+            poll_for(rng.uniform(0.3, 3.0))
             first = rng.randrange(2)
             procs[first].send_signal(signal.SIGKILL)
             time.sleep(rng.uniform(0.0, 0.3))
             procs[1 - first].send_signal(signal.SIGKILL)
-        for p in procs:
-            p.wait(timeout=120)
+        while any(p.poll() is None for p in procs):
+            poll_for(0.2)
+        if trial == trials:
+            assert all(p.returncode == 0 for p in procs), [p.stderr.read()[-3000:] for p in procs]
     assert consumer is not None
     _check(consumer.poll(), seen)
     consumer.close()
-    assert any(b > a for ranges in seen for a, b in ranges.values())  # it did read
+    assert sum(b - a for ranges in seen for a, b in ranges.values()) > 50  # it read along
 
 
 def test_dmp_load_state_dict_restores_the_tracker(tmp_path):
