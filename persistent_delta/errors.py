@@ -66,6 +66,12 @@ class ReadOnlyLogError(PersistentDeltaError):
     """A write was attempted on a log opened read-only, or the directory is not writable."""
 
 
+class LogOwnershipError(PersistentDeltaError, PermissionError):
+    """A rank directory or data file is owned by another uid than the log root (or is a
+    symbolic link): another user may have planted it, so it is not read. Remove it and keep the
+    log root writable by its owner only."""
+
+
 class UnknownConsumerError(PersistentDeltaError, KeyError, AssertionError):
     """The consumer name is not registered in the log. Also an ``AssertionError``: TorchRec's
     tracker asserts on an unknown consumer in ``get_unique``/``clear``, and code written

@@ -50,7 +50,7 @@ from persistent_delta.errors import (
     PersistentDeltaError,
     ReadOnlyLogError,
 )
-from persistent_delta.log.layout import DATA_FILE, FileState, file_state
+from persistent_delta.log.layout import DATA_FILE, FileState, file_state, make_dirs
 from persistent_delta.log.schema import (
     DB_CONSUMERS,
     DB_META,
@@ -426,11 +426,8 @@ class DeltaLog:
         if file_state(self.path) is not FileState.PRESENT and not may_create:
             raise NotALogError(self._not_yet("no data"))
         if self.owns_tables:
-            new_dir = not os.path.isdir(self.path)
             try:
-                os.makedirs(self.path, mode=self.options.dir_mode, exist_ok=True)
-                if new_dir:
-                    os.chmod(self.path, self.options.dir_mode)  # (not narrowed by the umask)
+                make_dirs(self.path, self.options.dir_mode)  # the root too: never the umask's mode
             except OSError as exc:
                 raise lmdbenv.translate(exc, self.path) from exc
             self._lock_fd = lmdbenv.acquire_writer_lock(self.path)

@@ -4,6 +4,12 @@ Owns: the directory layout. A log root holds one log per rank, ``<root>/rank-<r>
 directory holds LMDB's ``data.mdb`` and ``lock.mdb`` plus persistent_delta's ``writer.lock``.
 A root that is itself a log directory (a plain :class:`~persistent_delta.LmdbDeltaStore`) is
 rank 0. Files written outside LMDB go through :func:`atomic_write_bytes`.
+
+**Ownership and modes.** Directories the library creates get the mode it intends whatever the
+umask (:func:`make_dirs`: each one it creates, the root included, is chmodded). A rank
+directory, or its data file, owned by another uid than the log root is refused
+(:func:`check_owner`): under a root writable by others, another user could otherwise rename a
+rank away and plant a log of their own.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import re
 import tempfile
 from typing import Dict, Union
 
-from persistent_delta.errors import NotALogError
+from persistent_delta.errors import LogOwnershipError, NotALogError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -74,9 +80,11 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
     if not os.path.isdir(root):
         raise NotALogError(f"{root}: no such directory; pass the log root (the directory holding rank-<r>/)")
     found = {}
+    root_uid = os.stat(root).st_uid
     for name in os.listdir(root):
         m = _RANK_DIR.match(name)
         if m and file_state(os.path.join(root, name)) is FileState.PRESENT:
+            check_owner(os.path.join(root, name), root_uid)
             found[int(m.group(1))] = os.path.join(root, name)
     if not found:
         raise NotALogError(
@@ -84,6 +92,47 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
             "or start the trainer first"
         )
     return dict(sorted(found.items()))
+
+
+def check_owner(path: PathLike, uid: int) -> None:
+    """Refuse a rank directory (or its data file) that another uid than ``uid`` (the log
+    root's owner) owns, or that is a symbolic link.
+
+    Raises:
+        LogOwnershipError: it is.
+    """
+    p = os.fspath(path)
+    for q in (p, os.path.join(p, DATA_FILE)):
+        try:
+            st = os.lstat(q)
+        except FileNotFoundError:
+            continue
+        if os.path.islink(q) or st.st_uid != uid:
+            what = "a symbolic link" if os.path.islink(q) else f"owned by uid {st.st_uid}"
+            raise LogOwnershipError(
+                f"{q} is {what}, but its log root is owned by uid {uid}: another user may have planted it; it was "
+                "not read. Check who wrote it, remove it, and keep the log root writable by its owner only")
+
+
+def make_dirs(path: PathLike, mode: int) -> None:
+    """Create ``path`` and its missing parents, each with exactly ``mode`` (not narrowed or
+    widened by the umask); directories that exist are left as they are."""
+    p = os.path.abspath(os.fspath(path))
+    missing = []
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue  # another process made it: its mode is its creator's
+        os.chmod(d, mode)
 
 
 def fsync_path(path: str) -> None:

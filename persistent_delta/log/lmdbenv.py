@@ -192,6 +192,13 @@ def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o660)
     except OSError as exc:
         raise translate(exc, path) from exc
+    try:  # the log directory's access, not the umask's: group members open it too (group_access)
+        want = os.stat(path).st_mode & 0o660
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o777 != want:
+            os.fchmod(fd, want)
+    except OSError:
+        pass
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
