@@ -136,7 +136,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # A restore the first step must see (dmp.load_state_dict), or a warning it never came.
         self._pending_restore: Optional[Dict[str, Any]] = None
         self._unrestored = self._log.read(restore.unrestored)
-        self._state_hooks: List[Any] = []
+        # The model's state dict carries the tracker's (on the module inside DDP: the DMP moves
+        # a DDP's "module." prefix, and loads that module's part of a state dict as its own).
+        self._state_hooks: List[Any] = restore.hook_model_state(
+            model.module if isinstance(model, DistributedDataParallel) else model, self.state_dict,
+            self._restore_at_first_step)
         close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
                     self.path, self._mode.name, len(self._tables), self._consumers, self.curr_batch_idx)
@@ -506,8 +510,4 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     tracker = PersistentDeltaTracker(wrapped, config)
     tracker._dmp = dmp  # type: ignore[attr-defined]
     trackers[Trackers.DELTA_TRACKER.name] = tracker
-    # On the module inside DDP: the DMP moves a DDP's "module." prefix, and loads that module's
-    # part of a state dict as its own (a key beside it would be lost in the move).
-    model = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
-    tracker._state_hooks = restore.hook_model_state(model, tracker.state_dict, tracker._restore_at_first_step)
     return tracker
