@@ -390,8 +390,9 @@ class RemoteConsumer:
             return pos, int(seq), epoch
         except (KeyError, ValueError) as exc:
             raise StreamDataError(f"the stored position of remote consumer {self.name!r} ({self.channel}) for "
-                                  f"{self._where(rank)} is malformed ({exc}); reset it (offsets --server --reset) or "
-                                  "seek() and commit()") from exc
+                                  f"{self._where(rank)} is malformed ({exc}); seek() and commit(), or reset it: "
+                                  f"persistent-delta offsets --server {self.server} --job {self.job} --reset {self.name} "
+                                  "--to-earliest --execute") from exc
 
     def _scan(self, rank: int) -> MarkerScan:
         """Rank ``rank``'s latest genuine range, read forward (the last message may be a replay)."""
