@@ -674,6 +674,9 @@ class RemoteConsumer:
         where = f"{self._where(rank)}: range [{m.start}, {m.end}) (marker {m.seq})"
         if meta is None:
             raise StreamDataError(f"{where}: the rank has no table metadata", seq=m.seq)
+        if any(fqn not in meta.entries for fqn in list(got.tables) + list(got.side)):
+            self._refresh_meta()  # a table new since the metadata was read: its shipper stored it again
+            meta = self._meta[rank]
         for fqn, u in got.tables.items():
             if fqn not in meta.entries:
                 raise StreamDataError(f"{where}: table {fqn[:200]!r} is not in the rank's metadata", seq=m.seq)

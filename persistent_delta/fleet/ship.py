@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -174,6 +174,8 @@ class _Feed:
     committed_at: float = 0.0
     log: Optional[DeltaLog] = None  # read-only, for the side records of managed-collision tables
     prev: Optional[int] = None  # the end of the range last shipped in this epoch (None: none yet)
+    table_fqns: Set[str] = field(default_factory=set)
+    tables: bytes = b""  # the sealed table metadata it stored last (stored again when changed or tampered with)
     scan: MarkerScan = field(default_factory=MarkerScan)  # this rank's markers read so far
 
 
@@ -372,8 +374,9 @@ class Shipper:
                     entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
             tables = log.read(read)
         key = subjects.tables_key(feed.rank)
-        self._conn.kv_put(self.job, subjects.META, key, seal_value(self._ring, self.job, subjects.META, key,
-                                                                    tables.encode()))
+        feed.table_fqns = set(tables.entries)
+        feed.tables = seal_value(self._ring, self.job, subjects.META, key, tables.encode())
+        self._conn.kv_put(self.job, subjects.META, key, feed.tables)
 
     def _state(self, feed: _Feed) -> bytes:
         return codec.pack({"epoch": feed.epoch, "log_id": feed.log_id, "host": socket.gethostname(), "pid": os.getpid(),
@@ -425,6 +428,8 @@ class Shipper:
             logger.warning("shipper %s: rank %d %s: batches [%d, %d) were deleted before they were shipped (the trainer "
                            "expired the shipper); remote consumers get OffsetOutOfRangeError or their reset policy",
                            self.job, rank, feed.channel, pos, d.start_idx)
+        if not feed.tables or any(fqn not in feed.table_fqns for fqn in d.tables):
+            self._store_tables(feed)  # a table new since the last store: consumers validate against it
         rows = {fqn: t.rows for fqn, t in d.tables.items()}
         chunk = wire.chunk_size(self._conn.max_payload)
         info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
@@ -519,6 +524,9 @@ class Shipper:
         feed.stats_sent = now
         try:
             self._conn.kv_put(self.job, subjects.META, subjects.shipper_key(feed.rank, feed.channel), self._state(feed))
+            stored = self._conn.kv_get(self.job, subjects.META, subjects.tables_key(feed.rank))
+            if feed.tables and (stored is None or stored.value != feed.tables):  # deleted or overwritten by another client
+                self._store_tables(feed)
         except TransportError:
             pass
 

@@ -280,3 +280,20 @@ def test_keygen_writes_an_owner_only_key_and_never_overwrites_one(tmp_path, caps
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and read_key_file(path).key_id == "prod-1"
     assert main(["keygen", path]) == 1
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_table_that_appears_later_is_shipped_and_accepted(tmp_path):
+    """The shipper stores its table metadata again when a range holds a table new since its
+    last store, so consumers validating against the metadata accept the new table's rows."""
+    root = _log(tmp_path, batches=4)
+    broker = MemoryBroker()
+    with Shipper(root, None, JOB, channels=["lookups"], max_batches=4, transport=broker.connect(), key=KEY) as s:
+        s.run(idle_exit_s=0.2)
+        with RemoteConsumer(None, JOB, "r", transport=broker.connect(), key=KEY) as c:
+            assert _all_rows(c) == _local_rows(root)
+            fill_store(os.path.join(root, "rank-0"), lambda b: [("u", torch.tensor([b]), torch.ones(1, 2))],
+                       batches=4, mode=UpdateMode.LAST, start=4)
+            s.run(idle_exit_s=0.2)
+            got = c.poll(timeout=1)
+            assert got.ranges() == {0: (4, 8)} and got.ranks[0].tables["u"].ids.numel() == 4
+            assert not c.rejected
