@@ -31,7 +31,7 @@ from persistent_delta.cli.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.keygen import run_keygen
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
-from persistent_delta.cli.top import run_top
+from persistent_delta.cli.top import printable, run_top
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
@@ -69,7 +69,14 @@ def _cell(v: object) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.3f}"
-    return str(v)
+    return printable(v)  # fqns, names, hosts, error texts come from data: control characters escaped
+
+
+class EscapingFormatter(logging.Formatter):
+    """Log lines on the terminal with control characters escaped (they quote names and errors)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
 
 
 def render(out: Output, fmt: str, stream: TextIO) -> None:
@@ -82,7 +89,7 @@ def render(out: Output, fmt: str, stream: TextIO) -> None:
         if i:
             stream.write("\n")
         if t.title:
-            stream.write(t.title + "\n")
+            stream.write(printable(t.title) + "\n")
         cells = [[_cell(v) for v in row] for row in t.rows]
         widths = [max([len(h)] + [len(r[j]) for r in cells]) for j, h in enumerate(t.headers)]
         lines = [t.headers] + cells
@@ -91,7 +98,7 @@ def render(out: Output, fmt: str, stream: TextIO) -> None:
         if not cells:
             stream.write("(none)\n")
     for note in out.notes:
-        stream.write(note + "\n")
+        stream.write(printable(note) + "\n")
 
 
 def _states_cell(f: ReplayFile) -> str:
@@ -506,12 +513,14 @@ def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) 
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return int(exc.code) if isinstance(exc.code, int) else 2
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s", stream=sys.stderr)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(EscapingFormatter(f"{PROG}: %(levelname)s: %(message)s"))
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     func: Callable[[argparse.Namespace], Output] = args.func
     try:
         out = func(args)
     except (PersistentDeltaError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)
         return 1
     try:
         render(out, args.format, stream)
@@ -523,6 +532,7 @@ def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) 
         return out.exit_code
     if out.exit_code:
         msg = out.notes[-1] if out.notes else "failed"
+        msg = printable(msg)
         print(f"{PROG}: {msg}" if msg.startswith(f"{args.command}:") else f"{PROG}: {args.command}: {msg}",
               file=sys.stderr)
     return out.exit_code
