@@ -114,6 +114,10 @@ def _env_durability(default: Durability) -> Durability:
         raise InvalidInputError(f"PERSISTENT_DELTA_DURABILITY={raw!r}: choose one of {choices}") from None
 
 
+#: The most LMDB reader slots a log may ask for (its reader table takes 64 bytes a slot).
+MAX_READERS_LIMIT = 1 << 20
+
+
 @dataclass(frozen=True)
 class LogOptions:
     """Options of one log environment.
@@ -207,8 +211,11 @@ class LogOptions:
             raise InvalidInputError(f"durability must be a Durability, got {self.durability!r}")
         if self.map_size <= 0 or self.max_map_size < self.map_size:
             raise InvalidInputError(f"bad map sizes: map_size={self.map_size}, max_map_size={self.max_map_size}")
-        if self.max_readers < 1:
-            raise InvalidInputError(f"max_readers must be positive, got {self.max_readers}")
+        if self.max_map_size > 1 << 62:
+            raise InvalidInputError(f"max_map_size must be at most 2**62 bytes, got {self.max_map_size}")
+        if not 1 <= self.max_readers <= MAX_READERS_LIMIT:  # LMDB's reader table: an unsigned int, 64 B a slot
+            raise InvalidInputError(f"max_readers must be between 1 and {MAX_READERS_LIMIT}, got {self.max_readers} "
+                                    "(PERSISTENT_DELTA_MAX_READERS or LogOptions(max_readers=))")
         if isinstance(self.read_threads, bool) or not isinstance(self.read_threads, int) or self.read_threads < 0:
             raise InvalidInputError(
                 f"read_threads must be an integer >= 0 (0: the process's setting), got {self.read_threads!r}")

@@ -61,3 +61,13 @@ def test_a_rank_planted_by_another_uid_is_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", root / "rank-1")
     with pytest.raises(LogOwnershipError, match="symbolic link"):
         DeltaReader(str(root))
+
+
+def test_an_out_of_range_max_readers_is_a_typed_error(tmp_path, monkeypatch):
+    """``PERSISTENT_DELTA_MAX_READERS=99999999999`` is refused with InvalidInputError naming the
+    setting, not an OverflowError from LMDB."""
+    from persistent_delta.errors import InvalidInputError
+
+    monkeypatch.setenv("PERSISTENT_DELTA_MAX_READERS", "99999999999")
+    with pytest.raises(InvalidInputError, match="PERSISTENT_DELTA_MAX_READERS"):
+        fill_ranks(str(tmp_path / "log"), _records, ranks=1, batches=1)
