@@ -21,7 +21,7 @@ from persistent_delta.read.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.read.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
 
 # serving replicas
-from persistent_delta.read.apply import Applied, apply_poll
+from persistent_delta.read.apply import Applied, apply_poll, load_base
 from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
 # across hosts
@@ -56,6 +56,7 @@ __all__ = [
     "TableDelta",
     "MergedDelta",
     # serving replicas
+    "load_base",
     "apply_poll",
     "Applied",
     "RawIdMap",
