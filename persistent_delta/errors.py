@@ -66,6 +66,12 @@ class ReadOnlyLogError(PersistentDeltaError):
     """A write was attempted on a log opened read-only, or the directory is not writable."""
 
 
+class LogAccessError(PersistentDeltaError, PermissionError):
+    """This user may not read the log (its root or a rank directory is owner-only and owned by
+    another user). Run as the log's owner, or create the log with group access
+    (``PERSISTENT_DELTA_GROUP_ACCESS=1``) and join its group."""
+
+
 class LogOwnershipError(PersistentDeltaError, PermissionError):
     """A rank directory or data file is owned by another uid than the log root (or is a
     symbolic link): another user may have planted it, so it is not read. Remove it and keep the

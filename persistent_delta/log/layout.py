@@ -18,9 +18,9 @@ import enum
 import os
 import re
 import tempfile
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
-from persistent_delta.errors import LogOwnershipError, NotALogError
+from persistent_delta.errors import LogAccessError, LogOwnershipError, NotALogError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -77,12 +77,20 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
     root = os.fspath(root)
     if file_state(root) is FileState.PRESENT:
         return {0: root}
-    if not os.path.isdir(root):
+    try:
+        root_uid = os.stat(root).st_uid
+        names = os.listdir(root) if os.path.isdir(root) else None
+    except PermissionError as exc:
+        raise LogAccessError(_denied(root, exc)) from exc
+    except OSError:
+        names = None
+    if names is None:
         raise NotALogError(f"{root}: no such directory; pass the log root (the directory holding rank-<r>/)")
     found = {}
-    root_uid = os.stat(root).st_uid
-    for name in os.listdir(root):
+    for name in names:
         m = _RANK_DIR.match(name)
+        if m and not os.access(os.path.join(root, name), os.R_OK | os.X_OK):
+            raise LogAccessError(_denied(os.path.join(root, name), None))
         if m and file_state(os.path.join(root, name)) is FileState.PRESENT:
             check_owner(os.path.join(root, name), root_uid)
             found[int(m.group(1))] = os.path.join(root, name)
@@ -92,6 +100,12 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
             "or start the trainer first"
         )
     return dict(sorted(found.items()))
+
+
+def _denied(path: str, exc: Optional[OSError]) -> str:
+    return (f"{path}: permission denied{f' ({exc.strerror})' if exc is not None else ''}: this user (uid {os.geteuid()}) "
+            "may not read the log. Run as its owner, or have it created with group access "
+            "(PERSISTENT_DELTA_GROUP_ACCESS=1) and join its group")
 
 
 def check_owner(path: PathLike, uid: int) -> None:
