@@ -568,7 +568,14 @@ class RemoteConsumer:
             raise UnknownConsumerError(f"remote consumer {self.name!r} ({self.channel}) of job {self.job!r} has no "
                                        "committed position")
         d = codec.unpack(got.value, "remote offsets")
-        return {int(r): int(v["pos"]) for r, v in d["ranks"].items()} if isinstance(d, dict) else {}
+        ranks = d.get("ranks") if isinstance(d, dict) else None
+        out: Dict[int, int] = {}
+        for r, v in (ranks.items() if isinstance(ranks, dict) else []):
+            if str(r).isdigit() and int(r) in self._ranks:
+                pos = self._stored_position(v, int(r))[0]
+                if pos is not None:
+                    out[int(r)] = pos
+        return out
 
     # ------------------------------------------------------------------ reading
     def _where(self, rank: int) -> str:

@@ -297,3 +297,27 @@ def test_a_table_that_appears_later_is_shipped_and_accepted(tmp_path):
             got = c.poll(timeout=1)
             assert got.ranges() == {0: (4, 8)} and got.ranks[0].tables["u"].ids.numel() == 4
             assert not c.rejected
+
+
+@pytest.mark.parametrize("stored", [{"ranks": {"0": 5}}, {"ranks": {"0": {"pos": "abc", "seq": 1}}}, {"ranks": 3},
+                                    {"ranks": {"0": {"pos": -100, "seq": 1}}}])
+def test_a_malformed_stored_position_is_a_typed_error(tmp_path, stored):
+    """A rank entry that is an int, a position "abc" or -100: StreamDataError naming how to
+    reset it, from the constructor and from ``committed()``, never AttributeError/ValueError."""
+    root = _log(tmp_path, batches=2)
+    broker = MemoryBroker()
+    _ship(root, broker)
+    from persistent_delta.fleet.remote import offsets_key
+
+    broker.connect().kv_put(JOB, subjects.OFFSETS, offsets_key("r", "lookups"), codec.pack(stored))
+    if isinstance(stored["ranks"], dict):
+        with pytest.raises(StreamDataError, match="reset"):
+            RemoteConsumer(None, JOB, "r", transport=broker.connect(), key=KEY)
+    with RemoteConsumer(None, JOB, "other", transport=broker.connect(), key=KEY) as c:
+        c.commit()
+        broker.connect().kv_put(JOB, subjects.OFFSETS, offsets_key("other", "lookups"), codec.pack(stored))
+        if isinstance(stored["ranks"], dict):
+            with pytest.raises(StreamDataError):
+                c.committed()
+        else:
+            assert c.committed() == {}
