@@ -258,7 +258,8 @@ class Marker:
             start = _bounded_int(d["start"], 0, MAX_BATCH_IDX, "start")
             end = _bounded_int(d["end"], start, MAX_BATCH_IDX, "end")
             prev = d.get("prev")
-            prev = None if prev is None else _bounded_int(prev, 0, start + 1, "prev")
+            # prev may exceed start: a restored trainer re-delivers from below its last range's end
+            prev = None if prev is None else _bounded_int(prev, 0, MAX_BATCH_IDX, "prev")
             side = d.get("side")
             parts, side_l, stamps = _listing(d["parts"], "parts"), None if side is None else _listing(side, "side"), \
                 _listing(d.get("stamps", []), "stamps")
