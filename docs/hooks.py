@@ -57,6 +57,10 @@ WHAT_TO_DO: Dict[str, str] = {
                     "are committed and training goes on. Nothing committed was lost.",
     "LogIOError": "The device failed with space left: check the disk; the log reopens at its last commit.",
     "ReadOnlyLogError": "Open the log writable, or fix the directory's permissions. Readers keep working.",
+    "LogAccessError": "Run as the log's owner, or have the trainer create it with group access "
+                      "(`PERSISTENT_DELTA_GROUP_ACCESS=1`) and add the reader to its group.",
+    "LogOwnershipError": "Another user may have planted that rank: check who wrote it, remove it, and keep the "
+                         "log root writable by its owner only. Nothing of it was read.",
     "UnknownConsumerError": "Register the consumer first (`consumers=` of the tracker, a `DeltaConsumer`, or "
                             "`persistent-delta offsets ROOT --register NAME --execute`).",
     "OffsetOutOfRangeError": "The consumer's data was deleted (retention bound) or dropped by the stream. Start "
