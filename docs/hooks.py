@@ -70,6 +70,8 @@ WHAT_TO_DO: Dict[str, str] = {
     "IncompletePollError": "Poll again (with a timeout) until every rank completed the batches, or pass "
                            "`complete_only=False` if a partial poll is what you want.",
     "WriterError": "Read the chained `__cause__`. After a full disk, free space and call `tracker.resume()`.",
+    "WriterLogFullError": "Free disk space (or raise the map's limit), then call the tracker's `resume()`; "
+                          "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
     "UnsupportedTrackingError": "Use a tracking mode the model supports (as TorchRec: EMBEDDING is EC-only).",

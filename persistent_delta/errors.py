@@ -105,6 +105,12 @@ class WriterError(PersistentDeltaError):
     """The background writer failed; the original error is chained as ``__cause__``."""
 
 
+class WriterLogFullError(WriterError, LogFullError):
+    """The background writer failed because the disk is full (or the map cannot grow): both a
+    :class:`WriterError` and a :class:`LogFullError`, so either ``except`` catches it. Free space,
+    then ``resume()``; nothing queued was dropped."""
+
+
 class InexactRangeError(PersistentDeltaError):
     """A batch range the log cannot answer exactly: the trainer's window filter stored each
     row once per read window, so a range starting inside such a window would miss the rows

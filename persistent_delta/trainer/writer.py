@@ -39,7 +39,7 @@ import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.config import WriterOptions
-from persistent_delta.errors import InvalidInputError, LogClosedError, WriterError
+from persistent_delta.errors import InvalidInputError, LogClosedError, LogFullError, WriterError, WriterLogFullError
 from persistent_delta.log import position_rules
 from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.log.deltalog import DeltaLog, WriteTxn
@@ -261,7 +261,8 @@ class BackgroundWriter:
         if self._closed:
             raise LogClosedError(f"{self._log.path}: the writer is closed")
         if self._error is not None:
-            raise WriterError(
+            cls = WriterLogFullError if isinstance(self._error, LogFullError) else WriterError
+            raise cls(
                 f"{self._log.path}: the background writer failed: {self._error}. Nothing queued was dropped yet. "
                 "Fix the cause (e.g. free disk space), then call the tracker's resume() (or the writer's) to "
                 "commit the kept steps and continue; or close the tracker"

@@ -73,6 +73,7 @@ def test_writer_reports_disk_full_keeps_the_queue_and_resumes(small_fs):
     with pytest.raises(WriterError, match="No space|no space") as info:
         writer.barrier()
     assert isinstance(info.value.__cause__, LogFullError)
+    assert isinstance(info.value, LogFullError)  # `except LogFullError` catches it too
     with pytest.raises(WriterError):
         writer.submit(StepWrite(records=[AppendRecord(2, "t", torch.arange(10))]))
     assert writer.stats()["queue_depth"] == 1  # the failed step is kept, not dropped
