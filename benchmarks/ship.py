@@ -236,6 +236,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     emit("ship_machine", **machine())
     only = set(args.only.split(","))
     base = workdir("ship")
+    if not os.environ.get("PERSISTENT_DELTA_STREAM_KEY_FILE"):  # stream data is authenticated: one key for the run
+        from persistent_delta.fleet.auth import write_key_file
+
+        os.environ["PERSISTENT_DELTA_STREAM_KEY_FILE"] = os.path.join(base, "stream.key")
+        write_key_file(os.environ["PERSISTENT_DELTA_STREAM_KEY_FILE"])
     try:
         with LocalServer(os.path.join(base, "nats")) as server:
             log("R=1 file-backed server at %s", server.url)
