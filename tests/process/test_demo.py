@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from procs import REPO
 
 DEMO = os.path.join(REPO, "examples", "demo.py")  # `make demo`
@@ -31,6 +33,7 @@ def test_demo_replica_equals_trainer_after_a_sigkill(tmp_path):
     assert os.path.isfile(tmp_path / "demo" / "final" / "rank-0.safetensors")  # shard_files.save_local_shards layout
 
 
+@pytest.mark.slow  # the checker can fail; the demo itself runs in make test
 def test_demo_check_fails_when_the_last_publish_is_skipped(tmp_path):
     proc = run_demo(tmp_path, "--skip-publish-at=30")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

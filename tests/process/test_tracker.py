@@ -29,10 +29,10 @@ EBC_MODES = ["ID_ONLY", "MOMENTUM_LAST", "MOMENTUM_DIFF", "ROWWISE_ADAGRAD"]
     "kind,sharding,modes",
     [
         ("ec", "row_wise", ALL_MODES),
-        ("ec", "table_wise", ALL_MODES),
+        pytest.param("ec", "table_wise", ALL_MODES, marks=pytest.mark.slow),  # slow: table-wise is also in the table_column_wise case
         ("ec", "column_wise", ALL_MODES),
-        ("ebc", "row_wise", EBC_MODES),
-        ("ebc", "table_wise", EBC_MODES),
+        pytest.param("ebc", "row_wise", EBC_MODES, marks=pytest.mark.slow),  # slow: EBC stays covered by column_wise and table_column_wise
+        pytest.param("ebc", "table_wise", EBC_MODES, marks=pytest.mark.slow),
         ("ebc", "column_wise", EBC_MODES),
         ("ebc", "table_column_wise", EBC_MODES),
     ],
@@ -46,7 +46,7 @@ def test_agrees_with_torchrec_tracker(tmp_path, kind, sharding, modes):
         assert all(n > 0 for n in compared.values()), (rank, compared)
 
 
-@pytest.mark.parametrize("mode", ["ID_ONLY", "EMBEDDING"])
+@pytest.mark.parametrize("mode", [pytest.param("ID_ONLY", marks=pytest.mark.slow), "EMBEDDING"])
 def test_restart_in_a_new_process(tmp_path, mode):
     """A restarted trainer (new processes, restored model) continues the batch index and every
     consumer resumes from its committed offset, batches from before the restart included."""
@@ -74,7 +74,8 @@ def test_consumers_added_and_removed_while_training(tmp_path):
         assert r["records_left"] == 0
 
 
-@pytest.mark.parametrize("mode,fraction", [("EMBEDDING", 0.3), ("ROWWISE_ADAGRAD", 0.5), ("MOMENTUM_LAST", 0.25), ("ID_ONLY", 0.5)])
+@pytest.mark.parametrize("mode,fraction", [("EMBEDDING", 0.3), ("ROWWISE_ADAGRAD", 0.5), pytest.param("MOMENTUM_LAST", 0.25, marks=pytest.mark.slow),
+                                           pytest.param("ID_ONLY", 0.5, marks=pytest.mark.slow)])
 def test_top_percentage_matches_brute_force(tmp_path, mode, fraction):
     checked = run_spawn(topk_case, 2, str(tmp_path / "log"), mode, fraction)
     if mode == "ID_ONLY":
@@ -83,7 +84,8 @@ def test_top_percentage_matches_brute_force(tmp_path, mode, fraction):
         assert all(c > 0 for c in checked)
 
 
-@pytest.mark.parametrize("kind,sharding", [("ec", "row_wise"), ("ec", "table_wise"), ("ec", "column_wise"), ("ebc", "table_column_wise")])
+@pytest.mark.parametrize("kind,sharding", [pytest.param("ec", "row_wise", marks=pytest.mark.slow), pytest.param("ec", "table_wise", marks=pytest.mark.slow),
+                                           ("ec", "column_wise"), ("ebc", "table_column_wise")])
 def test_shard_metadata_maps_to_global_ids(tmp_path, kind, sharding):
     results = run_spawn(metadata_case, 2, str(tmp_path / "log"), kind, sharding)
     feats = feature_names(2)
@@ -106,7 +108,7 @@ def test_shard_metadata_maps_to_global_ids(tmp_path, kind, sharding):
         assert ids == want, fqn
 
 
-@pytest.mark.parametrize("mode", ["ID_ONLY", "EMBEDDING", "ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize("mode", [pytest.param("ID_ONLY", marks=pytest.mark.slow), "EMBEDDING", "ROWWISE_ADAGRAD"])
 def test_publish_and_restore_converge(tmp_path, mode):
     """publish() + apply equals the trainer's rows, across a restore from an older checkpoint."""
     results = run_spawn(publish_restore_case, 2, str(tmp_path / "log"), mode)
