@@ -253,10 +253,14 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
             assert time.time() - t0 < seconds + 120, "the trainer did not finish"
             sizes.append((time.time() - t0, os.path.getsize(data_file)))
             if not cli_runs and time.time() - t0 > seconds / 3:
-                # the real command line once, mid-soak
-                cli_runs.append(subprocess.run([sys.executable, "-m", "persistent_delta", "offsets", root,
-                                                "--format", "json"], capture_output=True, text=True, timeout=120))
+                # the real command line once, mid-soak (started, not waited for: the sizes go on)
+                cli_runs.append(subprocess.Popen([sys.executable, "-m", "persistent_delta", "offsets", root,
+                                                  "--format", "json"], stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True))
             time.sleep(0.1)
+        for i, run in enumerate(cli_runs):
+            out, err = run.communicate(timeout=120)
+            cli_runs[i] = subprocess.CompletedProcess(run.args, run.returncode, out, err)
         open(done, "w").close()
         t_exit = time.time()
         for name, p in procs.items():
@@ -291,12 +295,13 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
     assert len(cli_runs) == 1 and cli_runs[0].returncode == 0, cli_runs
     assert json.loads(cli_runs[0].stdout)["ranks"][0]["rank"] == 0
 
-    # retention: the file stops growing once the first deletions free pages for reuse (without
-    # it, the file grows past every byte written: 1.6x here)
+    # retention: the file stops growing once the first deletions free pages for reuse. It takes
+    # one step up early (when the consumers start reading beside the trainer), then stays flat:
+    # over the second half it grows by at most a quarter (without retention it grows by every
+    # byte written then).
     final = os.path.getsize(data_file)
-    early = next(s for t, s in sizes if t >= min(3.0, seconds / 4))
-    assert final <= 4 * early, (early, final, sizes[-1])
-    assert final < sizes[0][1] + trainer["bytes_written"] / 2, (sizes[0][1], final, trainer["bytes_written"])
+    early = [s for t, s in sizes if t <= seconds / 2][-1]
+    assert final <= 1.25 * early, (early, final, [(round(t, 1), s) for t, s in sizes[::10]])
 
     buf = io.StringIO()
     assert cli_main(["verify", root, "--format", "json"], stdout=buf) == 0, buf.getvalue()
