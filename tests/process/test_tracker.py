@@ -33,7 +33,7 @@ EBC_MODES = ["ID_ONLY", "MOMENTUM_LAST", "MOMENTUM_DIFF", "ROWWISE_ADAGRAD"]
         ("ec", "column_wise", ALL_MODES),
         pytest.param("ebc", "row_wise", EBC_MODES, marks=pytest.mark.slow),  # slow: EBC stays covered by column_wise and table_column_wise
         pytest.param("ebc", "table_wise", EBC_MODES, marks=pytest.mark.slow),
-        ("ebc", "column_wise", EBC_MODES),
+        pytest.param("ebc", "column_wise", EBC_MODES, marks=pytest.mark.slow),
         ("ebc", "table_column_wise", EBC_MODES),
     ],
 )
@@ -74,7 +74,7 @@ def test_consumers_added_and_removed_while_training(tmp_path):
         assert r["records_left"] == 0
 
 
-@pytest.mark.parametrize("mode,fraction", [("EMBEDDING", 0.3), ("ROWWISE_ADAGRAD", 0.5), pytest.param("MOMENTUM_LAST", 0.25, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode,fraction", [("EMBEDDING", 0.3), pytest.param("ROWWISE_ADAGRAD", 0.5, marks=pytest.mark.slow), pytest.param("MOMENTUM_LAST", 0.25, marks=pytest.mark.slow),
                                            pytest.param("ID_ONLY", 0.5, marks=pytest.mark.slow)])
 def test_top_percentage_matches_brute_force(tmp_path, mode, fraction):
     checked = run_spawn(topk_case, 2, str(tmp_path / "log"), mode, fraction)
@@ -85,7 +85,7 @@ def test_top_percentage_matches_brute_force(tmp_path, mode, fraction):
 
 
 @pytest.mark.parametrize("kind,sharding", [pytest.param("ec", "row_wise", marks=pytest.mark.slow), pytest.param("ec", "table_wise", marks=pytest.mark.slow),
-                                           ("ec", "column_wise"), ("ebc", "table_column_wise")])
+                                           ("ec", "column_wise"), pytest.param("ebc", "table_column_wise", marks=pytest.mark.slow)])
 def test_shard_metadata_maps_to_global_ids(tmp_path, kind, sharding):
     results = run_spawn(metadata_case, 2, str(tmp_path / "log"), kind, sharding)
     feats = feature_names(2)
@@ -108,7 +108,8 @@ def test_shard_metadata_maps_to_global_ids(tmp_path, kind, sharding):
         assert ids == want, fqn
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ID_ONLY", marks=pytest.mark.slow), "EMBEDDING", "ROWWISE_ADAGRAD"])
+@pytest.mark.parametrize("mode", [pytest.param("ID_ONLY", marks=pytest.mark.slow), "EMBEDDING",
+                                  pytest.param("ROWWISE_ADAGRAD", marks=pytest.mark.slow)])
 def test_publish_and_restore_converge(tmp_path, mode):
     """publish() + apply equals the trainer's rows, across a restore from an older checkpoint."""
     results = run_spawn(publish_restore_case, 2, str(tmp_path / "log"), mode)
