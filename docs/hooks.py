@@ -74,6 +74,9 @@ WHAT_TO_DO: Dict[str, str] = {
                           "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
+    "ReplicaMismatchError": "Quantize the same model the trainer trains (same table names, rows and dims), and "
+                            "register the replica's consumer with `format=\"float32\"` or the table's own "
+                            "weight type (`\"int8\"`, `\"float16\"`).",
     "UnsupportedTrackingError": "Use a tracking mode the model supports (as TorchRec: EMBEDDING is EC-only).",
     "UnsupportedModeError": "Use one of the tracking modes TorchRec's tracker implements.",
     "TransportError": "The stream server could not be reached in time: check it runs and the URL, "

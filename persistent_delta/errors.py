@@ -121,6 +121,12 @@ class OrderError(InvalidInputError):
     """Inputs that cannot be applied in this order: a gap, an overlap, or an input out of order."""
 
 
+class ReplicaMismatchError(InvalidInputError):
+    """A poll cannot be applied exactly to an inference model's tables: a table the model lacks,
+    a table of other rows or dimension, or rows of a format that would not give TorchRec's own
+    quantized bytes (bfloat16 rows into an int8 table). Nothing was written."""
+
+
 class UnsupportedTrackingError(InvalidInputError, AssertionError):
     """A tracking mode the model cannot serve, refused as TorchRec refuses it (an
     ``AssertionError`` there, with the same text), e.g. EMBEDDING on an EmbeddingBagCollection."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
@@ -90,14 +90,27 @@ class Applied:
         return self.applied_at - min(self.publishes.values()) if self.publishes else None
 
 
+@runtime_checkable
+class PollTarget(Protocol):
+    """A replica that applies polls itself, by the same rules (e.g.
+    :class:`persistent_delta.read.inference.InferenceReplica`): :func:`apply_poll` hands it
+    the poll."""
+
+    def apply_poll(self, poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True) -> "Applied":
+        """Apply ``poll`` in place (see :func:`apply_poll`)."""
+        ...
+
+
 def apply_poll(
-    tables: Mapping[str, torch.Tensor], poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True
+    tables: Union[Mapping[str, torch.Tensor], PollTarget], poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True
 ) -> Applied:
     """Apply the rows of a snapshots poll to ``tables`` (fqn -> full table), in place.
 
     Args:
         tables: fqn -> the replica's whole table, ``(global_rows, global_cols)``, of the
-            trainer's dtype.
+            trainer's dtype; or a :class:`PollTarget` (a TorchRec inference model's replica,
+            :class:`persistent_delta.read.inference.InferenceReplica`), which applies the poll
+            itself.
         poll: a poll of the ``snapshots`` channel.
         complete_only: refuse a poll that is not :attr:`~DeltaPoll.complete`.
         strict: a polled table missing from ``tables`` is an error (``False``: skipped).
@@ -110,13 +123,9 @@ def apply_poll(
             smaller than the shard says, or of another dtype.
         IncompletePollError: ``complete_only`` and the poll is not complete.
     """
-    if poll.channel != SNAPSHOTS:
-        raise InvalidInputError(
-            f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
-    if complete_only and not poll.complete:
-        raise IncompletePollError(
-            f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "
-            "some rank's part of these publishes is not in it; nothing was applied")
+    if isinstance(tables, PollTarget):
+        return tables.apply_poll(poll, complete_only=complete_only, strict=strict)
+    check_poll(poll, complete_only)
     with torch.no_grad(), intra_op_threads(poll.read_threads):
         plan: List[Tuple[torch.Tensor, TableDelta]] = []
         for fqn, parts in poll.tables().items():
@@ -139,6 +148,22 @@ def apply_poll(
             out.nbytes += states.numel() * states.element_size()
     out.applied_at = time.time()
     return out
+
+
+def check_poll(poll: DeltaPoll, complete_only: bool) -> None:
+    """The checks every apply makes before it writes anything.
+
+    Raises:
+        InvalidInputError: not a snapshots poll.
+        IncompletePollError: ``complete_only`` and the poll is not complete.
+    """
+    if poll.channel != SNAPSHOTS:
+        raise InvalidInputError(
+            f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
+    if complete_only and not poll.complete:
+        raise IncompletePollError(
+            f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "
+            "some rank's part of these publishes is not in it; nothing was applied")
 
 
 def _replicated(fqn: str, parts: List[TableDelta]) -> TableDelta:
@@ -171,4 +196,4 @@ def _target(fqn: str, table: torch.Tensor, part: TableDelta) -> torch.Tensor:
     return table if (c0 == 0 and width == table.shape[1]) else table[:, c0:c0 + width]
 
 
-__all__ = ["Applied", "apply_poll"]
+__all__ = ["Applied", "PollTarget", "apply_poll", "check_poll"]

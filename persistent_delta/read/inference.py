@@ -1,0 +1,367 @@
+"""A serving replica over a TorchRec inference model: published rows applied in place.
+
+Owns: finding the FBGEMM tables of a model quantized with TorchRec's own inference path
+(:func:`torchrec.inference.modules.quantize_inference_model`, or ``quantize_embeddings`` for an
+EBC), turning published rows into those tables' bytes, writing them into the weights in place,
+and the lock that keeps requests from seeing a half-written row.
+
+Design note:
+
+* **Where the rows go.** TorchRec's quantized EC and EBC hold their tables in
+  ``IntNBitTableBatchedEmbeddingBagsCodegen`` modules; ``split_embedding_weights()`` gives per
+  table a view of the weights (``[rows, dim]`` uint8 values and ``[rows, 4]`` uint8 scale and
+  bias for int8; ``[rows, 2 * dim]`` uint8 for fp16) over the module's ``weights_host``, which
+  the forward reads. Writing through the views updates the model in place.
+* **Which rows.** A poll is merged per table by the one rule of "applied"
+  (:func:`persistent_delta.read.results.merge_table`: row-wise shards side by side, column
+  halves joined into whole rows, a replicated table's newest publish per row), after the same
+  checks as :func:`persistent_delta.read.apply.apply_poll`.
+* **Which bytes.** Float rows (``"native"`` float32 or ``"float32"`` records) are quantized
+  here with ``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows, 8)`` for int8
+  tables and ``.half()`` for fp16 tables: the same bytes TorchRec's inference quantization
+  gives those rows. ``"int8"`` and ``"float16"`` records already hold those bytes and are
+  copied as they are. A format that would not give the same bytes (``"bfloat16"`` rows, fp16
+  rows into an int8 table, int8 rows into an fp16 table) is refused. A column half alone is
+  never quantized: its scale would not be the row's.
+* **What a request sees.** :meth:`InferenceReplica.forward` (and :meth:`~InferenceReplica.serving`)
+  run under the read side of a readers-writer lock; an apply converts every row first, with no
+  lock held, then writes the rows in chunks of ``chunk_rows`` under the write side. A row is
+  written whole (values, scale and bias) within one chunk, so a request never sees a row whose
+  values and scale/bias come from different publishes; rows of different chunks may come from
+  different polls while an apply runs. ``poll_atomic=True`` holds the write side for the whole
+  poll: a request then sees all of a poll's rows or none.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from persistent_delta.errors import IncompletePollError, ReplicaMismatchError
+from persistent_delta.read.apply import Applied, check_poll
+from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
+from persistent_delta.threads import intra_op_threads
+
+INT8 = "int8"
+FLOAT16 = "float16"
+DEFAULT_CHUNK_ROWS = 4096
+
+
+@dataclass
+class InferenceTable:
+    """One table of the inference model, as the replica writes it.
+
+    Attributes:
+        fqn: the table's fqn in the trainer's words (``"<module path>.embeddings.<name>"`` for an
+            EC, ``".embedding_bags."`` for an EBC).
+        name: the table's name (its TorchRec config name).
+        rows: rows of the table.
+        dim: the embedding dimension.
+        weight_type: ``"int8"`` or ``"float16"``.
+        values: the view of the table's values in the FBGEMM weights: uint8 ``[rows, dim]``
+            (int8) or ``[rows, 2 * dim]`` (the fp16 bytes).
+        scale_bias: int8: uint8 ``[rows, 4]`` (fp16 scale then fp16 bias); fp16: None.
+    """
+
+    fqn: str
+    name: str
+    rows: int
+    dim: int
+    weight_type: str
+    values: torch.Tensor
+    scale_bias: Optional[torch.Tensor]
+
+    def record_width(self) -> int:
+        """Columns of this table's rows in a converted record: ``dim + 4`` (int8) or ``dim``."""
+        return self.dim + 4 if self.weight_type == INT8 else self.dim
+
+
+class _ServingLock:
+    """A readers-writer lock that prefers the writer: requests (readers) run together; an apply
+    chunk (the writer) waits for the running requests and holds new ones back. Not reentrant."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+def inference_tables(model: nn.Module) -> Dict[str, InferenceTable]:
+    """The FBGEMM tables of a model quantized with TorchRec's inference path, by trainer fqn.
+
+    Args:
+        model: the quantized model (``quantize_inference_model(model)``; an EBC quantized with
+            ``quantize_embeddings`` too).
+
+    Returns:
+        fqn -> :class:`InferenceTable`, for every int8 and fp16 table of every quantized
+        ``EmbeddingCollection`` / ``EmbeddingBagCollection`` in ``model``.
+
+    Raises:
+        ReplicaMismatchError: the model holds no quantized table, a table of a weight type this
+            replica does not write (int4, int2, fp32...), or a pruned table (its rows are
+            remapped).
+    """
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEC
+
+    out: Dict[str, InferenceTable] = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (QuantEC, QuantEBC)):
+            continue
+        attr = "embeddings" if isinstance(mod, QuantEC) else "embedding_bags"
+        prefix = f"{path}.{attr}." if path else f"{attr}."
+        # TorchRec keeps the FBGEMM modules in _emb_modules (registered as ``tbes`` only by
+        # quantize_inference_model, not by quantize_embeddings)
+        for tbe in getattr(mod, "_emb_modules", []):
+            if int(tbe.index_remappings_array_offsets.numel()) or int(tbe.index_remapping_hash_table_offsets.numel()):
+                raise ReplicaMismatchError(f"{prefix}*: a pruned table (rows remapped) cannot be written by row id")
+            for spec, (values, scale_bias) in zip(tbe.embedding_specs, tbe.split_embedding_weights()):
+                name, rows, dim, sparse_type = spec[0], int(spec[1]), int(spec[2]), spec[3].value
+                kind = {"int8": INT8, "fp16": FLOAT16}.get(sparse_type)
+                if kind is None:
+                    raise ReplicaMismatchError(
+                        f"table {prefix}{name} is {sparse_type}: an inference replica writes int8 and fp16 tables")
+                out[prefix + name] = InferenceTable(prefix + name, name, rows, dim, kind, values,
+                                                    scale_bias if kind == INT8 else None)
+    if not out:
+        raise ReplicaMismatchError(
+            "the model holds no quantized embedding table: quantize it with "
+            "torchrec.inference.modules.quantize_inference_model(model) first")
+    return out
+
+
+def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (whole rows of one table from a poll, in ``part``'s format) as the table's bytes:
+    uint8 ``[n, dim + 4]`` for an int8 table, float16 ``[n, dim]`` for an fp16 table.
+
+    Raises:
+        ReplicaMismatchError: the rows have another width than the table, or a format that
+            would not give TorchRec's bytes for this table.
+    """
+    fmt = getattr(part, "format", "native") or "native"
+    n = rows.shape[0]
+    rows = rows.reshape(n, -1)
+    want = table.record_width() if fmt in (INT8, FLOAT16) else table.dim
+    if rows.shape[1] != want:
+        raise ReplicaMismatchError(
+            f"table {table.fqn}: the inference model's table is {table.rows} x {table.dim} ({table.weight_type}); "
+            f"the poll's {fmt} rows have {rows.shape[1]} columns")
+    if fmt in ("native", "float32") and rows.dtype == torch.float32:
+        if table.weight_type == INT8:
+            out: torch.Tensor = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows.contiguous(), 8)
+            return out
+        return rows.half()
+    if fmt == table.weight_type == INT8 and rows.dtype == torch.uint8:
+        sb = rows[:, table.dim:].contiguous().view(torch.float16)
+        if n and not bool(torch.isfinite(sb).all()):
+            raise ReplicaMismatchError(f"table {table.fqn}: an int8 row's scale or bias is not finite")
+        return rows
+    if fmt == table.weight_type == FLOAT16 and rows.dtype == torch.float16:
+        return rows
+    raise ReplicaMismatchError(
+        f"table {table.fqn} is {table.weight_type} in the inference model; the poll holds {fmt} rows of "
+        f"{rows.dtype}, which would not give TorchRec's own {table.weight_type} bytes. Register the replica's "
+        f"consumer with format='float32', 'native' (a float32 table) or {table.weight_type!r}")
+
+
+class InferenceReplica:
+    """A TorchRec inference model that follows the trainer's publishes, and serves meanwhile.
+
+    Build it on the quantized model, apply every poll of the snapshots channel in order
+    (:meth:`apply_poll`, or :func:`persistent_delta.read.apply.apply_poll` with the replica in
+    place of the tables), and answer requests with :meth:`forward` (or inside
+    :meth:`serving`) on any number of other threads.
+
+    Guarantee (see the module note): a request never observes a row whose values and
+    scale/bias come from different publishes, nor a row written in part; with
+    ``poll_atomic=True`` it observes all of a poll's rows or none.
+
+    Args:
+        model: the quantized inference model (unsharded; see the serving guide for sharding).
+        chunk_rows: rows written per hold of the lock (bounds how long a request waits).
+        poll_atomic: hold the lock over a whole poll instead of per chunk.
+
+    Raises:
+        ReplicaMismatchError: see :func:`inference_tables`.
+        InvalidInputError: ``chunk_rows`` < 1.
+    """
+
+    def __init__(self, model: nn.Module, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, poll_atomic: bool = False) -> None:
+        from persistent_delta.errors import InvalidInputError
+
+        if int(chunk_rows) < 1:
+            raise InvalidInputError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        self.model = model
+        self.chunk_rows = int(chunk_rows)
+        self.poll_atomic = bool(poll_atomic)
+        self.tables = inference_tables(model)
+        self._by_name: Dict[str, List[str]] = {}
+        for fqn, t in self.tables.items():
+            self._by_name.setdefault(t.name, []).append(fqn)
+        self._lock = _ServingLock()
+
+    # ------------------------------------------------------------------ serving (any thread)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on a request, never during a chunk's write. Thread-safe."""
+        with self._lock.reading(), torch.no_grad():
+            return self.model(*args, **kwargs)
+
+    @contextmanager
+    def serving(self) -> Iterator[nn.Module]:
+        """Hold off writes while the block runs, and yield the model (several calls, one view of
+        the rows). Thread-safe; do not apply from inside the block (it would wait for itself)."""
+        with self._lock.reading():
+            yield self.model
+
+    def weights(self, fqn: str) -> torch.Tensor:
+        """A copy of one table's rows in TorchRec's layout: int8 ``[rows, dim + 4]`` (values,
+        then fp16 scale and bias, as ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` gives
+        them), fp16 ``[rows, dim]``. Thread-safe."""
+        t = self.table(fqn)
+        with self._lock.reading():
+            if t.scale_bias is not None:
+                return torch.cat([t.values, t.scale_bias], dim=1)
+            return t.values.clone().view(torch.float16)
+
+    def table(self, fqn: str) -> InferenceTable:
+        """The inference table a trainer fqn maps to: the same fqn, else the one table of the
+        fqn's table name (its last component).
+
+        Raises:
+            ReplicaMismatchError: no such table, or several tables of that name.
+        """
+        found = self.tables.get(fqn)
+        if found is not None:
+            return found
+        named = self._by_name.get(fqn.rsplit(".", 1)[-1], [])
+        if len(named) == 1:
+            return self.tables[named[0]]
+        why = f"several tables are named so: {sorted(named)}" if named else f"it has {sorted(self.tables)}"
+        raise ReplicaMismatchError(f"the inference model has no table for {fqn!r} ({why})")
+
+    # ------------------------------------------------------------------ applying (one thread)
+
+    def apply_poll(self, poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True) -> Applied:
+        """Write a snapshots poll's rows into the model in place (see the class's guarantee).
+
+        Call from one thread at a time (the replica's consumer loop); requests may run meanwhile.
+
+        Args:
+            poll: a poll of the ``snapshots`` channel.
+            complete_only: refuse a poll that is not :attr:`~DeltaPoll.complete`.
+            strict: a polled table the model lacks is an error (``False``: skipped).
+
+        Returns:
+            What was applied (``rows``: whole rows written; ``nbytes``: bytes written).
+
+        Raises:
+            InvalidInputError: not a snapshots poll.
+            IncompletePollError: ``complete_only`` and the poll is not complete; or a
+                column-wise table whose halves in the poll hold different rows.
+            ReplicaMismatchError: a table the model lacks (``strict``), of other rows or dim,
+                or rows of a format that cannot be applied exactly. Nothing was written.
+        """
+        check_poll(poll, complete_only)
+        with torch.no_grad(), intra_op_threads(poll.read_threads):
+            plan = self._plan(poll, strict)
+            out = Applied(ranges=poll.ranges, publishes=poll.publishes)
+            if self.poll_atomic:
+                with self._lock.writing():
+                    for table, ids, rows in plan:
+                        self._write(table, ids, rows)
+            else:
+                for table, ids, rows in plan:
+                    for lo in range(0, ids.numel(), self.chunk_rows):
+                        hi = lo + self.chunk_rows
+                        with self._lock.writing():
+                            self._write(table, ids[lo:hi], rows[lo:hi])
+            for _, ids, rows in plan:
+                out.rows += int(ids.numel())
+                out.nbytes += rows.numel() * rows.element_size()
+        out.applied_at = time.time()
+        return out
+
+    def _plan(self, poll: DeltaPoll, strict: bool) -> List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]]:
+        """Every table's whole rows, converted and checked, before anything is written."""
+        plan: List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]] = []
+        for fqn, parts in poll.tables().items():
+            parts = [p for p in parts if p.states is not None]
+            if not parts:
+                continue
+            try:
+                table = self.table(fqn)
+            except ReplicaMismatchError:
+                if strict:
+                    raise
+                continue
+            shard = next((p.shard for p in parts if p.shard is not None), None)
+            if shard is not None and shard.global_rows is not None and shard.global_rows != table.rows:
+                raise ReplicaMismatchError(
+                    f"table {fqn}: the trainer's table has {shard.global_rows} rows, the inference model's "
+                    f"{table.fqn} {table.rows}")
+            merged = merge_table(fqn, parts)
+            if merged.states is None:
+                raise IncompletePollError(
+                    f"table {fqn}: its column halves in this poll hold different rows, so no whole row can be "
+                    "quantized; nothing was applied")
+            ids = merged.global_ids.to(torch.int64)
+            if not ids.numel():
+                continue
+            if int(ids.min()) < 0 or int(ids.max()) >= table.rows:
+                raise ReplicaMismatchError(
+                    f"table {fqn}: the poll's rows reach global id {int(ids.max())}; the inference model's table "
+                    f"{table.fqn} has {table.rows} rows")
+            plan.append((table, ids, quantized_rows(table, parts[0], merged.states)))
+        return plan
+
+    @staticmethod
+    def _write(table: InferenceTable, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write converted rows at ``ids`` (caller holds the write lock)."""
+        if table.scale_bias is None:
+            table.values.index_copy_(0, ids, rows.contiguous().view(torch.uint8))
+            return
+        table.values.index_copy_(0, ids, rows[:, :table.dim])
+        table.scale_bias.index_copy_(0, ids, rows[:, table.dim:])
+
+
+__all__ = ["InferenceReplica", "InferenceTable", "inference_tables", "quantized_rows"]
