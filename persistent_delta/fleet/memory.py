@@ -94,6 +94,11 @@ class MemoryTransport:
         return list(self._servers)
 
     @property
+    def connected(self) -> bool:
+        """Whether this connection is open."""
+        return not self._closed
+
+    @property
     def max_payload(self) -> int:
         """The broker's max payload, in bytes."""
         return self.broker.max_payload
@@ -122,6 +127,13 @@ class MemoryTransport:
             if check_job(job) not in self.broker.jobs:
                 self.broker.jobs[job] = _Job(opts, buckets={
                     what: _Bucket(opts.lock_ttl_s if what == LOCKS else None) for what in BUCKETS})
+
+    def job_exists(self, job: str) -> bool:
+        """Whether the job's stream and buckets exist."""
+        with self.broker.lock:
+            if self._closed:
+                raise TransportError(f"look up the stream of job {job!r}: the connection is closed")
+            return check_job(job) in self.broker.jobs
 
     # ------------------------------------------------------------------ sending
     def send_all(self, msgs: Sequence[Message]) -> List[Message]:

@@ -173,6 +173,20 @@ class Connection:
 
         self.retry(f"create the stream of job {job!r}", ensure, attempts=20)
 
+    def job_exists(self, job: str) -> bool:
+        """Whether the job's stream and every bucket exist (one stream-info request each)."""
+        from nats.js.errors import NotFoundError
+
+        async def exists() -> bool:
+            for name in [stream_name(job)] + [f"KV_{bucket(job, what)}" for what in BUCKETS]:
+                try:
+                    await self.js.stream_info(name)
+                except NotFoundError:
+                    return False
+            return True
+
+        return self.call(f"look up the stream of job {job!r}", exists)
+
     def retry(self, what: str, fn: Callable[[], Awaitable[_T]], attempts: int = 10, pause: float = 0.25) -> _T:
         """:meth:`call`, retried ``attempts`` times (leader elections, reconnects)."""
         for i in range(attempts):

@@ -154,6 +154,7 @@ class FeedStats:
     payload_bytes: int = 0
     retries: int = 0
     rejected: int = 0  # messages on its subjects that did not authenticate or decode (skipped)
+    recreated: int = 0  # times it found the job's stream deleted and created it again
     last_shipped: float = 0.0
     last_error: str = ""
 
@@ -395,11 +396,34 @@ class Shipper:
                 return True
             feed.stats.retries += len(failed)
             feed.stats.last_error = f"{len(failed)} of {len(pending)} messages not acknowledged"
+            if self._conn.connected:  # the server answers, yet the messages were refused
+                self._recreate_if_deleted(feed)
+                self._send_stats(feed)  # stuck: the stored statistics say so (lag, retries, why)
             if self._stop.wait(pause):
                 return False
             pause = min(pause * 2, 1.0)
             pending = failed
         return True
+
+    def _recreate_if_deleted(self, feed: _Feed) -> None:
+        """After a send failed: when the job's stream (or a bucket) no longer exists -- deleted
+        under the running shipper -- create it again, so shipping resumes. What the deleted
+        stream held is gone: remote consumers behind this shipper's position find the gap
+        (:class:`~persistent_delta.errors.OffsetOutOfRangeError` or their reset policy)."""
+        assert self._conn is not None
+        try:
+            if self._conn.job_exists(self.job):
+                return
+            self._conn.ensure_job(self.job, self._stream)
+        except TransportError:
+            return  # unreachable: the send is retried, and this asked again
+        feed.stats.recreated += 1
+        feed.stats.last_error = (f"the stream of job {self.job} was deleted under the shipper and was created again; "
+                                 f"batches shipped before it (below {feed.stats.position}) are gone from the stream")
+        logger.error("shipper %s: %s", self.job, feed.stats.last_error)
+        for f in self._feeds.values():
+            f.scan = MarkerScan()  # the new stream numbers its messages from 1 again
+            f.stats_sent = 0.0  # stored again at once (with the table metadata, when a deleted bucket lost it)
 
     def _ship(self, feed: _Feed) -> int:
         """Ship one range of ``feed``; returns the batches shipped."""
@@ -417,7 +441,7 @@ class Shipper:
         d = poll.ranks.get(rank)
         end = feed.consumer.end_offsets().get(rank, pos)
         st = feed.stats
-        st.log_end = end
+        st.log_end, st.position, st.lag_batches = end, pos, max(0, end - pos)
         # a position moved up by the reset policy (the trainer expired the shipper past its
         # retention bound): the range is shipped even when empty, so remote consumers see the gap
         jumped = d is not None and d.start_idx > pos

@@ -149,6 +149,11 @@ class Transport(Protocol):
         ...
 
     @property
+    def connected(self) -> bool:
+        """Whether it is connected now (a client that reconnects by itself may not be, for a while)."""
+        ...
+
+    @property
     def max_payload(self) -> int:
         """The largest message payload, in bytes, headers included."""
         ...
@@ -156,6 +161,11 @@ class Transport(Protocol):
     def ensure_job(self, job: str, opts: StreamOptions) -> None:
         """Create the job's stream and key-value buckets where missing (idempotent); ``opts``
         apply to what this call creates."""
+        ...
+
+    def job_exists(self, job: str) -> bool:
+        """Whether the job's stream and every key-value bucket exist now (creates nothing: a
+        remote consumer asks, only a shipper creates)."""
         ...
 
     def send_all(self, msgs: Sequence[Message]) -> List[Message]:

@@ -5,13 +5,14 @@ and a replayed genuine marker never moves a rank's end back."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import DeltaReader
-from persistent_delta.errors import AuthenticationError, StreamKeyError
+from persistent_delta.errors import AuthenticationError, StreamKeyError, TransportError
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.fleet.nats import Connection
 from persistent_delta.fleet.remote import RemoteConsumer
@@ -136,3 +137,42 @@ def test_no_key_no_data(tmp_path, nats_server, monkeypatch):
     with pytest.raises(Exception) as info:  # its table metadata is unsigned: no rank is known
         RemoteConsumer(nats_server.url, job, "keyed", wait=0.5)
     assert "no shipper has stored table metadata" in str(info.value)
+
+
+def _stored_stats(conn: Connection, job: str) -> dict:
+    try:
+        got = conn.kv_get(job, subjects.META, subjects.shipper_key(0, "lookups"))
+    except TransportError:  # not created yet
+        return {}
+    return codec.unpack(got.value)["stats"] if got is not None else {}
+
+
+def test_a_stream_deleted_under_a_running_shipper_is_created_again(tmp_path, nats_server):
+    """Another client deletes the job's stream while a shipper runs: the shipper creates it again
+    and ships on; its stored statistics say what happened (not a lag of 0 while it is stuck); a
+    new consumer reads every batch shipped after the deletion."""
+    root, job = str(tmp_path / "log"), "trust-e"
+    _write(root, 0, 10)
+    admin = Connection(nats_server.url)
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=4) as s:
+        s.start()
+        deadline = time.monotonic() + 15
+        while _stored_stats(admin, job).get("position") != 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        async def delete() -> None:
+            await admin.js.delete_stream(subjects.stream_name(job))
+
+        admin.call("delete the stream", delete)
+        assert not admin.job_exists(job)
+        _write(root, 10, 20)
+        deadline = time.monotonic() + 15
+        while _stored_stats(admin, job).get("position") != 30 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = _stored_stats(admin, job)
+        assert stats["position"] == 30 and stats["lag_batches"] == 0, stats
+        assert stats["recreated"] == 1 and "deleted" in stats["last_error"], stats
+    admin.close()
+    with RemoteConsumer(nats_server.url, job, "after", reset="earliest", wait=10) as c:
+        assert _rows_read(c) == _local_rows(root, 10, 30)
+        assert c.position() == {0: 30}
