@@ -203,6 +203,13 @@ def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) 
         f"consumer with format='float32', 'native' (a float32 table) or {table.weight_type!r}")
 
 
+def _layout(t: InferenceTable) -> torch.Tensor:
+    """A copy of a table's rows in a converted record's layout."""
+    if t.scale_bias is not None:
+        return torch.cat([t.values, t.scale_bias], dim=1)
+    return t.values.clone().view(torch.float16)
+
+
 class InferenceReplica:
     """A TorchRec inference model that follows the trainer's publishes, and serves meanwhile.
 
@@ -259,9 +266,13 @@ class InferenceReplica:
         them), fp16 ``[rows, dim]``. Thread-safe."""
         t = self.table(fqn)
         with self._lock.reading():
-            if t.scale_bias is not None:
-                return torch.cat([t.values, t.scale_bias], dim=1)
-            return t.values.clone().view(torch.float16)
+            return _layout(t)
+
+    def all_weights(self) -> Dict[str, torch.Tensor]:
+        """:meth:`weights` of every table, copied under one hold of the lock (one view of the
+        rows). Thread-safe."""
+        with self._lock.reading():
+            return {fqn: _layout(t) for fqn, t in self.tables.items()}
 
     def table(self, fqn: str) -> InferenceTable:
         """The inference table a trainer fqn maps to: the same fqn, else the one table of the
