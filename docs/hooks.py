@@ -82,6 +82,10 @@ WHAT_TO_DO: Dict[str, str] = {
     "TransportError": "The stream server could not be reached in time: check it runs and the URL, "
                       "credentials and TLS options; retry the call. Shippers retry by themselves.",
     "KeyConflictError": "Another process changed the key first: read it again and decide.",
+    "JobNotFoundError": "Start the job's shipper (it creates the stream and buckets; consumers never do), "
+                        "or pass `wait=` to wait for it; check the job name and the server.",
+    "PermissionDeniedError": "Grant the user what its side needs (`persistent_delta.fleet.permissions`; "
+                             "`docs/guides/security.md`), or connect as the right user.",
     "StreamKeyError": "Create a key with `persistent-delta keygen PATH` (owner-only), and give it to the "
                       "shipper and every consumer of the job (`key=`, `--key-file`, "
                       "`PERSISTENT_DELTA_STREAM_KEY_FILE`).",

@@ -143,6 +143,19 @@ class TransportError(PersistentDeltaError):
     remote consumers raise it from the call that needed the server."""
 
 
+class JobNotFoundError(NotALogError):
+    """The job's stream or buckets do not exist on the server: no shipper of the job has run
+    there yet, or they were deleted. Only the shipper side (a shipper, ``upload_base``) creates
+    them; a remote consumer never does (it may hold read-only permissions). Also a
+    :class:`NotALogError`."""
+
+
+class PermissionDeniedError(TransportError, PermissionError):
+    """The stream server refused a request for this user's permissions (its NATS
+    ``authorization`` block): the message names the subject. A denied publish or key write is
+    otherwise only a timeout. See ``docs/guides/security.md`` for the permissions each side needs."""
+
+
 class KeyConflictError(PersistentDeltaError):
     """A compare-and-set on a key-value bucket of the stream lost: the key exists (create) or
     is no longer at the revision given (update). Read the key again and decide; a remote
