@@ -197,7 +197,8 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
                         seed: int = 0, dp_tables: Sequence[int] = ()) -> DistributedModelParallel:
     """Shard a ``SparseDenseModel`` on CPU over the default (gloo) process group.
 
-    Every table uses ``sharding`` (table-wise puts table t on rank t % world_size;
+    Every table uses ``sharding`` (or, for a comma-separated list, table t the t-th kind,
+    cycling: ``"row_wise,table_wise,column_wise"``; table-wise puts table t on rank t % world_size;
     column-wise/table_column_wise split the columns evenly over all ranks, so dim must
     divide by world_size and each shard dim should be a multiple of 4). Embeddings use
     the fused (in-backward) FBGEMM optimizer ``optimizer`` with lr 0.1; the dense Linear
@@ -213,13 +214,15 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     if kind == "ec" and sharding == "table_column_wise":
         raise ValueError("EmbeddingCollectionSharder does not support table_column_wise")
     opt_cls, opt_kw = _OPTIMIZERS[optimizer]
+    shardings = sharding.split(",")  # "row_wise,column_wise": table t gets shardings[t % 2]
     torch.manual_seed(seed)
     model = SparseDenseModel(kind, num_tables, rows, dim)
     # TorchRec's sharder adds keys to the kwargs dict it finds on the param: pass a copy.
     _apply_optimizer_in_backward(opt_cls, model.sparse.parameters(), dict(opt_kw))
     module_plan = construct_module_sharding_plan(
         model.sparse,
-        {f"table_{t}": _plan_generator("data_parallel" if t in dp_tables else sharding, t, world_size)
+        {f"table_{t}": _plan_generator("data_parallel" if t in dp_tables else shardings[t % len(shardings)], t,
+                                       world_size)
          for t in range(num_tables)},
         local_size=world_size, world_size=world_size, device_type="cpu")
     pg = dist.GroupMember.WORLD
