@@ -249,8 +249,15 @@ def encode_gathered(
         raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
     rows = rows.long()
     return _encode(ids, (source.dtype, [int(rows.numel()), int(source.shape[1])]),
-                   lambda out: torch.index_select(source.detach(), 0, rows, out=out), kind, None, None, publish_time,
-                   checksum, into)
+                   lambda out: _gather_into(source.detach(), rows, out), kind, None, None, publish_time, checksum, into)
+
+
+def _gather_into(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:] = source[rows]``; a device table is gathered on its device, then copied to host."""
+    if source.device.type == "cpu":
+        torch.index_select(source, 0, rows, out=out)
+    else:
+        out.copy_(torch.index_select(source, 0, rows.to(source.device)))
 
 
 def encoded_size(ids: torch.Tensor, states_dtype: torch.dtype, states_shape: Sequence[int], kind: int = KIND_SNAPSHOT,

@@ -249,5 +249,5 @@ def read_states(mode: TrackingMode, tables: Dict[str, LocalTable], rows: Dict[st
         for fqn, r in rows.items():
             state = tables[fqn].optimizer_state() if fqn in tables else None
             if state is not None and r.states is not None:
-                r.states = state[r.ids.long()] - r.states
+                r.states = state[r.ids.to(state.device).long()].to(r.states.device) - r.states
     return rows

@@ -129,9 +129,8 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
     lo, hi, gen = complete, batch_idx, None
     if dist.is_initialized() and dist.get_world_size() > 1:
         mine = log.read(position_rules.restart_generation)
-        both = torch.tensor([batch_idx, -complete, mine + 1], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        hi, lo, gen = int(both[0].item()), -int(both[1].item()), int(both[2].item())
+        hi, neg_lo, gen = _max_over_ranks([batch_idx, -complete, mine + 1])
+        lo = -neg_lo
     drop = not (hi == batch_idx and lo >= complete)
 
     def settle(w: WriteTxn) -> int:
@@ -245,14 +244,22 @@ def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: st
     return int(state["curr_batch_idx"])
 
 
+def _max_over_ranks(values: List[int]) -> List[int]:
+    """Each value's maximum over the ranks of the default process group (a collective). NCCL
+    reduces device tensors only, gloo host tensors."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def agree_batch_idx(log: DeltaLog, batch_idx: int) -> Tuple[int, Optional[int]]:
     """The largest ``batch_idx`` over ranks and the next restart generation (a collective when
     a process group of more than one rank is initialised; ``(batch_idx, None)`` otherwise: a
     single rank's log needs no generation)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        agreed = torch.tensor([batch_idx, log.read(position_rules.restart_generation) + 1], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return int(agreed[0].item()), int(agreed[1].item())
+        hi, gen = _max_over_ranks([batch_idx, log.read(position_rules.restart_generation) + 1])
+        return hi, gen
     return batch_idx, None
 
 

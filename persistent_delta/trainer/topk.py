@@ -52,7 +52,8 @@ def scores(mode: TrackingMode, table: Optional[LocalTable], rows: UniqueRows) ->
     if states is None:
         raise InvalidInputError("top-k needs tracked states")
     if mode == TrackingMode.EMBEDDING and table is not None:
-        current = table.weights()[rows.ids.long()]
+        weights = table.weights()
+        current = weights[rows.ids.to(weights.device).long()].to(states.device)
         diff = current.float() - states.float().view(current.shape)
         out: torch.Tensor = diff.norm(dim=1)
         return out
