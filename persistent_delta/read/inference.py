@@ -38,14 +38,14 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from persistent_delta.errors import IncompletePollError, ReplicaMismatchError
+from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError
 from persistent_delta.read.apply import Applied, check_poll
-from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
+from persistent_delta.read.results import DeltaPoll, MergedDelta, TableDelta, merge_table
 from persistent_delta.threads import intra_op_threads
 
 INT8 = "int8"
@@ -169,6 +169,11 @@ def inference_tables(model: nn.Module) -> Dict[str, InferenceTable]:
     return out
 
 
+def _format(part: TableDelta) -> str:
+    """The record format of a poll's part (``TableDelta.format``; "native" when unset)."""
+    return str(getattr(part, "format", None) or "native")
+
+
 def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (whole rows of one table from a poll, in ``part``'s format) as the table's bytes:
     uint8 ``[n, dim + 4]`` for an int8 table, float16 ``[n, dim]`` for an fp16 table.
@@ -177,7 +182,7 @@ def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) 
         ReplicaMismatchError: the rows have another width than the table, or a format that
             would not give TorchRec's bytes for this table.
     """
-    fmt = getattr(part, "format", "native") or "native"
+    fmt = _format(part)
     n = rows.shape[0]
     rows = rows.reshape(n, -1)
     want = table.record_width() if fmt in (INT8, FLOAT16) else table.dim
@@ -201,6 +206,67 @@ def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) 
         f"table {table.fqn} is {table.weight_type} in the inference model; the poll holds {fmt} rows of "
         f"{rows.dtype}, which would not give TorchRec's own {table.weight_type} bytes. Register the replica's "
         f"consumer with format='float32', 'native' (a float32 table) or {table.weight_type!r}")
+
+
+@dataclass
+class _HalvesUpdate:
+    """Rows of a column-wise table joined from a poll, to keep once they are applied."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    known: torch.Tensor
+
+
+@dataclass
+class _ColumnHalves:
+    """The float rows of a column-wise table, kept so that a whole row can be quantized when a
+    poll holds only some of its column halves (a rank re-sends rows the others did not: a
+    publish after a restart, or at-least-once delivery); ``known`` marks the columns received
+    (or given by the base)."""
+
+    rows: torch.Tensor
+    known: torch.Tensor
+
+    @staticmethod
+    def empty(rows: int, dim: int) -> "_ColumnHalves":
+        return _ColumnHalves(torch.zeros(rows, dim), torch.zeros(rows, dim, dtype=torch.bool))
+
+    @staticmethod
+    def of_base(full: torch.Tensor) -> "_ColumnHalves":
+        return _ColumnHalves(full.detach().to(torch.float32).clone(), torch.ones(full.shape, dtype=torch.bool))
+
+    def joined(self, table: InferenceTable, merged: MergedDelta) -> Tuple[torch.Tensor, torch.Tensor, _HalvesUpdate]:
+        """Whole float rows for every row any column group of ``merged`` holds.
+
+        Raises:
+            IncompletePollError: some row's other columns were never received (no base given).
+        """
+        ids = merged.global_ids.to(torch.int64)
+        rows = self.rows.index_select(0, ids)
+        known = self.known.index_select(0, ids)
+        for c0, part in merged.column_parts.items():
+            st = part.states
+            if st is None or not part.ids.numel():
+                continue
+            st = st.reshape(st.shape[0], -1)
+            if st.dtype != torch.float32 or c0 + st.shape[1] > table.dim:
+                raise ReplicaMismatchError(
+                    f"table {table.fqn}: a column-wise table's halves must be float32 rows within {table.dim} "
+                    f"columns; got {st.dtype} columns [{c0}, {c0 + st.shape[1]})")
+            pos = torch.searchsorted(ids, part.ids.to(torch.int64))
+            rows[pos, c0:c0 + st.shape[1]] = st
+            known[pos, c0:c0 + st.shape[1]] = True
+        if not bool(known.all()):
+            missing = ids[~known.all(dim=1)]
+            raise IncompletePollError(
+                f"table {table.fqn}: rows {missing[:8].tolist()} ({missing.numel()} rows) arrived as column halves "
+                "whose other columns this replica never received, so no whole row can be quantized; give the "
+                "replica the float base (InferenceReplica(model, base=load_base(...))); nothing was applied")
+        return ids, rows, _HalvesUpdate(ids, rows, known)
+
+    def keep(self, update: _HalvesUpdate) -> None:
+        self.rows.index_copy_(0, update.ids, update.rows)
+        self.known.index_copy_(0, update.ids, update.known)
 
 
 def _layout(t: InferenceTable) -> torch.Tensor:
@@ -232,9 +298,8 @@ class InferenceReplica:
         InvalidInputError: ``chunk_rows`` < 1.
     """
 
-    def __init__(self, model: nn.Module, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, poll_atomic: bool = False) -> None:
-        from persistent_delta.errors import InvalidInputError
-
+    def __init__(self, model: nn.Module, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, poll_atomic: bool = False,
+                 base: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         if int(chunk_rows) < 1:
             raise InvalidInputError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self.model = model
@@ -245,6 +310,14 @@ class InferenceReplica:
         for fqn, t in self.tables.items():
             self._by_name.setdefault(t.name, []).append(fqn)
         self._lock = _ServingLock()
+        self._halves: Dict[str, _ColumnHalves] = {}
+        for fqn, full in (base or {}).items():
+            t = self.table(fqn)
+            if tuple(full.shape) != (t.rows, t.dim) or not full.is_floating_point():
+                raise ReplicaMismatchError(
+                    f"base table {fqn!r} is {tuple(full.shape)} {full.dtype}; the inference model's {t.fqn} is "
+                    f"{t.rows} x {t.dim}")
+            self._halves[t.fqn] = _ColumnHalves.of_base(full)
 
     # ------------------------------------------------------------------ serving (any thread)
 
@@ -314,7 +387,11 @@ class InferenceReplica:
         """
         check_poll(poll, complete_only)
         with torch.no_grad(), intra_op_threads(poll.read_threads):
-            plan = self._plan(poll, strict)
+            commits: List[Tuple[str, _ColumnHalves, _HalvesUpdate]] = []
+            plan = self._plan(poll, strict, commits)
+            for fqn, halves, update in commits:
+                halves.keep(update)
+                self._halves[fqn] = halves
             out = Applied(ranges=poll.ranges, publishes=poll.publishes)
             if self.poll_atomic:
                 with self._lock.writing():
@@ -332,8 +409,10 @@ class InferenceReplica:
         out.applied_at = time.time()
         return out
 
-    def _plan(self, poll: DeltaPoll, strict: bool) -> List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]]:
-        """Every table's whole rows, converted and checked, before anything is written."""
+    def _plan(self, poll: DeltaPoll, strict: bool, commits: List[Tuple[str, "_ColumnHalves", "_HalvesUpdate"]]
+              ) -> List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]]:
+        """Every table's whole rows, converted and checked, before anything is written;
+        ``commits`` gets the column-half updates to keep once the rows are written."""
         plan: List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]] = []
         for fqn, parts in poll.tables().items():
             parts = [p for p in parts if p.states is not None]
@@ -351,10 +430,6 @@ class InferenceReplica:
                     f"table {fqn}: the trainer's table has {shard.global_rows} rows, the inference model's "
                     f"{table.fqn} {table.rows}")
             merged = merge_table(fqn, parts)
-            if merged.states is None:
-                raise IncompletePollError(
-                    f"table {fqn}: its column halves in this poll hold different rows, so no whole row can be "
-                    "quantized; nothing was applied")
             ids = merged.global_ids.to(torch.int64)
             if not ids.numel():
                 continue
@@ -362,7 +437,18 @@ class InferenceReplica:
                 raise ReplicaMismatchError(
                     f"table {fqn}: the poll's rows reach global id {int(ids.max())}; the inference model's table "
                     f"{table.fqn} has {table.rows} rows")
-            plan.append((table, ids, quantized_rows(table, parts[0], merged.states)))
+            split = merged.column_split or (shard is not None and shard.local_cols is not None
+                                            and shard.global_cols is not None and shard.local_cols != shard.global_cols)
+            if split and _format(parts[0]) in ("native", "float32"):
+                halves = self._halves.get(table.fqn) or _ColumnHalves.empty(table.rows, table.dim)
+                ids, rows, commit = halves.joined(table, merged)
+                commits.append((table.fqn, halves, commit))
+            elif merged.states is None:
+                raise IncompletePollError(
+                    f"table {fqn}: its column parts in this poll hold different rows; nothing was applied")
+            else:
+                rows = merged.states  # whole rows: one column group, or rows joined by the consumer
+            plan.append((table, ids, quantized_rows(table, parts[0], rows)))
         return plan
 
     @staticmethod

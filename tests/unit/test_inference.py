@@ -135,12 +135,26 @@ def test_column_halves_are_joined_before_quantizing(wt):
     with torch.no_grad():
         model.get_parameter(model.fqn(0) + ".weight")[ids] = rows
     assert torch.equal(replica.all_weights()[model.fqn(0)], torchrec_bytes(model, DTYPES[wt])[model.fqn(0)])
-    # halves of different rows cannot be joined: nothing is written
-    before = replica.all_weights()
-    halves[1] = part(model.fqn(0), ids[:2], rows[:2, 4:], rank=1, shard=halves[1].shard)
-    with pytest.raises(IncompletePollError):
-        replica.apply_poll(poll_of(halves, world_size=2))
-    assert all(torch.equal(before[f], w) for f, w in replica.all_weights().items())
+    # a later poll where one rank re-sends rows the other does not: the other half is the one kept
+    more = torch.randn(ids.numel(), DIM)
+    later = [part(model.fqn(0), ids, more[:, :4], rank=0, shard=halves[0].shard),
+             part(model.fqn(0), ids[:2], more[:2, 4:], rank=1, shard=halves[1].shard)]
+    replica.apply_poll(poll_of(later, world_size=2))
+    with torch.no_grad():
+        model.get_parameter(model.fqn(0) + ".weight")[ids, :4] = more[:, :4]
+        model.get_parameter(model.fqn(0) + ".weight")[ids[:2], 4:] = more[:2, 4:]
+    assert torch.equal(replica.all_weights()[model.fqn(0)], torchrec_bytes(model, DTYPES[wt])[model.fqn(0)])
+    # a fresh replica never received the other half of those rows: refused, nothing written ...
+    fresh = InferenceReplica(quantize_inference_model(copy.deepcopy(model), quantization_dtype=DTYPES[wt]))
+    before = fresh.all_weights()
+    with pytest.raises(IncompletePollError, match="base"):
+        fresh.apply_poll(poll_of(later, world_size=2))
+    assert all(torch.equal(before[f], w) for f, w in fresh.all_weights().items())
+    # ... unless it was given the float base
+    base = {model.fqn(0): model.get_parameter(model.fqn(0) + ".weight").detach().clone()}
+    fresh = InferenceReplica(quantize_inference_model(copy.deepcopy(model), quantization_dtype=DTYPES[wt]), base=base)
+    fresh.apply_poll(poll_of(later, world_size=2))
+    assert torch.equal(fresh.all_weights()[model.fqn(0)], torchrec_bytes(model, DTYPES[wt])[model.fqn(0)])
 
 
 def test_int8_and_float16_records_are_copied_as_they_are():

@@ -1,0 +1,116 @@
+"""A TorchRec inference model follows a real sharded trainer: after every applied publish its
+FBGEMM weights equal TorchRec's own quantization of the trainer's tables at that publish, bit for
+bit (int8 and fp16), read from the local log and through the stream.
+
+The trainer is 2 gloo ranks with a row-wise, a table-wise and a column-wise table (the column
+halves are joined before quantizing); the replicas are this process, each holding
+``quantize_inference_model`` of an unsharded copy of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from harness import global_table_weights, run_spawn
+from inference_cases import full_tables, publishing_trainer, quantized, torchrec_bytes
+from persistent_delta import DeltaConsumer, apply_poll
+from persistent_delta.read.inference import InferenceReplica
+
+pytestmark = pytest.mark.dist
+
+TABLES, ROWS, DIM, STEPS = 3, 100, 8, 4
+SHARDING = "row_wise,table_wise,column_wise"
+
+
+def _job(tmp_path_factory: Any, kind: str) -> Tuple[str, List[Dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp(f"inference-{kind}"))
+    return root, run_spawn(publishing_trainer, 2, root, kind, SHARDING, TABLES, ROWS, DIM, STEPS)
+
+
+@pytest.fixture(scope="module")
+def ec_job(tmp_path_factory):
+    return _job(tmp_path_factory, "ec")
+
+
+def _replicas(kind: str) -> Dict[str, InferenceReplica]:
+    base = global_table_weights(TABLES, ROWS, DIM, seed=0)
+    return {wt: InferenceReplica(quantized(kind, base, wt), chunk_rows=16) for wt in ("int8", "fp16")}
+
+
+def _expected(results: List[Dict[str, Any]], stamp: int) -> Dict[str, torch.Tensor]:
+    return full_tables({r: res["at_publish"][stamp] for r, res in enumerate(results)})
+
+
+def follow(kind: str, results: List[Dict[str, Any]], polls: Any) -> int:
+    """Apply every poll to an int8 and an fp16 replica; after each, compare with TorchRec's
+    quantization of the trainer's tables at the poll's newest publish. Returns publishes seen."""
+    replicas = _replicas(kind)
+    seen = 0
+    for poll in polls:
+        assert poll.complete
+        stamp = max(poll.publishes)
+        want = _expected(results, stamp)
+        for wt, replica in replicas.items():
+            applied = apply_poll(replica, poll, complete_only=True)  # apply_poll hands it to the replica
+            assert applied.rows > 0
+            expect = torchrec_bytes(kind, want, wt)
+            got = replica.all_weights()
+            assert sorted(got) == sorted(expect)
+            for fqn in expect:
+                assert torch.equal(got[fqn], expect[fqn]), (wt, fqn, stamp)
+        seen += len(poll.publishes)
+    return seen
+
+
+def _local_polls(root: str, name: str):
+    with DeltaConsumer(root, name, channel="snapshots") as consumer:
+        while True:
+            poll = consumer.poll(max_bytes=1)  # one publish per poll
+            if poll.empty:
+                return
+            yield poll
+            consumer.commit()
+
+
+def test_every_publish_gives_torchrecs_quantization_of_the_trainers_tables(ec_job):
+    root, results = ec_job
+    stamps = sorted(results[0]["at_publish"])
+    assert follow("ec", results, _local_polls(root, "quantized")) == len(stamps) == STEPS
+    # the column-wise table really was split, and training moved every table
+    assert any(info["col_offset"] for _, info in results[1]["at_publish"][stamps[0]].values())
+
+
+def test_through_the_stream(ec_job, tmp_path):
+    """A shipper carries the log over the in-process transport; a RemoteConsumer's polls are
+    applied the same way, with the same result after each."""
+    from persistent_delta.fleet.memory import MemoryBroker
+    from persistent_delta.fleet.remote import RemoteConsumer
+    from persistent_delta.fleet.ship import Shipper
+    from persistent_delta.fleet.transport import StreamOptions
+
+    root, results = ec_job
+    broker = MemoryBroker()
+    broker.connect().ensure_job("job", StreamOptions())
+    with Shipper(root, None, "job", channels=["snapshots"], transport=broker.connect()) as shipper:
+        while shipper.run_once():
+            pass
+
+    def polls():
+        with RemoteConsumer(None, "job", "quantized", channel="snapshots", transport=broker.connect(), wait=5) as c:
+            while True:
+                poll = c.poll(timeout=0.5)
+                if poll.empty:
+                    return
+                yield poll
+                c.commit()
+
+    assert follow("ec", results, polls()) == STEPS
+
+
+@pytest.mark.slow
+def test_ebc(tmp_path_factory):
+    root, results = _job(tmp_path_factory, "ebc")
+    assert follow("ebc", results, _local_polls(root, "quantized")) == STEPS
