@@ -43,6 +43,22 @@ Format history and plan (every format change of this round is here, once):
   records: wall-clock time of the ``publish()`` call that wrote them, seconds since the
   epoch; records written before it existed have none). A reader of this version raises on a kind it does not
   know and ignores header fields it does not know.
+  ``"f"`` (on snapshot records: the *row format* the rows were converted to for serving,
+  :data:`ROW_FORMATS`; absent: ``"native"``, the table's own dtype -- every record written
+  before formats existed). A reader refuses a record whose ``"f"`` it does not know, or whose
+  states do not have that format's dtype (:class:`CorruptRecordError`). A reader older than
+  formats ignores ``"f"`` and would take converted rows for native ones: a log whose
+  publishes write other formats is for readers of this version (see the CHANGELOG).
+
+Row formats (:data:`ROW_FORMATS`): what a snapshots consumer asks for at registration.
+``"native"``: the table's dtype, ``[n, dim]``. ``"float32"``/``"float16"``/``"bfloat16"``:
+``[n, dim]`` of that dtype (``rows.to(dtype)``). ``"int8"``: FBGEMM's row-wise int8, uint8
+``[n, dim + 4]`` -- ``dim`` quantized values, then an fp16 scale and an fp16 bias, exactly
+``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows_float32, 8)``
+(:func:`quantize_int8`), the bytes TorchRec's inference quantization gives that row. A
+column-wise shard's half-row cannot be quantized alone (the scale is the whole row's), so
+ranks store a column-wise table's int8 records as float32 halves flagged ``"int8"``
+(:func:`format_states`), and the reader joins and quantizes them.
 """
 
 from __future__ import annotations
@@ -139,6 +155,105 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CorruptRecordError(f"unknown dtype {name!r} in a stored record") from None
 
 
+# --------------------------------------------------------------------------- row formats
+
+NATIVE = "native"
+#: The row formats a snapshots consumer may ask for (see the module docstring).
+ROW_FORMATS = (NATIVE, "float32", "float16", "bfloat16", "int8")
+INT8 = "int8"
+#: A reader of every format (a shipper carries records as they are); never written.
+ANY_FORMAT = "*"
+_FLOAT_FORMATS: Dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                          "bfloat16": torch.bfloat16}
+INT8_TAIL = 4  # bytes after a row's int8 values: fp16 scale, fp16 bias
+
+
+def check_format(fmt: object, any_ok: bool = False) -> str:
+    """``fmt`` if it names a row format (``any_ok``: or :data:`ANY_FORMAT`).
+
+    Raises:
+        InvalidInputError: it names none (the message lists the valid ones).
+    """
+    if isinstance(fmt, str) and (fmt in ROW_FORMATS or (any_ok and fmt == ANY_FORMAT)):
+        return fmt
+    raise InvalidInputError(f"unknown row format {fmt!r}; the formats are {', '.join(map(repr, ROW_FORMATS))}")
+
+
+def format_states(fmt: str, dtype: torch.dtype, tail: Sequence[int],
+                  column_half: bool = False) -> Tuple[torch.dtype, Tuple[int, ...]]:
+    """The states' dtype and trailing shape of a ``fmt`` record of a table whose values are
+    ``dtype`` rows of shape ``tail`` (``column_half``: a column-wise shard's, whose int8 rows
+    are stored as float32 halves until the reader joins them).
+
+    Raises:
+        InvalidInputError: int8 of a table whose values are not float32 or float16, or not
+            rows (1-D tails).
+    """
+    if fmt == NATIVE:
+        return dtype, tuple(tail)
+    if fmt in _FLOAT_FORMATS:
+        return _FLOAT_FORMATS[fmt], tuple(tail)
+    if dtype not in (torch.float32, torch.float16) or len(tail) != 1:
+        raise InvalidInputError(f"row format 'int8' quantizes float32 or float16 rows; this table holds {dtype} "
+                                f"of shape {list(tail)} (ask for 'native', 'float32', 'float16' or 'bfloat16')")
+    return (torch.float32, tuple(tail)) if column_half else (torch.uint8, (int(tail[0]) + INT8_TAIL,))
+
+
+def serves(record_format: str, states_dtype: Optional[torch.dtype], wanted: str) -> bool:
+    """Whether a record of ``record_format`` (its states ``states_dtype``) belongs in a poll
+    of a reader that asked for ``wanted``: the one filter of every reader, local and remote.
+    A native record serves a float format of its own dtype too (a publish writes such rows
+    once, as native)."""
+    if wanted == ANY_FORMAT or record_format == wanted:
+        return True
+    return record_format == NATIVE and wanted in _FLOAT_FORMATS and states_dtype == _FLOAT_FORMATS[wanted]
+
+
+def stored_format(fmt: str, dtype: torch.dtype) -> str:
+    """The format a publish stores ``fmt`` rows of a ``dtype`` table as: a float format of the
+    table's own dtype is stored once, as native (:func:`serves`)."""
+    return NATIVE if _FLOAT_FORMATS.get(fmt) == dtype else fmt
+
+
+def quantize_int8(rows: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's row-wise int8 of ``rows`` (2-D): uint8 ``[n, dim + 4]``, bit-equal to what
+    TorchRec's inference quantization stores for those rows."""
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+    out: torch.Tensor = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(
+        rows.to(torch.float32).contiguous(), 8)
+    return out
+
+
+def convert_rows(rows: torch.Tensor, fmt: str, column_half: bool = False) -> torch.Tensor:
+    """``rows`` (2-D) in row format ``fmt`` (a column half in int8: float32, see
+    :func:`format_states`)."""
+    if fmt == NATIVE:
+        return rows
+    if fmt in _FLOAT_FORMATS:
+        return rows.to(_FLOAT_FORMATS[fmt])
+    format_states(fmt, rows.dtype, tuple(rows.shape[1:]), column_half)  # (checks the table's dtype)
+    return rows.to(torch.float32) if column_half else quantize_int8(rows)
+
+
+def _check_record_format(header: Dict[str, Any], states_dtype: Optional[str]) -> str:
+    """A record header's row format (``"f"``; absent: native), checked against its states.
+
+    Raises:
+        CorruptRecordError: an unknown format, or states of a dtype the format never has.
+    """
+    f = header.get("f")
+    if f is None:
+        return NATIVE
+    if not isinstance(f, str) or f == NATIVE or f not in ROW_FORMATS:
+        raise CorruptRecordError(f"record of unknown row format {str(f)[:40]!r} (the formats are "
+                                 f"{', '.join(ROW_FORMATS[1:])}; written by a newer version?)")
+    ok = ("uint8", "float32") if f == INT8 else (dtype_name(_FLOAT_FORMATS[f]),)
+    if states_dtype not in ok:
+        raise CorruptRecordError(f"record of row format {f!r} holds states of dtype {states_dtype}")
+    return str(f)
+
+
 # ---------------------------------------------------------------------------------- keys
 
 
@@ -194,6 +309,7 @@ class DecodedRecord:
     window_start: Optional[int] = None
     covers_end: Optional[int] = None
     publish_time: Optional[float] = None
+    format: str = NATIVE  # the row format (header "f")
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -215,7 +331,7 @@ _ZEROS = bytes(8)
 
 def encode_record(
     ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None,
-    covers_end: Optional[int] = None, publish_time: Optional[float] = None,
+    covers_end: Optional[int] = None, publish_time: Optional[float] = None, fmt: str = NATIVE,
 ) -> bytearray:
     """Encode one record value (unsealed: see :func:`seal_record`). ``ids`` is 1-D;
     ``states`` (optional) has ``len(ids)`` rows.
@@ -224,11 +340,12 @@ def encode_record(
     (the writer's window filter); a reader starting after ``window_start`` must start there.
     ``covers_end``: a compacted record stamped ``b`` holds the batches ``[b, covers_end)``; a
     reader starting inside that range must start at ``b``. ``publish_time``: the wall-clock
-    time (seconds since the epoch) of the publish that wrote a snapshot record.
+    time (seconds since the epoch) of the publish that wrote a snapshot record. ``fmt``: the
+    row format ``states`` are in (header ``"f"``; native: none).
     """
     return _encode(ids, None if states is None else (states.dtype, list(states.shape)),
                    None if states is None else lambda out: out.copy_(states.detach().reshape(out.shape)),
-                   kind, window_start, covers_end, publish_time)
+                   kind, window_start, covers_end, publish_time, fmt=fmt)
 
 
 Encoded = Union[bytearray, memoryview]  # an encoded record: its own buffer, or a writable view of a reused one
@@ -269,8 +386,11 @@ def encoded_size(ids: torch.Tensor, states_dtype: torch.dtype, states_shape: Seq
 
 
 def _header(ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], kind: int,
-            window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float]) -> bytes:
+            window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
+            fmt: str = NATIVE) -> bytes:
     header: Dict[str, object] = {"k": kind, "i": [dtype_name(ids.dtype), int(ids.numel())]}
+    if fmt != NATIVE:
+        header["f"] = check_format(fmt)
     if window_start is not None:
         header["w"] = int(window_start)
     if covers_end is not None:
@@ -303,10 +423,10 @@ def _placement(head: bytes, ids_len: int, states_meta: Optional[Tuple[torch.dtyp
 def _encode(
     ids: torch.Tensor, states_meta: Optional[Tuple[torch.dtype, List[int]]], fill: Optional[Callable[[torch.Tensor], object]],
     kind: int, window_start: Optional[int], covers_end: Optional[int], publish_time: Optional[float],
-    checksum: bool = True, into: Optional[bytearray] = None,
+    checksum: bool = True, into: Optional[bytearray] = None, fmt: str = NATIVE,
 ) -> Encoded:
     ids_buf = _raw_bytes(ids)
-    head = _header(ids, states_meta, kind, window_start, covers_end, publish_time)
+    head = _header(ids, states_meta, kind, window_start, covers_end, publish_time, fmt)
     ids_at, states_at, size = _placement(head, len(ids_buf), states_meta)
     states_len = size - states_at
     # One copy of each payload, straight into the (mutable: see seal_record) result.
@@ -354,6 +474,7 @@ class _Layout(NamedTuple):
     states_count: int  # elements
     states_at: int
     header: Dict[str, Any]
+    format: str = NATIVE
 
 
 def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
@@ -382,7 +503,8 @@ def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
     ids_at = pos
     pos += ids_len
     if states_meta is None:
-        return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, None, [], 0, pos, header)
+        return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, None, [], 0, pos, header,
+                       _check_record_format(header, None) if "f" in header else NATIVE)
     pos += _pad(pos)
     try:
         s_name, shape = states_meta[0], [int(d) for d in states_meta[1]]
@@ -393,7 +515,8 @@ def _layout(mv: memoryview, verify: bool, key: bytes) -> _Layout:
         count *= d
     if pos + count * dtype_from_name(s_name).itemsize > n:
         raise CorruptRecordError("record value shorter than its header says")
-    return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, s_name, shape, count, pos, header)
+    return _Layout(kind, ids_dtype_name, int(n_ids), ids_at, s_name, shape, count, pos, header,
+                   _check_record_format(header, s_name))
 
 
 def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> DecodedRecord:
@@ -412,7 +535,7 @@ def decode_record(buf: Union[bytes, bytearray, memoryview], verify: bool = True,
     w, e, t = lay.header.get("w"), lay.header.get("e"), lay.header.get("t")
     return DecodedRecord(kind=lay.kind, ids=ids, states=states, nbytes=len(mv),
                          window_start=None if w is None else int(w), covers_end=None if e is None else int(e),
-                         publish_time=None if t is None else float(t))
+                         publish_time=None if t is None else float(t), format=lay.format)
 
 
 # The stored names of the integer dtypes (ids), as numpy's dtypes.
@@ -430,6 +553,7 @@ class RecordRows(NamedTuple):
     rows: Optional[np.ndarray]
     states_dtype: Optional[torch.dtype]
     states_tail: Tuple[int, ...]
+    format: str = NATIVE  # the row format (header "f")
 
 
 def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = True, key: bytes = b"") -> RecordRows:
@@ -448,7 +572,7 @@ def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = 
         raise CorruptRecordError(f"record ids of dtype {lay.ids_dtype} (ids are integers)")
     ids = np.frombuffer(mv, dtype=id_dtype, count=lay.n_ids, offset=lay.ids_at)
     if lay.states_dtype is None:
-        return RecordRows(ids, None, None, ())
+        return RecordRows(ids, None, None, (), lay.format)
     shape = lay.states_shape
     if not shape or shape[0] != lay.n_ids:
         raise CorruptRecordError(f"record states of shape {shape} for {lay.n_ids} ids")
@@ -458,7 +582,7 @@ def decode_record_rows(buf: Union[bytes, bytearray, memoryview], verify: bool = 
     for d in tail:
         row_bytes *= d  # (from the tail, not the count: a record of no ids keeps its row width)
     rows = np.frombuffer(mv, dtype=np.uint8, count=lay.n_ids * row_bytes, offset=lay.states_at)
-    return RecordRows(ids, rows.reshape(lay.n_ids, row_bytes), dtype, tail)
+    return RecordRows(ids, rows.reshape(lay.n_ids, row_bytes), dtype, tail, lay.format)
 
 
 def from_view(a: np.ndarray) -> torch.Tensor:

@@ -87,6 +87,7 @@ class StoredRecord:
     nbytes: int
     window_start: Optional[int] = None
     covers_end: Optional[int] = None
+    format: str = codec.NATIVE  # the row format (snapshots; codec's header "f")
 
 
 # ----------------------------------------------------------------------------- transactions
@@ -166,7 +167,8 @@ class ReadTxn:
                 rec = codec.decode_record(value, verify=verify, key=key)
             except CorruptRecordError as exc:
                 raise self._damaged(key, channel, exc) from exc
-            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end)
+            yield StoredRecord(t, b, s, rec.kind, rec.ids, rec.states, rec.nbytes, rec.window_start, rec.covers_end,
+                               rec.format)
 
     def iter_record_rows(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, channel: str = LOOKUPS,

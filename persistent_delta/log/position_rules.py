@@ -416,11 +416,12 @@ def compact_behind(w: WriteTxn, mode: UpdateMode, end: int) -> Dict[str, int]:
 # ------------------------------------------------------------------------------ registration
 
 
-def register(w: WriteTxn, name: str, offset: int, channel: str, how: Delivery) -> bool:
-    """Register ``name`` at ``offset`` unless it exists; returns whether it was added."""
+def register(w: WriteTxn, name: str, offset: int, channel: str, how: Delivery, fmt: str = "native") -> bool:
+    """Register ``name`` at ``offset`` (asking for rows in ``fmt``) unless it exists; returns
+    whether it was added."""
     if w.consumer(name) is not None:
         return False
-    w.set_consumer(name, ConsumerEntry.new(offset, channel, how))
+    w.set_consumer(name, ConsumerEntry.new(offset, channel, how, fmt))
     return True
 
 

@@ -169,10 +169,18 @@ def _touched(entry: TableEntry, rec: AppendRecord) -> TableEntry:
     return e
 
 
-def empty_rows(entry: TableEntry, mode: UpdateMode, channel: str = LOOKUPS) -> UniqueRows:
+def empty_rows(entry: TableEntry, mode: UpdateMode, channel: str = LOOKUPS, fmt: str = codec.NATIVE) -> UniqueRows:
     """What a table with nothing in range returns: empty ids, and states of shape
-    ``(0, *row_shape)`` in the table's dtype unless the mode keeps ids only."""
-    return UniqueRows(ids=entry.empty_ids(), states=None if mode == UpdateMode.NONE else entry.empty_states(channel))
+    ``(0, *row_shape)`` in the table's dtype (or row format ``fmt``'s, for a whole row; the
+    table's when it has none) unless the mode keeps ids only."""
+    states = None if mode == UpdateMode.NONE else entry.empty_states(channel)
+    if states is not None and fmt not in (codec.NATIVE, codec.ANY_FORMAT):
+        try:
+            dtype, tail = codec.format_states(fmt, states.dtype, tuple(states.shape[1:]))
+            states = torch.empty((0, *tail), dtype=dtype)
+        except InvalidInputError:
+            pass  # int8 of a table that cannot be quantized: its publishes hold no int8 rows
+    return UniqueRows(ids=entry.empty_ids(), states=states)
 
 
 @dataclass
@@ -227,9 +235,16 @@ def plan_unique(
     channel: str = LOOKUPS,
     memo: Optional[IdMemo] = None,
     extra_ids: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
+    fmt: str = codec.NATIVE,
+    exact: bool = False,
+    passed: Optional[Dict[str, int]] = None,
 ) -> Dict[str, TablePlan]:
     """:func:`read_unique` up to the copy of the rows: per table, a :class:`TablePlan` whose
-    rows view the map (finish it inside ``r``)."""
+    rows view the map (finish it inside ``r``).
+
+    ``fmt``: only records of this row format (:func:`persistent_delta.log.codec.serves`;
+    ``exact``: of exactly this format, a native record never serving a float format); the
+    others are passed over and counted in ``passed`` (format -> records)."""
     if extra_ids and mode != UpdateMode.NONE:
         raise ValueError("extra_ids: ids-only reads (UpdateMode.NONE) only")
     out: Dict[str, TablePlan] = {}
@@ -244,6 +259,10 @@ def plan_unique(
         rows: List[torch.Tensor] = []
         typed: Optional[Tuple[torch.dtype, Tuple[int, ...]]] = None
         for rec in r.iter_record_rows(entry.table_id, from_idx, end_idx, channel=channel):
+            if not (rec.format == fmt if exact else codec.serves(rec.format, rec.states_dtype, fmt)):
+                if passed is not None:
+                    passed[rec.format] = passed.get(rec.format, 0) + 1
+                continue
             ids.append(codec.from_view(rec.ids))
             if rec.rows is not None and rec.states_dtype is not None:
                 if typed is None:
@@ -255,7 +274,7 @@ def plan_unique(
         if extra_ids:
             ids.extend(extra_ids.get(fqn, ()))
         if not ids:
-            out[fqn] = TablePlan(None, empty=empty_rows(entry, mode, channel))
+            out[fqn] = TablePlan(None, empty=empty_rows(entry, mode, channel, fmt))
             continue
         states = rows if len(rows) == len(ids) else None
         out[fqn] = TablePlan(plan_unique_rows(ids, states, mode, memo, fqn), typed if states is not None else None)
@@ -428,15 +447,20 @@ def publish_times(r: ReadTxn, start_idx: int, end_idx: int) -> Dict[int, float]:
     return out
 
 
-def last_stamps(r: ReadTxn, fqn: str, start_idx: int, end_idx: int, channel: str = SNAPSHOTS) -> torch.Tensor:
+def last_stamps(r: ReadTxn, fqn: str, start_idx: int, end_idx: int, channel: str = SNAPSHOTS,
+                fmt: str = codec.NATIVE, exact: bool = False) -> torch.Tensor:
     """Per unique id of ``fqn``'s records in ``[start_idx, end_idx)`` (ascending, as
     :func:`read_unique` returns them), the batch index of the last record holding it: the
-    publish a snapshot row's value comes from. Empty when the table has no records there."""
+    publish a snapshot row's value comes from. Empty when the table has no records there.
+    ``fmt``/``exact``: the records of that row format only, as :func:`plan_unique` reads them."""
     entry = r.table(fqn)
     ids: List[torch.Tensor] = []
     stamps: List[torch.Tensor] = []
     if entry is not None:
         for rec in r.iter_records(entry.table_id, start_idx, end_idx, channel=channel):
+            dtype = None if rec.states is None else rec.states.dtype
+            if not (rec.format == fmt if exact else codec.serves(rec.format, dtype, fmt)):
+                continue
             ids.append(rec.ids)
             stamps.append(torch.full((int(rec.ids.numel()), 1), rec.batch_idx, dtype=torch.int64))
     if not ids:

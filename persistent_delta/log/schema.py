@@ -131,6 +131,17 @@ def check_channel(channel: object) -> str:
     return str(channel)
 
 
+def check_read_format(fmt: object, channel: str) -> str:
+    """Validate a reader's row format for ``channel``: any of
+    :data:`~persistent_delta.log.codec.ROW_FORMATS` (or ``"*"``, a shipper's: every format)
+    on the snapshots channel, ``"native"`` on the lookups channel."""
+    out = codec.check_format(fmt, any_ok=True)
+    if channel != SNAPSHOTS and out != codec.NATIVE:
+        raise InvalidInputError(f"row format {out!r}: formats are for snapshots (published rows); the {channel!r} "
+                                "channel holds the tracked rows as recorded")
+    return out
+
+
 # ------------------------------------------------------------------------------ entries
 
 
@@ -261,6 +272,10 @@ class ConsumerEntry:
         history: its last :data:`COMMIT_HISTORY` commits, oldest first (the health window of
             :mod:`persistent_delta.ops.health`). Entries written before this field read back
             with an empty history; readers that predate it ignore the field.
+        format: the row format a snapshots consumer asked for at registration
+            (:data:`persistent_delta.log.codec.ROW_FORMATS`; ``"*"``: a shipper, which reads
+            every format and asks for none). Entries written before this field read back as
+            ``"native"``; readers that predate it ignore the field.
     """
 
     offset: int
@@ -270,12 +285,15 @@ class ConsumerEntry:
     registered_by: str = BY_TRAINER
     expired: bool = False
     history: Tuple[CommitPoint, ...] = ()
+    format: str = codec.NATIVE
 
     @staticmethod
-    def new(offset: int, channel: str, delivery: Delivery) -> "ConsumerEntry":
-        """A fresh registration at ``offset`` (now as its commit time)."""
+    def new(offset: int, channel: str, delivery: Delivery, fmt: str = codec.NATIVE) -> "ConsumerEntry":
+        """A fresh registration at ``offset`` (now as its commit time), asking for rows in
+        ``fmt``."""
         by = BY_TRAINER if delivery == Delivery.IN_TRANSACTION else BY_EXTERNAL
-        return ConsumerEntry(offset=offset, channel=channel, delivery=delivery, commit_time=time.time(), registered_by=by)
+        return ConsumerEntry(offset=offset, channel=channel, delivery=delivery, commit_time=time.time(), registered_by=by,
+                             format=fmt)
 
     def committed(self, offset: int, end: int = -1) -> "ConsumerEntry":
         """This entry with ``offset`` committed now (clears ``expired``); the commit joins the
@@ -287,7 +305,7 @@ class ConsumerEntry:
         """
         now = time.time()
         history = (*self.history, CommitPoint(now, offset, end))[-COMMIT_HISTORY:]
-        return ConsumerEntry(offset, self.channel, self.delivery, now, self.registered_by, False, history)
+        return ConsumerEntry(offset, self.channel, self.delivery, now, self.registered_by, False, history, self.format)
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
@@ -325,7 +343,17 @@ class ConsumerEntry:
             registered_by=registered_by,
             expired=bool(d.get("expired", False)),
             history=_history(d.get("history"), what),
+            format=_format(d.get("format"), what),
         )
+
+
+def _format(raw: object, what: str) -> str:
+    """A stored row format; an entry written before the field asked for native rows."""
+    if raw is None:
+        return codec.NATIVE
+    if not isinstance(raw, str) or (raw not in codec.ROW_FORMATS and raw != codec.ANY_FORMAT):
+        raise CorruptRecordError(f"{what}: unknown row format {str(raw)[:40]!r}")
+    return raw
 
 
 def _history(raw: object, what: str) -> Tuple[CommitPoint, ...]:

@@ -119,7 +119,8 @@ def apply_poll(
     :mod:`persistent_delta.threads`).
 
     Raises:
-        InvalidInputError: not a snapshots poll; a table is missing (``strict``), not 2-D,
+        InvalidInputError: not a snapshots poll; int8 rows (for a quantized inference model:
+            :mod:`persistent_delta.read.inference`); a table is missing (``strict``), not 2-D,
             smaller than the shard says, or of another dtype.
         IncompletePollError: ``complete_only`` and the poll is not complete.
     """
@@ -160,6 +161,11 @@ def check_poll(poll: DeltaPoll, complete_only: bool) -> None:
     if poll.channel != SNAPSHOTS:
         raise InvalidInputError(
             f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
+    if any(part.format == "int8" for part in poll):
+        raise InvalidInputError(
+            "this poll holds int8 rows (FBGEMM's row-wise int8: uint8 [n, dim + 4]); apply_poll writes float tables. "
+            "Apply them into a TorchRec quantized inference model (persistent_delta.read.inference.InferenceReplica), "
+            "or read a float format (DeltaConsumer(..., format='native'))")
     if complete_only and not poll.complete:
         raise IncompletePollError(
             f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "

@@ -45,7 +45,7 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
-from persistent_delta.log import position_rules
+from persistent_delta.log import codec, position_rules
 from persistent_delta.log.alloc import ResultBuffers
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
@@ -75,6 +75,7 @@ from persistent_delta.log.schema import (
     check_table_filter,
     check_channel,
     check_consumer_name,
+    check_read_format,
 )
 
 logger = logging.getLogger(__name__)
@@ -119,12 +120,20 @@ class DeltaReader:
             their transaction ids -- see :func:`persistent_delta.log.lmdbenv.check_file`).
         ranks: read only these ranks of the job (a shipper reads its own host's ranks); the
             complete-batch rule then holds over these ranks only. Default: every rank.
+        format: the row format of the snapshot rows to read (``"native"``, default;
+            ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"``: see
+            :data:`persistent_delta.log.codec.ROW_FORMATS`). A poll holds only records of this
+            format (:attr:`DeltaPoll.passed_over` counts the others); int8 rows are always
+            whole rows, a column-wise table's joined from its ranks' halves and quantized by
+            the poll. Publishes write a format only when asked for: register a
+            :class:`DeltaConsumer` with it, or pass it to ``tracker.publish(formats=...)``.
 
     Raises:
         NotALogError: no log under ``root`` (after ``wait``), or ranks still missing after a
             positive ``wait`` (named in the message).
         DamagedLogError: a log file fails those checks (it is not opened).
-        InvalidInputError: a bad channel, start, reset policy or wait.
+        InvalidInputError: a bad channel, start, reset policy, wait or format (a format other
+            than native on the lookups channel).
     """
 
     _readonly = True
@@ -140,11 +149,13 @@ class DeltaReader:
         options: Optional[LogOptions] = None,
         check: bool = False,
         ranks: Optional[Sequence[int]] = None,
+        format: str = codec.NATIVE,
     ) -> None:
         self._closed = True
         self._full_check = check
         self._only: Optional[Set[int]] = None if ranks is None else {int(r) for r in ranks}
         self.channel = check_channel(channel)
+        self.format = check_read_format(format, self.channel)
         if reset is not None and reset not in RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
         if not (start in RESET_POLICIES or (isinstance(start, int) and not isinstance(start, bool))):
@@ -342,16 +353,18 @@ class DeltaReader:
         if max_bytes is not None:
             pieces = fetch.stored_bytes(self._logs, positions, stops, self.channel)
             stops = clip_stops(positions, stops, byte_cut(pieces, max_bytes, max(stops.values(), default=0)))
-        ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take)
+        ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take,
+                                  self.format)
         if stops != positions and {rank: log.read(position_rules.restart_generation)
                                    for rank, log in self._logs.items()} != generations:
             # a restart or restore began on some rank meanwhile: this read may mix its sides
-            ranks = fetch.fetch_ranks(self._logs, positions, dict(positions), self.channel, self._tables, self._buffers.take)
+            ranks = fetch.fetch_ranks(self._logs, positions, dict(positions), self.channel, self._tables, self._buffers.take,
+                                      self.format)
         for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,
                          world_size=None if self._expected is None else len(self._expected),
-                         read_threads=self._options.read_threads)
+                         read_threads=self._options.read_threads, format=self.format)
 
     def _label(self) -> str:
         return "(unregistered reader)"
@@ -438,11 +451,17 @@ class DeltaConsumer(DeltaReader):
         options: see :class:`DeltaReader`.
         check: see :class:`DeltaReader`.
         ranks: see :class:`DeltaReader`.
+        format: the row format this snapshots consumer stores (see :class:`DeltaReader`),
+            recorded in its entry at registration: from then on every publish writes its
+            rows in this format too (converted on the trainer's writer thread). A
+            registered name keeps its format; to change it, delete the name and register
+            it again.
 
     Raises:
         NotALogError: ``root`` holds no log (after ``wait``).
         UnknownConsumerError: ``register=False`` and the name is missing on a rank.
-        ConfigMismatchError: the name is registered for the other channel.
+        ConfigMismatchError: the name is registered for the other channel, or with another
+            format.
         LogLockedError: another process (the trainer, another consumer, the offsets tool) uses
             the name now.
         InvalidInputError: bad name, channel or reset policy.
@@ -462,6 +481,7 @@ class DeltaConsumer(DeltaReader):
         options: Optional[LogOptions] = None,
         check: bool = False,
         ranks: Optional[Sequence[int]] = None,
+        format: str = codec.NATIVE,
     ) -> None:
         self._closed = True
         self.name = check_consumer_name(name)
@@ -470,7 +490,7 @@ class DeltaConsumer(DeltaReader):
         self._committed: Dict[int, int] = {}
         start: Start = "latest" if reset == "latest" else "earliest"
         super().__init__(root, channel=channel, start=start, reset=reset, tables=tables, wait=wait, options=options,
-                         check=check, ranks=ranks)
+                         check=check, ranks=ranks, format=format)
         logger.info("consumer %r (%s) on %s: positions %s", self.name, self.channel, self.root, self._positions)
 
     def _label(self) -> str:
@@ -496,6 +516,12 @@ class DeltaConsumer(DeltaReader):
         return offset
 
     def _check_entry(self, rank: int, entry: ConsumerEntry) -> int:
+        if entry.channel == self.channel and entry.format != self.format:
+            raise ConfigMismatchError(
+                f"consumer {self.name!r} is registered for {entry.format!r} rows on rank {rank}, not {self.format!r}: a "
+                f"replica keeps the format it stores. Pass format={entry.format!r}, use another name, or, if nothing uses "
+                f"it any more, delete it: persistent-delta offsets {self.root} --delete {self.name} --execute"
+            )
         if entry.channel == self.channel:
             return entry.offset
         other = f"{self.name}.{self.channel}"
@@ -528,7 +554,7 @@ class DeltaConsumer(DeltaReader):
             if found is not None:  # registered meanwhile by another process
                 return self._check_entry(rank, found)
             offset = position_rules.registration_offset(w, self.channel, latest=self.reset == "latest")
-            position_rules.register(w, self.name, offset, self.channel, Delivery.POLL_COMMIT)
+            position_rules.register(w, self.name, offset, self.channel, Delivery.POLL_COMMIT, self.format)
             logger.info("registered consumer %r in %s at batch %d", self.name, log.path, offset)
             return offset
 

@@ -19,13 +19,13 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
-from persistent_delta.log import position_rules
+from persistent_delta.log import codec, position_rules
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, read_all
 from persistent_delta.log.records import TablePlan, batch_bytes, last_stamps, plan_unique, publish_times
 from persistent_delta.log.rows import IdMemo
 from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ShardInfo
 from persistent_delta.log.zch_records import ZchDelta, read_side
-from persistent_delta.read.results import RankDelta, table_delta, tiles_the_row
+from persistent_delta.read.results import RankDelta, join_int8, table_delta, tiles_the_row
 
 
 class PlannedTable(NamedTuple):
@@ -50,15 +50,22 @@ class RankPlan:
     end_idx: int
     tables: Dict[str, PlannedTable]
     publishes: Dict[int, float] = field(default_factory=dict)
+    format: str = codec.NATIVE  # the row format of ``tables``
+    passed_over: int = 0  # records of other row formats passed over
+    formats: Dict[str, Dict[str, PlannedTable]] = field(default_factory=dict)  # a reader of every format: the others
 
     def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
         """The :class:`~persistent_delta.read.results.RankDelta`: the tables' rows copied out of the map (inside the
         transaction the plan was made in), or taken from ``rows`` where it has them."""
         out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
-                        publishes=self.publishes)
+                        publishes=self.publishes, passed_over=self.passed_over)
         for fqn, (tp, shard, stamps, side) in self.tables.items():
             u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
-            out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side)
+            out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side,
+                                          self.format)
+        for f, planned in self.formats.items():
+            out.formats[f] = {fqn: table_delta(fqn, self.rank, self.start_idx, self.end_idx, tp.finish(), shard, stamps,
+                                               None, f) for fqn, (tp, shard, stamps, _) in planned.items()}
         return out
 
 
@@ -71,24 +78,44 @@ def plan_range(
     channel: str = LOOKUPS,
     tables: Optional[Sequence[str]] = None,
     memo: Optional[IdMemo] = None,
+    fmt: str = codec.NATIVE,
 ) -> RankPlan:
-    """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``)."""
+    """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``). ``fmt``:
+    the reader's row format (snapshots); :data:`~persistent_delta.log.codec.ANY_FORMAT` reads
+    native records into ``tables`` and every other format's into ``formats``."""
     mode = position_rules.update_mode(r, channel)
     start_idx = position_rules.read_start(r, start_idx, channel)
     end_idx = max(end_idx, start_idx)
-    plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo)
+    every = fmt == codec.ANY_FORMAT
+    first = codec.NATIVE if every else fmt
+    passed: Dict[str, int] = {}
+    plans = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, memo=memo,
+                        fmt=first, exact=every, passed=passed)
     entries = r.tables()
-    out = RankPlan(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx, tables={})
+    out = RankPlan(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx, tables={}, format=first)
     if channel == SNAPSHOTS:
         out.publishes = publish_times(r, start_idx, end_idx)
-    for fqn, tp in sorted(plans.items()):
-        shard = ShardInfo.from_entry(entries[fqn])
-        stamps = None
-        if channel == SNAPSHOTS and shard is not None and shard.replicated and tp.num_rows:
-            stamps = last_stamps(r, fqn, start_idx, end_idx)  # newest publish wins across ranks
-        side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) if channel == LOOKUPS \
-            else None
-        out.tables[fqn] = PlannedTable(tp, shard, stamps, side)
+
+    def planned(found: Dict[str, TablePlan], f: str) -> Dict[str, PlannedTable]:
+        got: Dict[str, PlannedTable] = {}
+        for fqn, tp in sorted(found.items()):
+            shard = ShardInfo.from_entry(entries[fqn])
+            stamps = None
+            if channel == SNAPSHOTS and shard is not None and shard.replicated and tp.num_rows:
+                stamps = last_stamps(r, fqn, start_idx, end_idx, fmt=f, exact=every)  # newest publish wins across ranks
+            side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) \
+                if channel == LOOKUPS else None
+            got[fqn] = PlannedTable(tp, shard, stamps, side)
+        return got
+
+    out.tables = planned(plans, first)
+    if every:
+        for f in sorted(passed):
+            found = plan_unique(r, mode, start_idx, end_idx, tables=tables, listed_only=False, channel=channel, fmt=f,
+                                exact=True)
+            out.formats[f] = planned({fqn: tp for fqn, tp in found.items() if tp.num_rows}, f)
+    else:
+        out.passed_over = sum(passed.values())
     return out
 
 
@@ -205,6 +232,7 @@ def fetch_ranks(
     channel: str = LOOKUPS,
     tables: Optional[Sequence[str]] = None,
     alloc: Optional[Callable[[int], torch.Tensor]] = None,
+    fmt: str = codec.NATIVE,
 ) -> Dict[int, RankDelta]:
     """One poll's read: per rank, the unique rows of ``[read_start(positions[rank]),
     stops[rank])`` (half-open), every rank's read transaction open at once so that the rows of
@@ -218,6 +246,8 @@ def fetch_ranks(
         channel: ``"lookups"`` or ``"snapshots"``.
         tables: only these table fqns (default: all).
         alloc: where the poll's buffer comes from (see :func:`finish_ranks`).
+        fmt: the reader's row format (:func:`plan_range`); an int8 read's column-wise tables
+            come back as whole quantized rows (:func:`~persistent_delta.read.results.join_int8`).
 
     Returns:
         rank -> its :class:`~persistent_delta.read.results.RankDelta`, reporting the range
@@ -227,11 +257,12 @@ def fetch_ranks(
 
     def read(txns: List[ReadTxn]) -> Dict[int, RankDelta]:
         memo = IdMemo()  # column-wise shards: one table's ids are the same on every rank
-        plans = {rank: plan_range(r, rank, log.path, positions[rank], stops[rank], channel, tables, memo)
+        plans = {rank: plan_range(r, rank, log.path, positions[rank], stops[rank], channel, tables, memo, fmt)
                  for (rank, log), r in zip(ordered, txns)}
         return finish_ranks(plans, alloc)
 
-    return read_all([log for _, log in ordered], read)
+    out = read_all([log for _, log in ordered], read)
+    return join_int8(out) if fmt == codec.INT8 else out
 
 
 def stored_bytes(

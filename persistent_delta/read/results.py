@@ -12,7 +12,7 @@ half-open range it actually read. Reading the log into these types is
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -21,6 +21,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
+from persistent_delta.log import codec
 from persistent_delta.log.rows import compute_unique_rows, is_ascending, ordered_runs, unique_ids
 from persistent_delta.log.schema import ShardInfo
 from persistent_delta.threads import intra_op_threads
@@ -43,6 +44,12 @@ class TableDelta:
     contiguous), and column-wise shards with the same ids hold one ids tensor. Treat them as
     read-only, or clone what you change or keep apart from the rest: a kept view keeps the
     whole poll's buffer alive.
+
+    ``format``: the row format of ``states`` (:data:`persistent_delta.log.codec.ROW_FORMATS`,
+    the reader's choice): ``"int8"`` states are uint8 ``[n, dim + 4]`` (FBGEMM's row-wise int8:
+    values, fp16 scale, fp16 bias), always whole rows -- a column-wise table's int8 rows are
+    joined from its ranks' halves and quantized by the poll (:func:`join_int8`), and handed
+    out as one part of the lowest rank, spanning every column.
     """
 
     fqn: str
@@ -54,6 +61,7 @@ class TableDelta:
     shard: Optional[ShardInfo] = None
     stamps: Optional[torch.Tensor] = None  # snapshots of a replicated table: per row, its publish's stamp
     zch: Optional[ZchDelta] = None  # a managed-collision table's raw ids (lookups channel)
+    format: str = codec.NATIVE  # the row format of the states
 
     @property
     def ids(self) -> torch.Tensor:
@@ -89,6 +97,10 @@ class RankDelta:
     end_idx: int
     tables: Dict[str, TableDelta] = field(default_factory=dict)
     publishes: Dict[int, float] = field(default_factory=dict)  # snapshots: stamp -> publish time
+    passed_over: int = 0  # snapshots: records of other row formats the read passed over
+    unjoined: int = 0  # int8: rows of a column-wise table left out, some column half missing (see join_int8)
+    # a reader of every format (a shipper): format -> fqn -> rows of the other formats
+    formats: Dict[str, Dict[str, TableDelta]] = field(default_factory=dict)
 
 
 @dataclass
@@ -292,6 +304,21 @@ class DeltaPoll:
     ranks: Dict[int, RankDelta]
     world_size: Optional[int] = None
     read_threads: int = field(default_factory=lambda: LogOptions.resolve().read_threads)
+    format: str = codec.NATIVE  # the row format the reader asked for (every TableDelta's)
+
+    @property
+    def passed_over(self) -> int:
+        """Snapshot records of other row formats than :attr:`format` that this poll passed
+        over, summed over ranks (the publishes wrote them for other consumers): a poll that
+        moved but holds no rows, with this above zero, read only other formats' records --
+        was the format asked for at registration, or passed to ``publish(formats=...)``?"""
+        return sum(d.passed_over for d in self.ranks.values())
+
+    @property
+    def unjoined(self) -> int:
+        """int8 polls: rows of column-wise tables left out because the poll held only some of
+        their column halves (:func:`join_int8`), summed over ranks; 0 otherwise."""
+        return sum(d.unjoined for d in self.ranks.values())
 
     @property
     def complete(self) -> bool:
@@ -389,12 +416,72 @@ class DeltaPoll:
 
 def table_delta(
     fqn: str, rank: int, start_idx: int, end_idx: int, rows: UniqueRows, shard: Optional[ShardInfo],
-    stamps: Optional[torch.Tensor] = None, zch: Optional[ZchDelta] = None,
+    stamps: Optional[torch.Tensor] = None, zch: Optional[ZchDelta] = None, fmt: str = codec.NATIVE,
 ) -> TableDelta:
     """One rank's :class:`TableDelta` of ``[start_idx, end_idx)``: ``rows`` in shard-local ids,
-    and the same rows in global row ids (local id + the shard's row offset); ``stamps`` and
-    ``zch``: see :class:`TableDelta`."""
+    and the same rows in global row ids (local id + the shard's row offset); ``stamps``,
+    ``zch`` and ``fmt`` (its ``format``): see :class:`TableDelta`."""
     gids = rows.ids.to(torch.int64)
     if shard is not None and shard.row_offset:
         gids = gids + shard.row_offset
-    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard, stamps, zch)
+    return TableDelta(fqn, rank, start_idx, end_idx, rows, gids, shard, stamps, zch, fmt)
+
+
+def _column_split(shard: Optional[ShardInfo]) -> bool:
+    return shard is not None and shard.local_cols is not None and shard.global_cols is not None and \
+        shard.local_cols != shard.global_cols
+
+
+def join_int8(ranks: Dict[int, RankDelta]) -> Dict[int, RankDelta]:
+    """An int8 poll's column-wise tables as whole quantized rows, in place (returns ``ranks``):
+    the ranks' float32 column halves of each row (written flagged ``"int8"``: no rank can
+    quantize a half, whose scale is the whole row's) are joined and quantized
+    (:func:`persistent_delta.log.codec.quantize_int8`), and handed out as one
+    :class:`TableDelta` of the lowest rank, in global ids, spanning every column; the other
+    ranks' parts of the table are dropped. A row of which the poll holds some halves only (a
+    rank re-sent it alone, e.g. after a restart) cannot be quantized: it is left out and
+    counted in the lowest rank's :attr:`RankDelta.unjoined`. Local and remote polls both
+    finish through it.
+
+    Raises:
+        InvalidInputError: a table's halves do not tile its row.
+    """
+    by_table: Dict[str, List[TableDelta]] = {}
+    for rank in sorted(ranks):
+        for fqn, t in ranks[rank].tables.items():
+            if _column_split(t.shard):
+                by_table.setdefault(fqn, []).append(t)
+    for fqn, parts in by_table.items():
+        shard = parts[0].shard
+        assert shard is not None and shard.global_cols is not None
+        groups: Dict[int, List[TableDelta]] = {}
+        for p in parts:
+            groups.setdefault(p.col_offset, []).append(p)
+        widths = {off: int(ps[0].shard.local_cols or 0) for off, ps in groups.items()}  # type: ignore[union-attr]
+        if not tiles_the_row(list(widths.items()), shard.global_cols):
+            raise InvalidInputError(f"int8 poll: the column halves of table {fqn!r} ({sorted(widths.items())}) do not "
+                                    f"tile its {shard.global_cols} columns")
+        cols = {off: _cat_rows([UniqueRows(ids=p.global_ids, states=p.states) for p in ps if p.ids.numel()] or
+                               [UniqueRows(ids=ps[0].global_ids, states=ps[0].states)])
+                for off, ps in sorted(groups.items())}
+        every = unique_ids(torch.cat([c.ids for c in cols.values()]))
+        common = every
+        for c in cols.values():
+            common = common[torch.isin(common, c.ids)]
+        halves = []
+        for off, c in cols.items():
+            pos = torch.searchsorted(c.ids, common)
+            assert c.states is not None
+            halves.append(c.states.index_select(0, pos).to(torch.float32).reshape(common.numel(), widths[off]))
+        ids = common.to(torch.int64)
+        states = codec.quantize_int8(torch.cat(halves, dim=1)) if ids.numel() else \
+            torch.empty((0, shard.global_cols + codec.INT8_TAIL), dtype=torch.uint8)
+        whole = replace(shard, row_offset=0, col_offset=0, local_cols=shard.global_cols, local_rows=shard.global_rows)
+        first = parts[0]
+        for p in parts:
+            del ranks[p.rank].tables[fqn]
+        ranks[first.rank].tables[fqn] = TableDelta(
+            fqn, first.rank, min(p.start_idx for p in parts), max(p.end_idx for p in parts),
+            UniqueRows(ids=ids, states=states), ids, whole, None, None, codec.INT8)
+        ranks[first.rank].unjoined += int(every.numel() - common.numel())
+    return ranks

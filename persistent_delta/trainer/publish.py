@@ -24,12 +24,23 @@ A publish runs in two parts:
   runs at once): moves the consumer past the rows read, writes the records and the new snapshot
   end, and enforces retention -- all in one transaction, so a crash leaves either the whole
   publish or none of it (the consumer then reads the same rows again at the next publish).
+
+Row formats. A publish writes its rows once per row format asked for
+(:data:`persistent_delta.log.codec.ROW_FORMATS`): the formats of the snapshots consumers
+registered in the log when it is captured (:attr:`ConsumerEntry.format`) and those passed to
+``tracker.publish(consumer, formats=...)``; ``"native"`` alone when nothing asks. The training
+thread's part does not change with them: it gathers the native rows once. The conversions
+(a cast for float16/bfloat16, FBGEMM's row-wise int8 quantization) run in
+:func:`write_publish`, on the writer thread. A float format of the table's own dtype is the
+native record (stored once). A column-wise shard's int8 record holds its float32 column half,
+flagged ``"int8"``: the scale and bias are the whole row's, which no rank holds, so the
+reader joins the halves and quantizes (:func:`persistent_delta.read.results.join_int8`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Dict, FrozenSet, Iterable, Optional, Sequence, Tuple
 
 from torchrec.distributed.model_tracker.types import UpdateMode
 
@@ -51,8 +62,10 @@ class Captured:
     end: int  # the position the consumer moves to
     stamp: int  # batch index the records are stored under
     publish_time: float
-    records: Dict[str, codec.Encoded] = field(default_factory=dict)  # fqn -> encoded snapshot record
+    records: Dict[str, codec.Encoded] = field(default_factory=dict)  # fqn -> encoded snapshot record (native)
     rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows captured
+    formats: Tuple[str, ...] = (codec.NATIVE,)  # the row formats to write (write_publish converts)
+    column_half: FrozenSet[str] = frozenset()  # fqns of column-wise shards (int8: float32 halves)
 
     @property
     def nbytes(self) -> int:
@@ -62,12 +75,24 @@ class Captured:
 BUFFER_HEADROOM = 1.25  # a new reusable buffer is this much larger than the record that needed it
 
 
+def publish_formats(r: ReadTxn, asked: Iterable[str] = ()) -> Tuple[str, ...]:
+    """The row formats a publish writes: those of the snapshots consumers registered in the
+    log, and ``asked`` (checked names); ``("native",)`` when there are none. In
+    :data:`~persistent_delta.log.codec.ROW_FORMATS` order."""
+    want = {codec.check_format(f) for f in asked}
+    want.update(e.format for e in r.consumers().values() if e.channel == SNAPSHOTS and e.format != codec.ANY_FORMAT)
+    return tuple(f for f in codec.ROW_FORMATS if f in want) or (codec.NATIVE,)
+
+
 def capture(
     r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
-    buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (),
+    buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
+
+    ``formats``: row formats asked for besides those of the registered snapshots consumers
+    (:func:`publish_formats`); the records hold native rows, :func:`write_publish` converts.
 
     ``pending``: lookups records handed to the writer and not committed yet; their rows are
     unread too (:func:`persistent_delta.trainer.consume.consume_read_ids`). The
@@ -83,15 +108,22 @@ def capture(
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
-        InvalidInputError: a pending record holds a negative id (the log never does).
+        InvalidInputError: a pending record holds a negative id (the log never does); an
+            unknown format; int8 asked for a table whose values are not float32 or float16.
     """
     entry, unread = consume.consume_read_ids(r, name, pending)
-    out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time)
+    out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time,
+                   formats=publish_formats(r, formats))
+    halves = set()
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
             continue
         check_row_ids(fqn, int(ids[0]))  # (ascending: the smallest) before gathering rows by them
         weights = tables[fqn].weights()
+        if tables[fqn].local_cols != tables[fqn].global_cols:
+            halves.add(fqn)
+        for f in out.formats:  # refused here, in the caller's thread, not later by the writer
+            codec.format_states(f, weights.dtype, tuple(weights.shape[1:]), fqn in halves)
         into = None
         if buffers is not None:
             size = codec.encoded_size(ids, weights.dtype, (int(ids.numel()), int(weights.shape[1])),
@@ -102,7 +134,27 @@ def capture(
         out.records[fqn] = codec.encode_gathered(ids, weights, ids, codec.KIND_SNAPSHOT, publish_time,
                                                  checksum=False, into=into)  # (checksum: by the writer, write_publish)
         out.rows[fqn] = int(ids.numel())
+    out.column_half = frozenset(halves)
     return out
+
+
+def formatted_records(cap: Captured, fqn: str, value: codec.Encoded) -> Iterable[codec.Encoded]:
+    """``fqn``'s captured (native, unchecksummed) record as the records to store, one per
+    stored format of ``cap.formats``, checksummed: the native record itself when a format is
+    stored as native, else its rows converted (:func:`persistent_delta.log.codec.convert_rows`)
+    into a record of their own."""
+    rec = codec.decode_record(value, verify=False)
+    assert rec.states is not None
+    native_done = False
+    for f in cap.formats:
+        stored = codec.stored_format(f, rec.states.dtype)
+        if stored == codec.NATIVE:
+            if not native_done:
+                native_done = True
+                yield codec.checksum_record(value)
+            continue
+        rows = codec.convert_rows(rec.states, stored, fqn in cap.column_half)
+        yield codec.encode_record(rec.ids, rows, codec.KIND_SNAPSHOT, publish_time=cap.publish_time, fmt=stored)
 
 
 def write_publish(
@@ -125,7 +177,8 @@ def write_publish(
     for fqn, value in cap.records.items():
         entry = w.table(fqn)
         if entry is not None:
-            w.put_record(entry.table_id, cap.stamp, codec.checksum_record(value), channel=SNAPSHOTS)
+            for record in formatted_records(cap, fqn, value):
+                w.put_record(entry.table_id, cap.stamp, record, channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
         position_rules.enforce_retention(w, SNAPSHOTS, bound)

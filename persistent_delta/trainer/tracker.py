@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torchrec.distributed.model_tracker.model_delta_tracker import UPDATE_MODE_M
 from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, UpdateMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from persistent_delta.log import position_rules
+from persistent_delta.log import codec, position_rules
 from persistent_delta.trainer import consume, publish, restore, topk
 from persistent_delta.trainer.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.trainer.capture import unregister_hooks
@@ -305,11 +305,23 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._log.write(lambda w: position_rules.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
 
     # ------------------------------------------------------------------ publish, checkpoints
-    def publish(self, consumer: str) -> Dict[str, int]:
+    def publish(self, consumer: str, formats: Sequence[str] = ()) -> Dict[str, int]:
         """Write snapshot records of the rows changed since ``consumer`` last read, with their values
         now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them (and the
-        consumer's position) in one transaction in the background (``flush()`` waits)."""
+        consumer's position) in one transaction in the background (``flush()`` waits).
+
+        The rows are written once per row format asked for: those of the registered snapshots
+        consumers, and ``formats`` (for readers not registered in the log, such as remote
+        consumers); ``"native"`` when nothing asks. Conversions run on the writer thread.
+
+        Raises:
+            InvalidInputError: an unknown format, or ``"int8"`` for a table whose values are
+                not float32 or float16.
+        """
         name, t = check_consumer_name(consumer), time.time()
+        formats = tuple(formats)
+        for f in formats:
+            codec.check_format(f)
         self._check()
         if self._pending_restore is not None:
             self._first_step()
@@ -318,7 +330,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
         try:
             cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
-                                                           self._publish_buffers, pending))
+                                                           self._publish_buffers, pending, formats))
         except InvalidInputError:
             if pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so

@@ -754,3 +754,34 @@ def negative_id_publish_case(rank: int, world_size: int, root: str) -> Dict[str,
     except WriterError:
         pass
     return out
+
+
+FORMAT_CONSUMERS = {f"replica-{f}": f for f in ("native", "float32", "float16", "bfloat16", "int8")}
+
+
+def publish_formats_case(rank: int, world_size: int, root: str, sharding: str, dp_tables: Tuple[int, ...]
+                         ) -> Dict[str, Any]:
+    """Register one snapshots consumer per row format (rank 0, after attach: they hold the
+    formats each publish writes), train and publish three times, and return this rank's
+    shards at the last publish (with their placement), for the formats' round trips."""
+    import torch.distributed as dist
+
+    from harness import table_shard_info
+    from persistent_delta.read.consumer import DeltaConsumer
+
+    dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", dp_tables=dp_tables)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
+    dist.barrier()
+    if rank == 0:
+        for name, fmt in FORMAT_CONSUMERS.items():
+            DeltaConsumer(root, name, channel="snapshots", format=fmt, wait=30).close()
+    dist.barrier()
+    shards: Dict[str, Any] = {}
+    for i, b in enumerate(make_batches("ec", 6, 8, seed=5, world_size=world_size, rank=rank)):
+        train_step(dmp, b)
+        if i % 2 == 1:
+            t.publish("serving")
+            info = table_shard_info(dmp)
+            shards = {fqn: (lt.weights().detach().clone(), info[fqn]) for fqn, lt in t.local_tables.items()}
+    t.close()
+    return {"shards": shards}
