@@ -91,6 +91,8 @@ class LocalServer:
         cluster_port: the cluster listen port (None: not clustered).
         routes: the other nodes' cluster ports.
         max_payload: the server's max message payload in bytes (NATS default 1 MiB).
+        extra_config: more configuration, appended to its config file (an ``authorization``
+            block with users and permissions, say).
 
     Not thread-safe; the process that started it stops it (``stop``/``kill``, or the context
     manager).
@@ -98,7 +100,7 @@ class LocalServer:
 
     def __init__(
         self, directory: str, port: Optional[int] = None, name: str = "pd-0", cluster_port: Optional[int] = None,
-        routes: Sequence[int] = (), max_payload: int = 1 << 20,
+        routes: Sequence[int] = (), max_payload: int = 1 << 20, extra_config: str = "",
     ) -> None:
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
@@ -107,6 +109,7 @@ class LocalServer:
         self.cluster_port = cluster_port
         self.routes = list(routes)
         self.max_payload = max_payload
+        self.extra_config = extra_config
         self.proc: Optional[subprocess.Popen] = None  # type: ignore[type-arg]
         self.config = os.path.join(self.directory, "server.conf")
         self.log = os.path.join(self.directory, "server.log")
@@ -131,7 +134,7 @@ class LocalServer:
             routes = ", ".join(f"nats-route://{HOST}:{p}" for p in self.routes)
             lines += ["cluster {", "  name: pd", f"  listen: {HOST}:{self.cluster_port}", f"  routes: [{routes}]", "}"]
         with open(self.config, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write("\n".join(lines) + "\n" + self.extra_config)
 
     def start(self, timeout: float = 20.0) -> "LocalServer":
         """Start (or restart) the server on its port and store; returns when it listens."""

@@ -27,7 +27,13 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-from persistent_delta.errors import InvalidInputError, KeyConflictError, PersistentDeltaError, TransportError
+from persistent_delta.errors import (
+    InvalidInputError,
+    KeyConflictError,
+    PermissionDeniedError,
+    PersistentDeltaError,
+    TransportError,
+)
 from persistent_delta.fleet.subjects import BASE, BUCKETS, LOCKS, bucket, stream_name, stream_subjects
 from persistent_delta.fleet.transport import ConnectOptions, KvEntry, ServerSpec, StoredMessage, StreamOptions
 from persistent_delta.fleet.wire import Message
@@ -95,6 +101,7 @@ class Connection:
         self._thread.start()
         self._closed = False
         self._subs: List[Any] = []
+        self._denied: Tuple[float, str] = (0.0, "")  # the server's last permissions violation: (when, what)
         kw = nats_kwargs(self.options)
 
         async def connect() -> Any:
@@ -116,6 +123,9 @@ class Connection:
 
     async def _on_error(self, exc: Exception) -> None:
         logger.debug("nats: %r", exc)
+        text = str(exc)
+        if "permissions violation" in text.lower():  # a denied publish is otherwise only a timeout
+            self._denied = (time.monotonic(), text[:300])
 
     def _call(self, coro: Awaitable[_T], timeout: Optional[float] = None) -> _T:
         fut: "concurrent.futures.Future[_T]" = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
@@ -131,11 +141,17 @@ class Connection:
         if self._closed:
             raise TransportError(f"{what}: the connection to {','.join(self.servers)} is closed")
         t = timeout if timeout is not None else self.options.request_timeout + 1
+        started = time.monotonic()
         try:
             return self._call(fn(), t)
         except PersistentDeltaError:
             raise
         except Exception as exc:  # noqa: BLE001 - nats-py raises many types; callers act on one
+            when, denied = self._denied
+            if when >= started:
+                raise PermissionDeniedError(
+                    f"{what} on {','.join(self.servers)}: refused by the server's permissions for user "
+                    f"{self.options.user or '(token/creds)'} ({denied}); see docs/guides/security.md") from exc
             raise TransportError(f"{what} on {','.join(self.servers)} failed: {exc!r}") from exc
 
     @property
@@ -192,6 +208,8 @@ class Connection:
         for i in range(attempts):
             try:
                 return self.call(what, fn)
+            except PermissionDeniedError:
+                raise  # not transient
             except TransportError:
                 if i == attempts - 1:
                     raise

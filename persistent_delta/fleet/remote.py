@@ -61,6 +61,7 @@ from persistent_delta.errors import (
     CorruptRecordError,
     FormatMismatchError,
     InvalidInputError,
+    JobNotFoundError,
     KeyConflictError,
     LogClosedError,
     LogLockedError,
@@ -74,15 +75,17 @@ from persistent_delta.errors import (
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.records import empty_rows
 from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
-from persistent_delta.read.results import DeltaPoll, RankDelta, table_delta
+from persistent_delta.read.results import DeltaPoll, RankDelta, join_int8, table_delta
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.schema import (
     LOOKUPS,
+    SNAPSHOTS,
     ShardInfo,
     TableEntry,
     check_batch_idx,
     check_channel,
     check_consumer_name,
+    check_read_format,
     check_table_filter,
 )
 from persistent_delta.threads import intra_op_threads
@@ -157,7 +160,8 @@ class RemoteConsumer:
         wait: seconds to wait for the server, for the job's table metadata (a shipper that has
             not started yet), and for the name's claim (a killed holder's claim expires).
         connect: authentication/TLS.
-        stream: the bucket settings used when this consumer creates the job's buckets.
+        stream: unused (a remote consumer never creates the job's stream or buckets: the
+            shipper side does, with its own :class:`StreamOptions`); kept for callers.
         max_buffer_bytes: complete ranges buffered per rank at most, before a poll.
         retry_s: how long ``commit``, ``committed`` and ``end_offsets`` retry while the server
             is unreachable (a restart, a leader election) before raising ``TransportError``.
@@ -172,10 +176,17 @@ class RemoteConsumer:
             verified with it; what does not authenticate is skipped and reported in
             :attr:`rejected`.
         insecure: read unauthenticated data when no key is found (an explicit opt-out).
+        format: the row format of the snapshot rows to read, as a local consumer's (see
+            :class:`~persistent_delta.read.consumer.DeltaReader`): shippers carry every format
+            the publishes wrote, and this consumer keeps its own (``DeltaPoll.passed_over``
+            counts the other parts). Nothing on the stream registers it with the trainer: the
+            trainer's ``publish(..., formats=[...])`` (or a local snapshots consumer of the
+            format) makes the publishes write it.
 
     Raises:
         StreamKeyError: no key, and not ``insecure``.
         TransportError: the server cannot be reached within ``wait``.
+        JobNotFoundError: the job's stream does not exist on the server within ``wait``.
         NotALogError: no shipper has stored the job's table metadata within ``wait``.
         LogLockedError: another process uses the name.
     """
@@ -197,6 +208,7 @@ class RemoteConsumer:
         transport: Optional[Transport] = None,
         key: KeySpec = None,
         insecure: bool = False,
+        format: str = codec.NATIVE,
     ) -> None:
         self._closed = True
         self.rejected: Deque[PersistentDeltaError] = deque(maxlen=100)  # the last messages skipped, and why
@@ -206,6 +218,9 @@ class RemoteConsumer:
         self._scans: Dict[int, MarkerScan] = {}
         self.name = check_consumer_name(name)
         self.channel = check_channel(channel)
+        self.format = check_read_format(format, self.channel)
+        if self.format == codec.ANY_FORMAT:
+            raise InvalidInputError(f"a remote consumer reads one row format; the formats are {codec.ROW_FORMATS}")
         if reset is not None and reset not in position_rules.RESET_POLICIES:
             raise InvalidInputError(f"reset must be None, 'earliest' or 'latest', got {reset!r}")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
@@ -233,8 +248,8 @@ class RemoteConsumer:
         self.conn: Transport = transport
         self.server = ",".join(self.conn.servers)
         try:
-            self.conn.ensure_job(self.job, stream or StreamOptions())
             deadline = time.monotonic() + wait
+            self._await_job(deadline)  # a consumer never creates the job's stream or buckets: the shipper side does
             self._claim(deadline)
             self._closed = False
             self._load_meta(deadline)
@@ -247,6 +262,28 @@ class RemoteConsumer:
             raise
         logger.info("remote consumer %r (%s) of job %s on %s: positions %s", self.name, self.channel, self.job,
                     self.server, self.position())
+
+    def _await_job(self, deadline: float) -> None:
+        """Wait until the job's stream and buckets exist (created by its shipper), within the deadline.
+
+        Raises:
+            JobNotFoundError: they do not exist at the deadline.
+            TransportError: the server cannot be reached at the deadline.
+        """
+        while True:
+            try:
+                if self.conn.job_exists(self.job):
+                    return
+            except TransportError:
+                if time.monotonic() >= deadline:
+                    raise
+            else:
+                if time.monotonic() >= deadline:
+                    raise JobNotFoundError(
+                        f"job {self.job!r} has no stream on {self.server}: no shipper of it has run there yet, or the "
+                        "stream was deleted (a remote consumer never creates it: only the shipper side does). Start "
+                        "`persistent-delta ship ROOT --server ... --job ...`, or pass wait=")
+            time.sleep(0.2)
 
     # ------------------------------------------------------------------ the claim
     def _claim(self, deadline: float) -> None:
@@ -641,6 +678,7 @@ class RemoteConsumer:
                                       seq=m.seq)
             got = st.assembler.complete(m)
             if got is not None:
+                got = self._keep_format(m, got)
                 self._validate(st.rank, m, got)
         except CorruptRecordError as exc:
             self._reject(exc)
@@ -670,6 +708,31 @@ class RemoteConsumer:
             st.left.add(st.epoch)  # an explicit epoch start: the old epoch's markers are replays from now on
         st.epoch = m.epoch
 
+    def _keep_format(self, m: Marker, got: RangeContent) -> RangeContent:
+        """The range's rows of this consumer's row format, by the filter of a local read
+        (:func:`persistent_delta.log.codec.serves`); the parts of other formats are counted
+        in the marker's info (``passed_over``)."""
+        if self.channel != SNAPSHOTS:
+            return got
+        tables: Dict[str, UniqueRows] = {}
+        stamps: Dict[str, torch.Tensor] = {}
+        passed = 0
+        for fqn, u in got.tables.items():
+            if codec.serves(codec.NATIVE, None if u.states is None else u.states.dtype, self.format):
+                tables[fqn] = u
+                if fqn in got.stamps:
+                    stamps[fqn] = got.stamps[fqn]
+            else:
+                passed += 1
+        for f, rows in got.formats.items():
+            if f != self.format:
+                passed += len(rows)
+                continue
+            tables.update(rows)
+            stamps.update(got.format_stamps.get(f, {}))
+        m.info["passed_over"] = passed
+        return RangeContent(tables, got.side, stamps)
+
     def _validate(self, rank: int, m: Marker, got: RangeContent) -> None:
         """Check a complete range against the rank's table metadata before anything of it is kept.
 
@@ -690,6 +753,14 @@ class RemoteConsumer:
             entry = TableEntry.from_bytes(fqn, meta.entries[fqn])
             _check_ids(u.ids, ShardInfo.from_entry(entry), f"{where} table {fqn!r}", m.seq)
             want = entry.empty_states(self.channel)
+            if want is not None and self.format != codec.NATIVE:
+                shard = ShardInfo.from_entry(entry)
+                half = shard is not None and shard.local_cols is not None and shard.local_cols != shard.global_cols
+                try:
+                    dtype, tail = codec.format_states(self.format, want.dtype, tuple(want.shape[1:]), half)
+                except InvalidInputError as exc:
+                    raise StreamDataError(f"{where} table {fqn!r}: {exc}", seq=m.seq) from exc
+                want = torch.empty((0, *tail), dtype=dtype)
             if want is None:
                 if u.states is not None:
                     raise StreamDataError(f"{where} table {fqn!r}: rows carry states, the table has none", seq=m.seq)
@@ -807,9 +878,11 @@ class RemoteConsumer:
                         common is not None or not taken or st.ranges[0].marker.end <= soft[rank]):
                     taken.append(st.ranges.popleft())
             out[rank] = self._deliver(st, taken)
+        if self.format == codec.INT8:
+            join_int8(out)  # column-wise tables: halves joined and quantized, as a local poll's
         return DeltaPoll(channel=self.channel, ranks=out,
                          world_size=None if self._expected is None else len(self._expected),
-                         read_threads=self._read_threads)
+                         read_threads=self._read_threads, format=self.format)
 
     def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
                      soft: Dict[int, int]) -> Optional[int]:
@@ -840,6 +913,7 @@ class RemoteConsumer:
         for r in taken:
             for stamp, t in r.marker.info.get("publishes", []):
                 rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))
+            rd.passed_over += int(r.marker.info.get("passed_over", 0))
         if meta is None:
             return rd
         mode = UpdateMode(meta.modes.get(self.channel, "none"))
@@ -860,13 +934,13 @@ class RemoteConsumer:
                     got = compute_unique_rows(ids, per, UpdateMode.LAST).states
                     stamps = None if got is None else got.view(-1)
             else:
-                rows = empty_rows(entry, mode, self.channel)
+                rows = empty_rows(entry, mode, self.channel, self.format)
             shard = ShardInfo.from_entry(entry)
             zch = None
             if self.channel == LOOKUPS and is_managed(entry):  # the same rule as a local read (zchlog)
                 zch = side_delta(fqn, start, end, [rec for r in taken for rec in r.side.get(fqn, [])],
                                  shard.row_offset if shard is not None else 0, f"{self._where(st.rank)} {fqn!r}")
-            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, shard, stamps, zch)
+            rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, shard, stamps, zch, self.format)
         for r in taken:
             st.buffered -= r.nbytes
         if taken:

@@ -108,8 +108,9 @@ class Transport(Protocol):
     """What the fleet needs of a streaming engine: a connection to it.
 
     **Call order.** The constructor connects (an implementation's own; :func:`open_transport`
-    for a URL). :meth:`ensure_job` comes before any other call about a job, by whoever may be
-    first (a shipper, a remote consumer); it is idempotent. :meth:`object_put` and
+    for a URL). :meth:`ensure_job` comes before any other call about a job, by the shipper side
+    only (a shipper; it is idempotent); a remote consumer asks :meth:`job_exists` and creates
+    nothing (it may hold read-only permissions). :meth:`object_put` and
     :meth:`object_get` need no :meth:`ensure_job` (a base may be uploaded before any shipper
     ran). Then any method, in any order, until :meth:`close`. Every method takes the job's
     name (:func:`~persistent_delta.fleet.subjects.check_job`) and, for buckets, ``what``:
@@ -118,7 +119,7 @@ class Transport(Protocol):
     **Who calls what.** The shipper: :meth:`ensure_job`, :meth:`send_all` (the parts of a range,
     then its marker), :meth:`last_message` (its last marker, after a restart), :meth:`kv_get`
     and :meth:`kv_put` on ``meta``, :attr:`max_payload`; :meth:`object_put` for a base. A
-    remote consumer: :meth:`ensure_job`, :meth:`get_batch`, :meth:`last_message`,
+    remote consumer: :meth:`job_exists`, :meth:`get_batch`, :meth:`last_message`,
     :meth:`watch`, :meth:`kv_entries` on ``meta``, :meth:`kv_get` / :meth:`kv_put` on
     ``offsets``, :meth:`kv_create` / :meth:`kv_update` / :meth:`kv_delete` on ``locks``,
     :meth:`object_get`. ``offsets --server``: :meth:`kv_entries`, :meth:`kv_get`,

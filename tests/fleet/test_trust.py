@@ -12,14 +12,22 @@ import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta import DeltaReader
-from persistent_delta.errors import AuthenticationError, StreamKeyError, TransportError
+from persistent_delta.errors import (
+    AuthenticationError,
+    JobNotFoundError,
+    PermissionDeniedError,
+    StreamKeyError,
+    TransportError,
+)
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.fleet.nats import Connection
-from persistent_delta.fleet.remote import RemoteConsumer
-from persistent_delta.fleet.ship import Shipper
-from persistent_delta.fleet.transport import StreamOptions
+from persistent_delta.fleet.permissions import authorization_block
+from persistent_delta.fleet.remote import RemoteConsumer, offsets_key
+from persistent_delta.fleet.ship import Shipper, upload_base
+from persistent_delta.fleet.transport import ConnectOptions, StreamOptions
 from persistent_delta.fleet.wire import FORMAT_HEADER, FORMAT_VERSION, Message
 from persistent_delta.log import codec
+from persistent_delta.testing import LocalServer
 from logs import fill_store
 
 DIM = 8
@@ -176,3 +184,59 @@ def test_a_stream_deleted_under_a_running_shipper_is_created_again(tmp_path, nat
     with RemoteConsumer(nats_server.url, job, "after", reset="earliest", wait=10) as c:
         assert _rows_read(c) == _local_rows(root, 10, 30)
         assert c.position() == {0: 30}
+
+
+def test_nats_permissions_only_the_shipper_writes_a_job(tmp_path):
+    """A server whose ``authorization`` block is :func:`authorization_block`'s: a consumer user
+    never creates the job's stream (a typed error until a shipper has), reads and commits its own
+    position, and every write outside its own keys is refused with a typed error naming it --
+    publishing on the job's subjects, writing its metadata or base, deleting its stream, taking
+    another consumer's name."""
+    root, job = str(tmp_path / "log"), "trust-p"
+    _write(root, 0, 10)
+    block = authorization_block(job, ("shipper", "ship-pw"), {"reader": ("read-pw", ["replica"])})
+    server = LocalServer(str(tmp_path / "nats-auth"), extra_config=block).start()
+    ship_as = ConnectOptions(user="shipper", password="ship-pw")
+    read_as = ConnectOptions(user="reader", password="read-pw", request_timeout=0.5)
+    try:
+        with pytest.raises(JobNotFoundError, match="no shipper of it has run there"):
+            RemoteConsumer(server.url, job, "replica", connect=read_as)
+        admin = Connection(server.url, ship_as)
+        assert not admin.job_exists(job)  # the consumer created nothing
+        admin.close()
+        with Shipper(root, server.url, job, channels=["lookups"], max_batches=4, connect=ship_as) as s:
+            s.run(idle_exit_s=0.3)
+        upload_base(server.url, job, 0, 9, {"t": torch.zeros(100, DIM)}, connect=ship_as)
+        with RemoteConsumer(server.url, job, "replica", reset="earliest", connect=read_as, wait=5) as c:
+            assert _rows_read(c) == _local_rows(root, 0, 10)
+            c.commit()
+            assert c.committed() == {0: 10}
+            assert set(c.bootstrap()) == {"t"}
+        forger = Connection(server.url, read_as)
+        try:
+            marker = Message(subjects.end_subject(job, "lookups", 0), b"x", {}, "forged")
+            assert forger.send_all([marker]) == [marker]  # never acknowledged, never stored
+            for write in (lambda: forger.kv_put(job, subjects.META, subjects.tables_key(0), b"x"),
+                          lambda: forger.kv_put(job, subjects.OFFSETS, offsets_key("other", "lookups"), b"x"),
+                          lambda: forger.object_put(job, subjects.base_name(0), b"x")):
+                with pytest.raises(PermissionDeniedError, match="permissions violation"):
+                    write()
+
+            async def delete() -> None:
+                await forger.js.delete_stream(subjects.stream_name(job))
+
+            with pytest.raises(PermissionDeniedError, match="stream.delete"):
+                forger.call("delete the stream", delete)
+        finally:
+            forger.close()
+        with pytest.raises(PermissionDeniedError, match="locks"):
+            RemoteConsumer(server.url, job, "other", connect=read_as)
+    finally:
+        server.stop()
+
+
+def test_the_security_guide_shows_the_block_authorization_block_writes():
+    """The ready-to-copy block in docs/guides/security.md is the one the tested function writes."""
+    guide = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "guides", "security.md")).read()
+    block = authorization_block("job-a", ("pd-ship", "SHIP-PASSWORD"), {"pd-serving": ("SERVING-PASSWORD", ["serving"])})
+    assert f"```text\n{block}```" in guide
