@@ -60,6 +60,7 @@ from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.read.polling import check_max_batches
 from persistent_delta.errors import (
+    ConfigMismatchError,
     InvalidInputError,
     NotALogError,
     PersistentDeltaError,
@@ -68,7 +69,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
-from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, TrackerMeta, check_channel
+from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, SNAPSHOTS, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
 from persistent_delta.fleet.wire import RankTables
@@ -273,13 +274,20 @@ class Shipper:
     def _open_feed(self, rank: int, channel: str, path: str) -> _Feed:
         name = shipper_name(self.job, channel)
         new = False
+        # snapshots: every row format, as the records are (a remote consumer keeps its own)
+        fmt = codec.ANY_FORMAT if channel == SNAPSHOTS else codec.NATIVE
         try:
             consumer = DeltaConsumer(self.root, name, channel=channel, reset="earliest", register=False, ranks=[rank],
-                                     options=self._options)
+                                     options=self._options, format=fmt)
         except UnknownConsumerError:
             consumer = DeltaConsumer(self.root, name, channel=channel, reset="earliest", register=True, ranks=[rank],
-                                     options=self._options)
+                                     options=self._options, format=fmt)
             new = True
+        except ConfigMismatchError:  # registered before formats (native): it ships native rows only
+            logger.warning("shipper %s: %s was registered before row formats: it ships native snapshot rows only; "
+                           "delete it (persistent-delta offsets --delete) to carry every format", self.job, name)
+            consumer = DeltaConsumer(self.root, name, channel=channel, reset="earliest", register=False, ranks=[rank],
+                                     options=self._options)
         if rank not in consumer.ranks:
             consumer.close()
             raise NotALogError(f"{path}: rank {rank} is not (yet) a log of the job")
@@ -462,8 +470,10 @@ class Shipper:
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
             if feed.channel == LOOKUPS else None
+        formats = {f: {fqn: (t.rows, t.stamps) for fqn, t in by_fqn.items()} for f, by_fqn in d.formats.items()}
         parts, marker, row_bytes = wire.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
-                                                     d.end_idx, rows, chunk, info, side, stamps, self._ring, feed.prev)
+                                                     d.end_idx, rows, chunk, info, side, stamps, self._ring, feed.prev,
+                                                     formats)
         if not (self._send(feed, parts) and self._send(feed, [marker])):
             feed.consumer.seek(pos, rank)  # stopped: the range is shipped again next time
             return 0

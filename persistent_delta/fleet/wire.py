@@ -24,7 +24,13 @@ ships them; a reader older than them ignores the extra parts and list). On the s
 channel a replicated (data-parallel) table's per-row publish stamps (which publish each row's
 value comes from: newest wins across ranks) are a part of their own too, numbered last and
 listed under ``"stamps"``: the marker stays small (lists and a few numbers) however many rows
-move.
+move. Snapshot rows of other row formats than native (:data:`persistent_delta.log.codec.ROW_FORMATS`,
+header ``"f"`` of their records) are carried as they are: a part per (table, format), and a
+replicated table's stamps of that format a part after it, both record headers naming the
+format, numbered after the stamps and listed under ``"formats"`` (a reader older than formats
+refuses such a marker: its digests list more parts than it counts). A remote consumer keeps
+the format it asked for, by the same filter as a local read
+(:func:`persistent_delta.log.codec.serves`).
 
 Every message carries the header ``PD-Format`` (:data:`FORMAT_VERSION`); a reader refuses
 another one. Parts also carry ``PD-Epoch``, ``PD-Range`` (``start-end``) and ``PD-Part``
@@ -102,6 +108,7 @@ def encode_range(
     job: str, epoch: str, channel: str, rank: int, start: int, end: int, rows: Dict[str, UniqueRows],
     chunk_bytes: int, info: Optional[Dict[str, Any]] = None, side: Optional[Dict[str, List[SideRecord]]] = None,
     stamps: Optional[Dict[str, torch.Tensor]] = None, ring: Optional[Keyring] = None, prev: Optional[int] = None,
+    formats: Optional[Dict[str, Dict[str, Tuple[UniqueRows, Optional[torch.Tensor]]]]] = None,
 ) -> Tuple[List[Message], Message, int]:
     """The messages of one shipped range: every table's part (chunked to ``chunk_bytes``), the
     side records of managed-collision tables (``side``: fqn -> records in order, each a part of
@@ -127,6 +134,8 @@ def encode_range(
             insecure keyring: unsigned).
         prev: the end of the range shipped before this one in the same epoch (None: the
             epoch's first range).
+        formats: snapshot rows of other row formats: format -> fqn -> (rows, the replicated
+            table's stamps or None), listed under ``"formats"``.
 
     Returns:
         ``(parts, marker, row_bytes)``: the part messages in order, the marker, and the bytes
@@ -169,6 +178,17 @@ def encode_range(
         value = codec.encode_record(t.to(torch.int64).reshape(-1), None, codec.KIND_LOOKUP)
         stamps_listing.append([fqn, add(i, fqn, value), len(value)])
         i += 1
+    formats_listing: List[List[Any]] = []
+    for f, by_fqn in sorted((formats or {}).items()):
+        for fqn, (u, st) in sorted(by_fqn.items()):
+            value = codec.encode_record(u.ids, u.states, _kind(channel), fmt=f)
+            row_bytes += u.ids.numel() * u.ids.element_size() + (0 if u.states is None else u.states.numel() * u.states.element_size())
+            formats_listing.append([fqn, add(i, fqn, value), len(value)])
+            i += 1
+            if st is not None:
+                value = codec.encode_record(st.to(torch.int64).reshape(-1), None, codec.KIND_LOOKUP, fmt=f)
+                formats_listing.append([fqn, add(i, fqn, value), len(value)])
+                i += 1
     body = {"v": FORMAT_VERSION, "job": job, "epoch": epoch, "channel": channel, "rank": int(rank), "start": int(start),
             "end": int(end), "parts": listing, "shipped": time.time(), "prev": None if prev is None else int(prev),
             "digests": digests, **(info or {})}
@@ -176,6 +196,8 @@ def encode_range(
         body["side"] = side_listing
     if stamps_listing:
         body["stamps"] = stamps_listing
+    if formats_listing:
+        body["formats"] = formats_listing
     payload = codec.pack(body)
     headers = {FORMAT_HEADER: str(FORMAT_VERSION), "PD-Epoch": epoch, "PD-Range": f"{start}-{end}"}
     sign_message(ring, job, end_subject(job, channel, rank), headers, payload)
@@ -235,11 +257,13 @@ class Marker:
     prev: Optional[int] = None  # the end of the epoch's previous range (None: the epoch's first)
     digests: Optional[List[str]] = None  # sha256 of each part, in part order
     publishes: Dict[int, float] = field(default_factory=dict)  # publish stamp -> time, within [start, end)
+    # snapshot rows of other row formats (and their stamps), numbered after ``stamps``
+    formats: List[Listing] = field(default_factory=list)
 
     @property
     def listing(self) -> List[Listing]:
-        """Every part in order: tables, side records, stamps."""
-        return self.parts + (self.side or []) + self.stamps
+        """Every part in order: tables, side records, stamps, other formats."""
+        return self.parts + (self.side or []) + self.stamps + self.formats
 
     @staticmethod
     def decode(data: bytes, seq: int, where: str, headers: Optional[Dict[str, str]] = None) -> "Marker":
@@ -263,7 +287,8 @@ class Marker:
             side = d.get("side")
             parts, side_l, stamps = _listing(d["parts"], "parts"), None if side is None else _listing(side, "side"), \
                 _listing(d.get("stamps", []), "stamps")
-            n = len(parts) + len(side_l or []) + len(stamps)
+            formats = _listing(d.get("formats", []), "formats")
+            n = len(parts) + len(side_l or []) + len(stamps) + len(formats)
             if n > MAX_PARTS:
                 raise ValueError(f"{n} parts, at most {MAX_PARTS}")
             digests = d.get("digests")
@@ -289,7 +314,8 @@ class Marker:
                 raise ValueError("its headers name another epoch or range than its body")
             info = {k: v for k, v in d.items() if k in ("log_id", "log_end", "v", "job", "channel", "rank")}
             info["publishes"] = [[b, t] for b, t in publishes.items()]
-            return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes)
+            return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes,
+                          formats)
         except (AssertionError, KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError,
                 CorruptRecordError) as exc:
             raise StreamDataError(f"range marker {seq} in {where} is malformed: {str(exc)[:300]}", seq=seq) from exc
@@ -303,6 +329,8 @@ class RangeContent:
     tables: Dict[str, UniqueRows]
     side: Dict[str, List[SideRecord]]
     stamps: Dict[str, torch.Tensor]
+    formats: Dict[str, Dict[str, UniqueRows]] = field(default_factory=dict)  # other row formats: format -> fqn -> rows
+    format_stamps: Dict[str, Dict[str, torch.Tensor]] = field(default_factory=dict)  # their replicated tables' stamps
 
 
 class RangeAssembler:
@@ -370,12 +398,20 @@ class RangeAssembler:
                   side: Dict[str, List[SideRecord]], stamps: Dict[str, torch.Tensor], n_sides: int
                   ) -> Optional["RangeContent"]:
         complete = True
+        formats: Dict[str, Dict[str, UniqueRows]] = {}
+        format_stamps: Dict[str, Dict[str, torch.Tensor]] = {}
+        n_formats = n_sides + len(m.stamps)
         for i, (fqn, n, nbytes) in enumerate(m.listing):
             rec = self._record(chunks, m, i, fqn, n, nbytes)
             if rec is None:
                 complete = False
                 break
-            if i < len(m.parts):
+            if i >= n_formats:
+                self._formatted(m, i, fqn, rec, formats, format_stamps)
+            elif i < len(m.parts) and rec.format != codec.NATIVE:
+                raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r} holds "
+                                         f"{rec.format!r} rows where native rows are listed")
+            elif i < len(m.parts):
                 tables[fqn] = UniqueRows(ids=rec.ids, states=rec.states)
             elif i >= n_sides:
                 if rec.kind != codec.KIND_LOOKUP or rec.ids.dtype != torch.int64 or fqn not in tables or \
@@ -388,7 +424,28 @@ class RangeAssembler:
             else:
                 raise CorruptRecordError(f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r} is listed as a "
                                          f"managed-collision side record but holds record kind {rec.kind}")
-        return RangeContent(tables, side, stamps) if complete else None
+        return RangeContent(tables, side, stamps, formats, format_stamps) if complete else None
+
+    def _formatted(self, m: Marker, i: int, fqn: str, rec: codec.DecodedRecord, formats: Dict[str, Dict[str, UniqueRows]],
+                   format_stamps: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Keep a part listed under ``"formats"``: rows of another row format, or the stamps of
+        the rows just before them.
+
+        Raises:
+            CorruptRecordError: native, a table's rows twice, stamps that match no rows.
+        """
+        where = f"{self._where()}: range [{m.start}, {m.end}) part {i} of {fqn!r}"
+        if rec.format == codec.NATIVE:
+            raise CorruptRecordError(f"{where} is listed under other formats but holds native rows")
+        rows = formats.setdefault(rec.format, {})
+        if rec.kind == codec.KIND_LOOKUP and rec.states is None and rec.ids.dtype == torch.int64:
+            if fqn not in rows or fqn in format_stamps.get(rec.format, {}) or rec.ids.numel() != rows[fqn].ids.numel():
+                raise CorruptRecordError(f"{where}: the {rec.format} stamps do not match its rows")
+            format_stamps.setdefault(rec.format, {})[fqn] = rec.ids
+        elif rec.kind == _kind(self.channel) and rec.states is not None and fqn not in rows:
+            rows[fqn] = UniqueRows(ids=rec.ids, states=rec.states)
+        else:
+            raise CorruptRecordError(f"{where}: not {rec.format} rows of the table (kind {rec.kind}, or a second part)")
 
     def _record(self, chunks: Dict[Tuple[int, int], bytes], m: Marker, i: int, fqn: str, n: int, nbytes: int
                 ) -> Optional[codec.DecodedRecord]:

@@ -249,7 +249,7 @@ def _check_record_format(header: Dict[str, Any], states_dtype: Optional[str]) ->
         raise CorruptRecordError(f"record of unknown row format {str(f)[:40]!r} (the formats are "
                                  f"{', '.join(ROW_FORMATS[1:])}; written by a newer version?)")
     ok = ("uint8", "float32") if f == INT8 else (dtype_name(_FLOAT_FORMATS[f]),)
-    if states_dtype not in ok:
+    if states_dtype is not None and states_dtype not in ok:  # (a record without states: stamps of such rows)
         raise CorruptRecordError(f"record of row format {f!r} holds states of dtype {states_dtype}")
     return str(f)
 
