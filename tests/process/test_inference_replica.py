@@ -114,3 +114,78 @@ def test_through_the_stream(ec_job, tmp_path):
 def test_ebc(tmp_path_factory):
     root, results = _job(tmp_path_factory, "ebc")
     assert follow("ebc", results, _local_polls(root, "quantized")) == STEPS
+
+
+def _start_ranks(root: str, steps: int) -> list:
+    import os
+    import subprocess
+    import sys
+
+    from persistent_delta.testing import free_port
+    from procs import REPO
+
+    support = os.path.join(REPO, "tests", "support")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = free_port()
+    return [subprocess.Popen([sys.executable, os.path.join(support, "inference_trainer_ranks.py"), root, str(r),
+                              str(port), str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_after_a_sigkill_and_a_restore(tmp_path):
+    """The trainer is SIGKILLed mid-run (after a checkpoint and a few publishes), restarted and
+    restored from the checkpoint (its tracker re-delivers the rows touched after it). A replica
+    applying every publish -- the lost timeline's included -- equals TorchRec's quantization of
+    the trainer's tables at each publish it can compare, and at the last one."""
+    import os
+    import signal
+    import time
+
+    root = str(tmp_path / "log")
+    pub = tmp_path / "pub"
+    procs = _start_ranks(root, 100)
+    deadline = time.monotonic() + 300
+    while len([f for f in os.listdir(pub) if not f.endswith(".tmp")] if pub.exists() else []) < 2 * 7:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.stderr.read()[-3000:] for p in procs if p.poll() is not None]
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    procs = _start_ranks(root, 5)
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-3000:] for _, e in outs]
+    start = int(outs[0][0].split("START", 1)[1].split()[0])
+
+    def shards_at(stamp: int):
+        files = [pub / f"{stamp}.{r}" for r in (0, 1)]
+        return {r: torch.load(f, weights_only=False) for r, f in enumerate(files)} if all(f.exists() for f in files) \
+            else None
+
+    base = global_table_weights(2, 100, 8, seed=0)
+    replicas = {wt: InferenceReplica(quantized("ec", base, wt), base={f"sparse.embeddings.{n}": w for n, w in base.items()})
+                for wt in ("int8", "fp16")}
+    compared = []
+    with DeltaConsumer(root, "quantized", channel="snapshots") as consumer:
+        while True:
+            poll = consumer.poll(max_bytes=1)
+            if poll.empty:
+                break
+            stamp = max(poll.publishes)
+            for wt, replica in replicas.items():
+                apply_poll(replica, poll, complete_only=True)
+            consumer.commit()
+            shards = shards_at(stamp)
+            if shards is None:  # killed between the publish and saving its shards
+                continue
+            want = full_tables(shards)
+            for wt, replica in replicas.items():
+                expect = torchrec_bytes("ec", want, wt)
+                got = replica.all_weights()
+                for fqn in expect:
+                    assert torch.equal(got[fqn], expect[fqn]), (wt, fqn, stamp, start)
+            compared.append(stamp)
+    assert compared and compared[-1] >= start + 5 - 1, (compared, start)
+    assert any(s >= start for s in compared) and any(s < start for s in compared), (compared, start)
