@@ -17,13 +17,15 @@ import pytest
 import torch
 
 from harness import global_table_weights, run_spawn
-from persistent_delta.errors import ConfigMismatchError, CorruptRecordError, InvalidInputError
+from persistent_delta.errors import ConfigMismatchError, InvalidInputError
 from persistent_delta.log import codec
 from persistent_delta.read.apply import apply_poll
 from persistent_delta.read.consumer import DeltaConsumer
 from tracker_cases import FORMAT_CONSUMERS, publish_formats_case
 
-pytestmark = pytest.mark.dist
+# A 2-rank job costs ~40 s here: make test-all. make test keeps the fast checks of the same
+# contract (tests/unit/test_row_formats.py: conversion, filter, int8 = TorchRec's rows, the join).
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 NUM_TABLES, ROWS, DIM = 2, 100, 8
 
@@ -132,22 +134,3 @@ def test_registration_keeps_its_format(job):
         DeltaConsumer(root, "replica-x", channel="snapshots", format="int4")
     with pytest.raises(InvalidInputError, match="snapshots"):
         DeltaConsumer(root, "replica-y", format="int8")
-
-
-def test_a_forged_format_is_refused():
-    value = codec.encode_record(torch.arange(2), torch.zeros(2, 4), codec.KIND_SNAPSHOT, fmt="float16")
-    with pytest.raises(CorruptRecordError, match="float16"):  # states of another dtype than the format's
-        codec.decode_record_rows(value)
-    import msgpack
-    good = codec.encode_record(torch.arange(2), torch.zeros(2, 4, dtype=torch.float16), codec.KIND_SNAPSHOT,
-                               fmt="float16")
-    head_len = int.from_bytes(good[:4], "big")
-    header = msgpack.unpackb(bytes(good[8:8 + head_len]))
-    header["f"] = "float17"
-    forged_head = msgpack.packb(header)
-    assert len(forged_head) == head_len
-    forged = bytearray(good)
-    forged[8:8 + head_len] = forged_head
-    codec.checksum_record(forged)
-    with pytest.raises(CorruptRecordError, match="float17"):
-        codec.decode_record_rows(forged)
