@@ -182,3 +182,125 @@ def test_a_deleted_lock_file_stops_writers_and_vacuum(tmp_path, capsys):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def _replay_output(tmp_path) -> str:
+    path, out = str(tmp_path / "log"), str(tmp_path / "replay")
+    _store(path, ["emb.user"], batches=3)
+    replay(path, out, from_batch=0, to_batch=3)
+    return out
+
+
+def _rewrite(out: str, change) -> None:
+    mpath = os.path.join(out, "manifest.json")
+    manifest = json.load(open(mpath))
+    change(manifest)
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
+def _apply_refused(inputs, match: str, **kw) -> None:
+    """apply (and its dry run) refuses ``inputs`` with a typed error, within seconds (a FIFO
+    must not make it wait for a writer)."""
+    import threading
+
+    from persistent_delta.cli.apply import apply_inputs
+
+    for dry_run in (True, False):
+        got = []
+
+        def run() -> None:
+            try:
+                apply_inputs(inputs, out=None if dry_run else inputs[0] + ".replica", dry_run=dry_run, **kw)
+                got.append(None)
+            except Exception as exc:  # noqa: BLE001 - the test looks at its type
+                got.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), f"apply hung on {inputs}"
+        assert isinstance(got[0], InvalidInputError), repr(got[0])
+        assert match in str(got[0]), str(got[0])
+
+
+def test_apply_reads_only_regular_files_inside_its_input(tmp_path):
+    """Paths in a replay manifest that leave the input (absolute, ``..``, a symbolic link), a
+    FIFO or device where a file or the manifest should be, and a FIFO as ``--replica``: refused
+    with a typed error naming it, never read, never waited on; the dry run refuses them too."""
+    out = _replay_output(tmp_path)
+    assert main(["apply", out, "--dry-run"]) == 0
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    real = next(f["path"] for f in manifest["files"] if f["path"])
+    outside = str(tmp_path / "outside.safetensors")
+    os.rename(os.path.join(out, real), outside)
+
+    def set_path(p):
+        return lambda m: [f.update(path=p) for f in m["files"] if f["path"]]
+
+    _rewrite(out, set_path(outside))
+    _apply_refused([out], "leaves the input directory")
+    _rewrite(out, set_path(os.path.join("..", "outside.safetensors")))
+    _apply_refused([out], "leaves the input directory")
+    os.symlink(outside, os.path.join(out, real))
+    _rewrite(out, set_path(real))
+    _apply_refused([out], "symbolic link")
+    os.unlink(os.path.join(out, real))
+    os.mkfifo(os.path.join(out, real))
+    _apply_refused([out], "not a regular file")
+    assert main(["apply", out, "--dry-run"]) == 1
+    os.unlink(os.path.join(out, real))
+    os.rename(outside, os.path.join(out, real))
+    assert main(["apply", out, "--dry-run"]) == 0
+    fifo = str(tmp_path / "replica.fifo")
+    os.mkfifo(fifo)
+    _apply_refused([out], "the replica", replica=fifo)
+    mpath = os.path.join(out, "manifest.json")
+    os.rename(mpath, mpath + ".real")
+    os.mkfifo(mpath)
+    _apply_refused([out], "the manifest")
+    os.unlink(mpath)
+    os.symlink(mpath + ".real", mpath)
+    _apply_refused([out], "symbolic link")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda m: m.clear(), "not a replay manifest"),
+    (lambda m: m.update(ranges=5), "'ranges'"),
+    (lambda m: m.update(ranges={"-1": [0, 3]}), "is not a rank"),
+    (lambda m: m.update(ranges={"0": [5, 2]}), "ends before it starts"),
+    (lambda m: m.update(ranges={"0": [0, 10 ** 30]}), "not an integer in"),
+    (lambda m: m.update(ranges={"0": [0, "3"]}), "not an integer in"),
+    (lambda m: m.update(ranges={"0": [0]}), "is not [start, end]"),
+    (lambda m: m.update(files=[1]), "is not an object"),
+    (lambda m: m.update(files={"a": 1}), "'files' must be a list"),
+    (lambda m: [f.update(kind="bogus") for f in m["files"]], "invalid"),
+    (lambda m: [f.update(start_idx=10 ** 30) for f in m["files"]], "start_idx"),
+    (lambda m: [f.update(fqn="other") for f in m["files"]], "not the delta export of 'other'"),
+    (lambda m: [f.update(path=7) for f in m["files"]], "is not a relative file name"),
+])
+def test_apply_validates_every_manifest_field(tmp_path, change, match):
+    """Malformed manifests give a typed error naming the field (no AttributeError, KeyError,
+    TypeError, SafetensorError traceback), and ``--dry-run`` exits 1 on them."""
+    out = _replay_output(tmp_path)
+    _rewrite(out, change)
+    _apply_refused([out], match)
+    assert main(["apply", out, "--dry-run"]) == 1
+
+
+def test_apply_refuses_malformed_export_files(tmp_path):
+    """A file the manifest names that is not a safetensors export, or whose tensors do not fit
+    (a truncated file, a snapshot with negative ids): a typed error naming the file."""
+    from safetensors.torch import save_file
+
+    out = _replay_output(tmp_path)
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    real = os.path.join(out, next(f["path"] for f in manifest["files"] if f["path"]))
+    data = open(real, "rb").read()
+    with open(real, "wb") as f:
+        f.write(data[: len(data) // 2])
+    _apply_refused([out], "malformed export")
+    meta = {"format": manifest["format"], "kind": "snapshot", "fqn": "emb.user", "start_idx": "0", "end_idx": "3"}
+    save_file({"ids": torch.tensor([-1, 2]), "values": torch.zeros(2, 4)}, real, metadata=meta)
+    _rewrite(out, lambda m: [f.update(kind="snapshot") for f in m["files"] if f["path"]])
+    _apply_refused([out], "negative ids")
