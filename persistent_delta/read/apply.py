@@ -127,6 +127,11 @@ def apply_poll(
     if isinstance(tables, PollTarget):
         return tables.apply_poll(poll, complete_only=complete_only, strict=strict)
     check_poll(poll, complete_only)
+    if any(part.format == "int8" for part in poll):
+        raise InvalidInputError(
+            "this poll holds int8 rows (FBGEMM's row-wise int8: uint8 [n, dim + 4]); apply_poll writes float tables. "
+            "Apply them into a TorchRec quantized inference model (persistent_delta.read.inference.InferenceReplica), "
+            "or read a float format (DeltaConsumer(..., format='native'))")
     with torch.no_grad(), intra_op_threads(poll.read_threads):
         plan: List[Tuple[torch.Tensor, TableDelta]] = []
         for fqn, parts in poll.tables().items():
@@ -161,11 +166,6 @@ def check_poll(poll: DeltaPoll, complete_only: bool) -> None:
     if poll.channel != SNAPSHOTS:
         raise InvalidInputError(
             f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
-    if any(part.format == "int8" for part in poll):
-        raise InvalidInputError(
-            "this poll holds int8 rows (FBGEMM's row-wise int8: uint8 [n, dim + 4]); apply_poll writes float tables. "
-            "Apply them into a TorchRec quantized inference model (persistent_delta.read.inference.InferenceReplica), "
-            "or read a float format (DeltaConsumer(..., format='native'))")
     if complete_only and not poll.complete:
         raise IncompletePollError(
             f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "

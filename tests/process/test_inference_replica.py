@@ -35,19 +35,19 @@ def ec_job(tmp_path_factory):
     return _job(tmp_path_factory, "ec")
 
 
-def _replicas(kind: str) -> Dict[str, InferenceReplica]:
+def _replicas(kind: str, wts: Tuple[str, ...]) -> Dict[str, InferenceReplica]:
     base = global_table_weights(TABLES, ROWS, DIM, seed=0)
-    return {wt: InferenceReplica(quantized(kind, base, wt), chunk_rows=16) for wt in ("int8", "fp16")}
+    return {wt: InferenceReplica(quantized(kind, base, wt), chunk_rows=16) for wt in wts}
 
 
 def _expected(results: List[Dict[str, Any]], stamp: int) -> Dict[str, torch.Tensor]:
     return full_tables({r: res["at_publish"][stamp] for r, res in enumerate(results)})
 
 
-def follow(kind: str, results: List[Dict[str, Any]], polls: Any) -> int:
-    """Apply every poll to an int8 and an fp16 replica; after each, compare with TorchRec's
+def follow(kind: str, results: List[Dict[str, Any]], polls: Any, wts: Tuple[str, ...] = ("int8", "fp16")) -> int:
+    """Apply every poll to a replica of each weight type; after each, compare with TorchRec's
     quantization of the trainer's tables at the poll's newest publish. Returns publishes seen."""
-    replicas = _replicas(kind)
+    replicas = _replicas(kind, wts)
     seen = 0
     for poll in polls:
         assert poll.complete
@@ -65,8 +65,8 @@ def follow(kind: str, results: List[Dict[str, Any]], polls: Any) -> int:
     return seen
 
 
-def _local_polls(root: str, name: str):
-    with DeltaConsumer(root, name, channel="snapshots") as consumer:
+def _local_polls(root: str, name: str, fmt: str = "native"):
+    with DeltaConsumer(root, name, channel="snapshots", format=fmt) as consumer:
         while True:
             poll = consumer.poll(max_bytes=1)  # one publish per poll
             if poll.empty:
@@ -81,6 +81,14 @@ def test_every_publish_gives_torchrecs_quantization_of_the_trainers_tables(ec_jo
     assert follow("ec", results, _local_polls(root, "quantized")) == len(stamps) == STEPS
     # the column-wise table really was split, and training moved every table
     assert any(info["col_offset"] for _, info in results[1]["at_publish"][stamps[0]].values())
+
+
+@pytest.mark.parametrize("fmt,wt", [("int8", "int8"), ("float16", "fp16"), ("float32", "int8")])
+def test_rows_published_in_the_tables_format_are_copied(ec_job, fmt, wt):
+    """A consumer registered with the table's own format receives rows already quantized (the
+    column-wise table's halves joined by the poll) and the replica copies them: the same bytes."""
+    root, results = ec_job
+    assert follow("ec", results, _local_polls(root, f"quantized-{fmt}", fmt), wts=(wt,)) == STEPS
 
 
 def test_through_the_stream(ec_job, tmp_path):

@@ -89,7 +89,7 @@ def publishing_trainer(rank: int, world_size: int, root: str, kind: str, shardin
     for b in make_batches(kind, steps, 8, seed=5, world_size=world_size, rank=rank, num_tables=num_tables, rows=rows):
         train_step(dmp, b)
         stamp = t.curr_batch_idx
-        t.publish("serving")
+        t.publish("serving", formats=("native", "int8", "float16"))  # what the replicas' consumers read
         at_publish[stamp] = {fqn: (lt.weights().detach().clone(), info[fqn]) for fqn, lt in t.local_tables.items()}
     t.close()
     return {"at_publish": at_publish}
