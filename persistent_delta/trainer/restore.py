@@ -110,7 +110,8 @@ def open_tracker_log(
     return curr, complete
 
 
-def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> int:
+def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
+              dropped_ids: Optional[Dict[str, torch.Tensor]] = None) -> int:
     """Agree with the other ranks on where to continue after a (re)start: a collective when a
     process group of more than one rank is initialised.
 
@@ -124,7 +125,12 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
     transaction marks the open batch of the dead writer complete (the opener holds the writer
     lock: nothing more can come) and, with several ranks, stores the agreed restart generation
     (:func:`persistent_delta.log.position_rules.restart_generation`): the ranks commit one
-    after the other, and polls wait until they all have. Returns the index to continue from."""
+    after the other, and polls wait until they all have. Returns the index to continue from.
+
+    ``dropped_ids``: filled with fqn -> the ids of the dropped lookups records. A shipper may
+    have shipped a dropped batch of this rank before the restart (it ships each rank's log on
+    its own), so a remote replica may hold that batch's published values: a restore
+    re-delivers these ids too (:func:`redeliver`)."""
     complete = batch_idx + 1 if complete is None else complete
     lo, hi, gen = complete, batch_idx, None
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -136,7 +142,11 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None) -> 
     def settle(w: WriteTxn) -> int:
         dropped = 0
         if drop:
-            for entry in w.tables().values():
+            for fqn, entry in w.tables().items():
+                if dropped_ids is not None:
+                    ids = [r.ids for r in w.iter_records(entry.table_id, lo, None)]
+                    if ids:
+                        dropped_ids[fqn] = torch.unique(torch.cat([i.reshape(-1).long() for i in ids]))
                 for channel in CHANNELS:
                     dropped += delete_table_records(w, entry, lo, None, channel)[0]
             w.set_meta(META_CURR_BATCH, hi)
@@ -263,6 +273,24 @@ def agree_batch_idx(log: DeltaLog, batch_idx: int) -> Tuple[int, Optional[int]]:
     return batch_idx, None
 
 
+def share_dropped_ids(tables: Dict[str, LocalTable], dropped_ids: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The ids a restore re-delivers for the batches the restart dropped (:func:`resume_at`):
+    this rank's own, and for a column-split table every rank's (its ranks hold the same rows,
+    so the halves of each re-delivered row stay together). A collective when a process group
+    of more than one rank is initialised."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(dropped_ids)
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dropped_ids)
+    out = dict(dropped_ids)
+    for fqn, table in tables.items():
+        if table.local_cols != table.global_cols:
+            parts = [d[fqn] for d in everyone if isinstance(d, dict) and fqn in d]
+            if parts:
+                out[fqn] = torch.unique(torch.cat(parts))
+    return out
+
+
 def current_states(mode: TrackingMode, table: LocalTable, ids: torch.Tensor) -> Optional[torch.Tensor]:
     """The state the tracker would record for ``ids`` now (the FIRST/LAST baseline)."""
     if mode == TrackingMode.ID_ONLY:
@@ -287,6 +315,7 @@ def redeliver(
     log_end_batch: int,
     side: Optional[Callable[[WriteTxn, int, int], List[AppendRecord]]] = None,
     gen: Optional[int] = None,
+    dropped_ids: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Dict[str, int]:
     """Replace the records of batches ``[checkpoint_batch + 1, log_end_batch + 1)`` (the lost
     timeline) by one re-delivery record per table stamped ``log_end_batch + 1``, and continue
@@ -295,7 +324,9 @@ def redeliver(
     and returns the records to write at the stamp. ``gen``: the restart generation the ranks
     agreed (:func:`agree_batch_idx`), stored in the same transaction: polls wait while the
     ranks' generations differ, so none reads the lost timeline on one rank and its
-    replacement on another.
+    replacement on another. ``dropped_ids``: fqn -> ids of batches the restart dropped
+    (:func:`resume_at`; for a column-split table, every rank's), re-delivered too: they were
+    part of the lost timeline, and a shipper may have shipped them.
 
     Raises:
         OffsetOutOfRangeError: records after the checkpoint were already deleted.
@@ -311,6 +342,8 @@ def redeliver(
     for fqn, entry in w.tables().items():
         ids = [r.ids.clone() for r in w.iter_records(entry.table_id, first, stamp)]
         w.delete_records(entry.table_id, first, stamp)
+        if dropped_ids and fqn in dropped_ids and dropped_ids[fqn].numel():
+            ids.append(dropped_ids[fqn].to(ids[0].dtype if ids else torch.int64))
         if not ids or fqn not in tables:
             continue
         touched = compute_unique_rows(ids, None, UpdateMode.NONE).ids

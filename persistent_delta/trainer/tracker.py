@@ -110,9 +110,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._capture.add, self._recording_batch_idx, config)
         shards = {f: {**t.metadata(self._discovery.module_kind(f)), **self.zch.describe(f)} for f, t in self._tables.items()}
         shapes = {fqn: row_shapes(self._mode, t) for fqn, t in self._tables.items()}
+        # fqn -> ids of batches this restart dropped (not complete on every rank): a restore re-delivers them
+        self._dropped_ids: Dict[str, torch.Tensor] = {}
         try:
             self.curr_batch_idx: int = restore.resume_at(self._log, *self._log.write(
-                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes)))
+                lambda w: restore.open_tracker_log(w, want, shards, self._consumers, config.fresh, shapes)),
+                dropped_ids=self._dropped_ids)
             for c in self._consumers:
                 self._claims.claim(c, "track it")
         except BaseException:
@@ -367,13 +370,16 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         log_id = self._log.read(lambda r: r.meta("log_id"))
         ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path)
         # A kill can leave ranks one step apart: all continue from the same batch index.
+        dropped = restore.share_dropped_ids(self._tables, self._dropped_ids)  # before the agreement: its last collective
+        self._dropped_ids = {}
         last, gen = restore.agree_batch_idx(self._log, self.curr_batch_idx)
         if ckpt >= last:
             self.curr_batch_idx = self.curr_compact_index = ckpt
             self._log.write(lambda w: w.set_meta(META_CURR_BATCH, ckpt))
             return {}
         redelivered = self._log.write(
-            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver, gen))
+            lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver, gen,
+                                        dropped))
         self._window.reset()
         self.curr_batch_idx = self.curr_compact_index = last + 1
         self._log.flush()
