@@ -23,6 +23,7 @@ def _trainer_tables(out: str):
     return full
 
 
+@pytest.mark.slow  # two ranks, two restarts, two shipper runs: about a minute
 def test_remote_replica_exact_after_a_restore_that_dropped_a_shipped_batch(tmp_path, nats_server):
     out = tmp_path / "out"
     out.mkdir()
