@@ -77,10 +77,6 @@ class InferenceTable:
     values: torch.Tensor
     scale_bias: Optional[torch.Tensor]
 
-    def record_width(self) -> int:
-        """Columns of this table's rows in a converted record: ``dim + 4`` (int8) or ``dim``."""
-        return self.dim + 4 if self.weight_type == INT8 else self.dim
-
 
 class _ServingLock:
     """A readers-writer lock that prefers the writer: requests (readers) run together; an apply
@@ -185,7 +181,7 @@ def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) 
     fmt = _format(part)
     n = rows.shape[0]
     rows = rows.reshape(n, -1)
-    want = table.record_width() if fmt in (INT8, FLOAT16) else table.dim
+    want = table.dim + 4 if fmt == INT8 else table.dim
     if rows.shape[1] != want:
         raise ReplicaMismatchError(
             f"table {table.fqn}: the inference model's table is {table.rows} x {table.dim} ({table.weight_type}); "
@@ -249,12 +245,12 @@ class _ColumnHalves:
             if st is None or not part.ids.numel():
                 continue
             st = st.reshape(st.shape[0], -1)
-            if st.dtype != torch.float32 or c0 + st.shape[1] > table.dim:
+            if st.dtype not in (torch.float32, torch.float16) or c0 + st.shape[1] > table.dim:
                 raise ReplicaMismatchError(
-                    f"table {table.fqn}: a column-wise table's halves must be float32 rows within {table.dim} "
-                    f"columns; got {st.dtype} columns [{c0}, {c0 + st.shape[1]})")
+                    f"table {table.fqn}: a column-wise table's halves must be float32 or float16 rows within "
+                    f"{table.dim} columns; got {st.dtype} columns [{c0}, {c0 + st.shape[1]})")
             pos = torch.searchsorted(ids, part.ids.to(torch.int64))
-            rows[pos, c0:c0 + st.shape[1]] = st
+            rows[pos, c0:c0 + st.shape[1]] = st.to(torch.float32)
             known[pos, c0:c0 + st.shape[1]] = True
         if not bool(known.all()):
             missing = ids[~known.all(dim=1)]
@@ -439,10 +435,12 @@ class InferenceReplica:
                     f"{table.fqn} has {table.rows} rows")
             split = merged.column_split or (shard is not None and shard.local_cols is not None
                                             and shard.global_cols is not None and shard.local_cols != shard.global_cols)
-            if split and _format(parts[0]) in ("native", "float32"):
+            if split and _format(parts[0]) in ("native", "float32", FLOAT16):
                 halves = self._halves.get(table.fqn) or _ColumnHalves.empty(table.rows, table.dim)
                 ids, rows, commit = halves.joined(table, merged)
                 commits.append((table.fqn, halves, commit))
+                if _format(parts[0]) == FLOAT16:
+                    rows = rows.half()  # float16 -> float32 -> float16 is exact
             elif merged.states is None:
                 raise IncompletePollError(
                     f"table {fqn}: its column parts in this poll hold different rows; nothing was applied")

@@ -157,6 +157,19 @@ def test_column_halves_are_joined_before_quantizing(wt):
     assert torch.equal(fresh.all_weights()[model.fqn(0)], torchrec_bytes(model, DTYPES[wt])[model.fqn(0)])
 
 
+def test_float16_halves_of_other_rows_are_joined():
+    model = Sparse("ec")
+    replica = InferenceReplica(quantize_inference_model(copy.deepcopy(model), quantization_dtype=torch.float16))
+    shards = [ShardInfo("table_0", "column_wise", 0, c, ROWS, 4, ROWS, DIM) for c in (0, 4)]
+    ids = torch.tensor([1, 5, 9])
+    old, new = torch.randn(3, DIM).half(), torch.randn(3, DIM).half()
+    for rows, n in ((old, 3), (new, 1)):  # both halves of every row, then one rank's halves of one row only
+        replica.apply_poll(poll_of([part(model.fqn(0), ids, rows[:, :4], 0, shards[0], "float16"),
+                                    part(model.fqn(0), ids[:n], rows[:n, 4:], 1, shards[1], "float16")], 2))
+    want = torch.cat([new[:, :4], torch.cat([new[:1, 4:], old[1:, 4:]])], dim=1)
+    assert torch.equal(replica.all_weights()[model.fqn(0)][ids], want)
+
+
 def test_int8_and_float16_records_are_copied_as_they_are():
     model = Sparse("ebc")
     q8 = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
