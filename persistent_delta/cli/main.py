@@ -352,12 +352,14 @@ def _cmd_apply(args: argparse.Namespace) -> Output:
 def _cmd_vacuum(args: argparse.Namespace) -> Output:
     bar = _Progress("vacuum", "rank")
     try:
-        results = vacuum(args.root, progress=bar.total)
+        results = vacuum(args.root, progress=bar.total, execute=args.execute)
     finally:
         bar.close()
-    rows = [[r.rank, r.bytes_before, r.bytes_after, r.bytes_before - r.bytes_after, r.path] for r in results]
-    return Output(data={"ranks": _jsonable(results)},
-                  tables=[Table("", ["RANK", "BYTES-BEFORE", "BYTES-AFTER", "RECLAIMED", "PATH"], rows)])
+    rows = [[r.rank, r.bytes_before, "-" if r.bytes_after is None else r.bytes_after,
+             "-" if r.bytes_after is None else r.bytes_before - r.bytes_after, r.path] for r in results]
+    notes = [] if args.execute else ["DRY RUN: no process has the log open; nothing changed; add --execute to compact"]
+    return Output(data={"ranks": _jsonable(results), "dry_run": not args.execute},
+                  tables=[Table("", ["RANK", "BYTES-BEFORE", "BYTES-AFTER", "RECLAIMED", "PATH"], rows)], notes=notes)
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> Output:
@@ -486,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("vacuum", parents=[fmt], help="reclaim disk space (only while no process has the log open)")
     c.add_argument("root", help="log root")
+    c.add_argument("--execute", action="store_true", help="compact (default: dry run, the same checks)")
     c.set_defaults(func=_cmd_vacuum)
 
     u = sub.add_parser("upgrade", parents=[fmt], help="rewrite logs of an older format version in place",

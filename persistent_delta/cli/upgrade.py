@@ -62,9 +62,15 @@ def upgrade(root: PathLike, execute: bool = False, progress: Optional[Callable[[
         LogLockedError: a writer (the trainer) has a log open.
         CorruptRecordError: a record fails its old checksum (that rank is left unchanged).
         FormatMismatchError: a version this release cannot upgrade.
+        NotALogError: a rank directory holds an LMDB file of another application (nothing is
+            created or changed there).
     """
     out = []
     for rank, path in rank_paths(root).items():
+        # read-only first: a file that is not a persistent_delta log is refused before anything
+        # (the writer lock file) is created in its directory
+        with DeltaLog(path, readonly=True, writer_lock=False, formats=(1, codec.FORMAT_VERSION)):
+            pass
         with DeltaLog(path, create=False, formats=(1, codec.FORMAT_VERSION)) as log:
             version = int(log.read(lambda r: r.meta(META_FORMAT_VERSION), refresh_tables=False))
             if version == codec.FORMAT_VERSION:

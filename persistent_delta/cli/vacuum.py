@@ -3,7 +3,8 @@
 Owns: the compacting copy and its refusal while the log is open.
 
 LMDB never shrinks its data file: pages freed by retention are reused, not returned. Vacuum
-rewrites each rank's ``data.mdb`` compacted, and only while no other process has the log open:
+rewrites each rank's ``data.mdb`` compacted, and only while no other process has the log open
+(a dry run unless ``execute``, ``--execute``: the checks of steps 1 and 2, nothing written):
 
 1. take the writer lock (non-blocking ``flock`` on ``writer.lock``): refused while a trainer or
    store writes the log, and no writer can start until vacuum is done;
@@ -45,7 +46,8 @@ class VacuumResult:
     rank: int
     path: str
     bytes_before: int
-    bytes_after: int
+    bytes_after: Optional[int]  # None in a dry run (known once the copy is written)
+    applied: bool = True
 
 
 def _take_writer_lock(path: str) -> int:
@@ -64,17 +66,27 @@ def _refuse_if_open(path: str) -> None:
         )
 
 
-def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
+def vacuum_log(path: str, rank: int = 0, execute: bool = True) -> VacuumResult:
     """Compact one log directory in place (see the module docs).
+
+    Args:
+        path: the rank's log directory.
+        rank: its rank (for the result).
+        execute: compact; False: a dry run -- the same refusals, nothing written.
 
     Raises:
         LogLockedError: a writer or another process has the log open, or it changed meanwhile.
+        NotALogError: an LMDB file of another application (nothing is created there).
     """
     data = os.path.join(path, DATA_FILE)
     before = os.path.getsize(data)
+    with DeltaLog(path, readonly=True):  # a file that is not ours is refused before writer.lock is created
+        pass
     lock_fd = _take_writer_lock(path)
     try:
         _refuse_if_open(path)
+        if not execute:
+            return VacuumResult(rank=rank, path=path, bytes_before=before, bytes_after=None, applied=False)
         tmp = tempfile.mkdtemp(prefix=".vacuum-", dir=path)
         try:
             with DeltaLog(path, readonly=True) as log:
@@ -98,13 +110,15 @@ def vacuum_log(path: str, rank: int = 0) -> VacuumResult:
     return VacuumResult(rank=rank, path=path, bytes_before=before, bytes_after=after)
 
 
-def vacuum(root: PathLike, progress: Optional[Callable[[int, int], None]] = None) -> List[VacuumResult]:
+def vacuum(root: PathLike, progress: Optional[Callable[[int, int], None]] = None,
+           execute: bool = False) -> List[VacuumResult]:
     """Compact every rank's log under ``root``; refuses (before touching a rank) while any
     process has that rank's log open.
 
     Args:
         root: the log root.
         progress: called with (ranks done, ranks) before the first rank and after each.
+        execute: compact (default: a dry run: the same checks and refusals, nothing written).
 
     Raises:
         LogLockedError: see :func:`vacuum_log`.
@@ -115,7 +129,7 @@ def vacuum(root: PathLike, progress: Optional[Callable[[int, int], None]] = None
     for rank, path in paths.items():
         if progress is not None:
             progress(len(out), len(paths))
-        out.append(vacuum_log(path, rank))
+        out.append(vacuum_log(path, rank, execute))
     if progress is not None:
         progress(len(out), len(paths))
     return out

@@ -120,13 +120,29 @@ def _read_metas(data: str) -> Tuple[Tuple[int, int], List[str]]:
         v.load_metas()
         m0, m1 = v._read_meta(0, 1), v._read_meta(1, v.psize)
         size = os.fstat(f.fileno()).st_size
-    problems = list(v.errors)
-    if m0.txnid and m1.txnid and abs(int(m0.txnid) - int(m1.txnid)) != 1:
-        problems.append(f"the meta pages' transaction ids {m0.txnid} and {m1.txnid} are not consecutive")
-    need = v.next_pgno * v.psize
-    if size < need:
-        problems.append(f"the file is truncated: {size} bytes, but its committed meta page needs {need}")
+        problems = list(v.errors)
+        if m0.txnid and m1.txnid and abs(int(m0.txnid) - int(m1.txnid)) != 1:
+            problems.append(f"the meta pages' transaction ids {m0.txnid} and {m1.txnid} are not consecutive")
+        need = v.next_pgno * v.psize
+        if size < need and not problems and not _free_tail(v, size // v.psize):
+            problems.append(f"the file is truncated: {size} bytes, but its committed meta page needs {need}")
     return (int(m0.txnid), int(m1.txnid)), problems
+
+
+def _free_tail(v: Any, pages: int) -> bool:
+    """Whether every page from ``pages`` (the file's end) to the committed meta's next page is
+    free: LMDB does not write a page a transaction allocated and freed again (a loose page), so
+    a healthy file may end a few free pages short of ``next_pgno``. Walks only the free-page
+    database, with reads (never a map); ``next_pgno`` is bounded by the parser."""
+    v.live = bytearray(v.next_pgno)
+    v.free = bytearray(v.next_pgno)
+    try:
+        v._verify_tree("freeDB", v.meta.free, _lmdb_verify._cmp_int, None, is_free=True)
+        for txnid, data in v.free_records:
+            v._decode_idl(txnid, data)
+    except (_lmdb_verify.VerifyError, IndexError, ValueError):
+        return False
+    return not v.errors and all(v.free[pages:v.next_pgno])
 
 
 def check_file(path: str, full: bool = False) -> None:

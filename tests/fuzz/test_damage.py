@@ -34,7 +34,7 @@ for what in sys.argv[2:]:
                 p = r.poll()
                 out["rows"] = {d.fqn: sorted(d.ids.tolist()) for d in p}
         else:
-            args = {"verify": ["verify", root], "offsets": ["offsets", root], "vacuum": ["vacuum", root],
+            args = {"verify": ["verify", root], "offsets": ["offsets", root], "vacuum": ["vacuum", root, "--execute"],
                     "replay": ["replay", root, "--from-batch", "0", "--to-batch", "50", "--dry-run"]}[what]
             out["rc"] = main(args)
     except PersistentDeltaError as exc:

@@ -304,3 +304,60 @@ def test_apply_refuses_malformed_export_files(tmp_path):
     save_file({"ids": torch.tensor([-1, 2]), "values": torch.zeros(2, 4)}, real, metadata=meta)
     _rewrite(out, lambda m: [f.update(kind="snapshot") for f in m["files"] if f["path"]])
     _apply_refused([out], "negative ids")
+
+
+def test_vacuum_is_a_dry_run_without_execute(tmp_path, capsys):
+    """Destructive actions need ``--execute``: ``vacuum ROOT`` checks and reports, and changes
+    nothing; ``--execute`` compacts."""
+    path = str(tmp_path / "log")
+    _store(path, ["emb.user", "emb.item"], batches=40)
+    with LmdbDeltaStore(path, UpdateMode.NONE) as s:
+        s.delete(38)
+    data = os.path.join(path, "data.mdb")
+    size, mtime = os.path.getsize(data), os.stat(data).st_mtime_ns
+    capsys.readouterr()
+    assert main(["vacuum", path]) == 0, capsys.readouterr().err
+    assert "DRY RUN" in capsys.readouterr().out
+    assert (os.path.getsize(data), os.stat(data).st_mtime_ns) == (size, mtime)
+    assert main(["vacuum", path, "--execute"]) == 0
+    assert os.path.getsize(data) < size
+
+
+def test_upgrade_and_vacuum_refuse_another_applications_lmdb_and_create_nothing(tmp_path, capsys):
+    """An LMDB file of another application given to ``upgrade`` or ``vacuum`` (dry run or not):
+    a typed error saying so, and not one file created or changed in its directory."""
+    import lmdb
+
+    path = str(tmp_path / "foreign")
+    env = lmdb.open(path, max_dbs=4)
+    with env.begin(write=True) as t:
+        t.put(b"k", b"v", db=env.open_db(b"things", txn=t))
+    env.close()
+    def files() -> dict:  # lock.mdb is LMDB's own reader table, reset by every opener
+        return {n: os.stat(os.path.join(path, n)).st_mtime_ns for n in os.listdir(path) if n != "lock.mdb"}
+
+    before = files()
+    for cmd in (["upgrade"], ["upgrade", "--execute"], ["vacuum"], ["vacuum", "--execute"]):
+        capsys.readouterr()
+        assert main([cmd[0], path] + cmd[1:]) == 1
+        assert "another application" in capsys.readouterr().err
+        assert files() == before, cmd
+
+
+def test_a_healthy_log_whose_file_ends_in_free_pages_opens(tmp_path):
+    """LMDB does not write a page a transaction allocated and freed again: a healthy file may
+    end short of the committed meta's next page, by free pages only. It opens (it was refused
+    as truncated); a file cut into pages in use is still refused (tests/fuzz/test_damage.py)."""
+    import lmdb
+
+    path = str(tmp_path / "log")
+    _store(path, ["emb.user", "emb.item"], batches=40)
+    with LmdbDeltaStore(path, UpdateMode.NONE) as s:
+        s.delete(38)
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=32)
+    next_page_end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    env.close()
+    assert os.path.getsize(os.path.join(path, "data.mdb")) < next_page_end  # the case itself
+    with DeltaReader(path) as r:
+        assert not r.poll().empty
+    assert main(["verify", path]) == 0

@@ -183,7 +183,7 @@ def test_vacuum_refuses_while_open_then_compacts(tmp_path, capsys):
         assert "this process has the log open" in capsys.readouterr().err
     assert os.path.getsize(os.path.join(path, "data.mdb")) == size  # refusals touched nothing
     buf = io.StringIO()
-    assert main(["vacuum", root, "--format", "json"], stdout=buf) == 0
+    assert main(["vacuum", root, "--format", "json", "--execute"], stdout=buf) == 0
     (res,) = json.loads(buf.getvalue())["ranks"]
     assert res["bytes_before"] == size and res["bytes_after"] < size // 4
     assert os.path.getsize(os.path.join(path, "data.mdb")) == res["bytes_after"]
