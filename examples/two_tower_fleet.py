@@ -7,10 +7,12 @@ FAISS index, which needs a GPU build): the same model, ``DistributedModelParalle
 ``KeyedOptimizerWrapper``, ``TrainPipelineSparseDist`` and the example's random dataset, on gloo.
 What the port changed for CPU: the tables are small (``--rows``), and the plan is explicit (the
 query table column-wise, the candidate table table-wise) because CPU plans need the ``fused``
-kernel. What it added for a restore: a checkpoint every ``--checkpoint-every`` steps
-(``model.state_dict()``, which carries the tracker's state, and both optimizers') and, when
-started again, the restore from it; and at the end, TorchRec's own gather of the sharded state
-to one CPU model (the example's ``state_dict_to_device`` + ``state_dict_gather``), the
+kernel. The dataset is seeded per rank and per start (new ids after a restart, as new data
+would be). What it added for a restore: a checkpoint every ``--checkpoint-every`` steps
+(``model.state_dict()``, which carries the tracker's state, and both optimizers'; Adam over the
+parameters that are not fused, ``in_backward_optimizer_filter``, so that its state loads) and,
+when started again, the restore from it; and at the end, TorchRec's own gather of the sharded
+state to one CPU model (the example's ``state_dict_to_device`` + ``state_dict_gather``), the
 trainer's tables the check compares with.
 
 The integration, marked ``# [pd]`` on each line below (``tests/process/test_examples.py``
@@ -27,10 +29,10 @@ code: ``persistent-delta ship LOG --server URL --job JOB --channels snapshots --
 1. a local NATS JetStream server (``persistent_delta.testing.LocalServer``, 127.0.0.1) and the
    job's stream key;
 2. the shipper process, the replica process and the trainer (2 spawned ranks);
-3. ``--kills N``: N times, after the trainer wrote a new checkpoint, the driver SIGKILLs both
-   ranks at a random instant and starts the trainer again, which restores its latest
-   checkpoint (``model.load_state_dict`` restores the tracker too: it re-delivers the rows
-   touched after the checkpoint, at a fresh batch index);
+3. ``--kills N``: N times, at a random step after a new checkpoint (and a random instant
+   within it), the driver SIGKILLs both ranks and starts the trainer again, which restores its
+   latest checkpoint (``model.load_state_dict`` restores the tracker too: it re-delivers the
+   rows touched after the checkpoint, at a fresh batch index);
 4. the replica runs in another process that may not read the trainer's log (an audit hook
    fails every open under it): it starts from the base on the stream, applies every publish,
    and saves its tables when told the stream holds everything;
@@ -138,6 +140,20 @@ def _save(obj: Any, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def train(rank: int, world_size: int, args: argparse.Namespace, port: int) -> None:
     """TorchRec's ``train()`` on one CPU rank, with the tracker (``# [pd]``) and a checkpoint."""
     _quiet()
@@ -203,6 +219,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, port: int) -> No
     for step in range(start, args.steps):
         train_pipeline.progress(dl_iterator)
         done = step + 1
+        if rank == 0:  # for the driver's SIGKILLs
+            _write(os.path.join(args.out, "progress"), str(done))
         if done % args.publish_every == 0 or done == args.steps:
             tracker.publish("serving")  # [pd]
         if done % args.checkpoint_every == 0 and done < args.steps:
@@ -212,9 +230,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, port: int) -> No
                    "dense": optimizer.state_dict(), "step": done}, os.path.join(step_dir, f"rank-{rank}.pt"))
             dist.barrier()
             if rank == 0:
-                with open(latest + ".tmp", "w") as f:
-                    f.write(f"step-{done}")
-                os.replace(latest + ".tmp", latest)
+                _write(latest, f"step-{done}")
     tracker.close()  # [pd]
 
     # TorchRec's gather of the sharded state to one CPU model: the trainer's tables, for the check
@@ -337,21 +353,26 @@ def drive(args: argparse.Namespace) -> int:
         latest = os.path.join(args.out, "ckpt", "LATEST")
         kills = 0
         while True:
-            seen = open(latest).read() if os.path.exists(latest) else ""
+            seen, target = _read(latest), None
             trainer = _child(args, "train")
             procs.append(trainer)
             killed = False
             while trainer.poll() is None:
-                if kills < args.kills and os.path.exists(latest) and open(latest).read() != seen:
-                    time.sleep(rng.uniform(0.0, args.kill_window))  # a random instant after a new checkpoint
+                ckpt = _read(latest)
+                if kills < args.kills and target is None and ckpt != seen:  # a new checkpoint: a kill within M steps
+                    target = int(ckpt.split("-")[1]) + rng.randint(1, max(1, args.checkpoint_every - 1))
+                progress = _read(os.path.join(args.out, "progress"))
+                if target is not None and progress and int(progress) >= target:
+                    time.sleep(rng.uniform(0.0, args.kill_window))  # a random instant within the step
                     if trainer.poll() is None:
                         os.killpg(trainer.pid, signal.SIGKILL)
                         trainer.wait()
                         kills += 1
                         killed = True
-                        print(f"[two-tower] SIGKILLed both ranks ({kills} of {args.kills}); restarting", flush=True)
+                        print(f"[two-tower] SIGKILLed both ranks after step {progress} ({kills} of {args.kills}); "
+                              "restarting", flush=True)
                     break
-                time.sleep(0.05)
+                time.sleep(0.01)
             if killed:
                 continue
             if trainer.wait() != 0:
@@ -403,8 +424,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="tracking mode (default ID_ONLY)")
     p.add_argument("--publish-every", type=int, default=5, help="publish every K steps (default 5)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="checkpoint every M steps (default 10)")
-    p.add_argument("--kills", type=int, default=1, help="SIGKILL the trainer N times, each after a new checkpoint")
-    p.add_argument("--kill-window", type=float, default=1.0, help="the SIGKILL comes within this many seconds")
+    p.add_argument("--kills", type=int, default=1,
+                   help="SIGKILL the trainer N times, each at a random step after a new checkpoint (default 1)")
+    p.add_argument("--kill-window", type=float, default=0.05,
+                   help="and within this many seconds after that step (default 0.05)")
     p.add_argument("--restore", default="model", choices=["model", "tracker", "none"],
                    help="how a restart restores the tracker: with the model's load_state_dict (default), with "
                         "tracker.load_state_dict, or not at all (the replica then drifts: the check fails)")
