@@ -61,6 +61,7 @@ from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.read.polling import check_max_batches
 from persistent_delta.errors import (
     ConfigMismatchError,
+    DamagedLogError,
     InvalidInputError,
     NotALogError,
     PersistentDeltaError,
@@ -259,6 +260,9 @@ class Shipper:
         try:
             found = rank_paths(self.root)
         except NotALogError:
+            return
+        except DamagedLogError as exc:  # a rank's file wiped: the ranks already open keep shipping
+            logger.error("shipper %s: %s", self.job, exc)
             return
         for rank, path in found.items():
             if self._only is not None and rank not in self._only:

@@ -37,12 +37,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 import lmdb
 import torch
 
-from persistent_delta.log import codec, lmdbenv
+from persistent_delta.log import codec, lmdbenv, schema
 from persistent_delta.log.alloc import tune_malloc
 from persistent_delta.config import LogOptions
 from persistent_delta.errors import (
     CorruptRecordError,
     ConfigMismatchError,
+    DamagedLogError,
     ForkedProcessError,
     FormatMismatchError,
     LogClosedError,
@@ -72,6 +73,10 @@ from persistent_delta.log.schema import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# every meta key the library writes: any other key in the meta database is a damaged name (a
+# flipped byte would otherwise hide a key and read as its default)
+KNOWN_META = frozenset(v for k, v in vars(schema).items() if k.startswith("META_") and isinstance(v, str))
 
 
 @dataclass
@@ -510,7 +515,11 @@ class DeltaLog:
         return meta
 
     def _check_meta(self, update_mode: Optional[str]) -> None:
-        version, stored = self.read(lambda r: (r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE)), refresh_tables=False)
+        def read(r: ReadTxn) -> Tuple[Any, Any, List[str]]:
+            keys = [_name(k, DB_META) for k in r.txn.cursor(db=r._dbs[DB_META]).iternext(keys=True, values=False)]
+            return r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE), keys
+
+        version, stored, keys = self.read(read, refresh_tables=False)
         if version not in self._formats:
             how = ("upgrade it in place with `persistent-delta upgrade ROOT --execute` (stop the trainer first)"
                    if version == 1 else "use the matching persistent_delta release, or start a fresh log")
@@ -518,6 +527,12 @@ class DeltaLog:
                 f"{self.path} was written with log format version {version}; this persistent_delta reads "
                 f"version {codec.FORMAT_VERSION}: {how}"
             )
+        unknown = sorted(k for k in keys if k not in KNOWN_META)
+        if unknown and version == codec.FORMAT_VERSION:
+            raise DamagedLogError(
+                f"{self.path}: the meta database holds keys this library never writes ({[k[:40] for k in unknown[:5]]}): "
+                "a damaged key name, which would read as a missing setting. Restore the log from a copy, or move it "
+                "away and start afresh")
         if update_mode is None:
             return
         if stored is None and not self.readonly:

@@ -18,9 +18,10 @@ import enum
 import os
 import re
 import tempfile
+import time
 from typing import Dict, Optional, Union
 
-from persistent_delta.errors import LogAccessError, LogOwnershipError, NotALogError
+from persistent_delta.errors import DamagedLogError, LogAccessError, LogOwnershipError, NotALogError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -66,13 +67,20 @@ def file_state(path: PathLike) -> FileState:
     return FileState.EMPTY if size == 0 else FileState.PRESENT
 
 
+EMPTY_RANK_GRACE_S = 5.0  # an empty data file older than this beside other ranks' logs is damage, not a creation
+
+
 def rank_paths(root: PathLike) -> Dict[int, str]:
     """The log directory of every rank under ``root``, by rank (ascending).
 
-    A ``root`` that is itself a log directory is rank 0.
+    A ``root`` that is itself a log directory is rank 0. A rank whose ``data.mdb`` is empty
+    (0 bytes) is not a log yet -- LMDB writes a new file's first pages as it creates it -- unless
+    other ranks hold logs and it has stayed empty for ``EMPTY_RANK_GRACE_S``: then it is a wiped
+    file or a creation killed midway, and the job is refused rather than read without that rank.
 
     Raises:
         NotALogError: ``root`` holds no log.
+        DamagedLogError: a rank's data file is empty while other ranks hold logs.
     """
     root = os.fspath(root)
     if file_state(root) is FileState.PRESENT:
@@ -87,13 +95,27 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
     if names is None:
         raise NotALogError(f"{root}: no such directory; pass the log root (the directory holding rank-<r>/)")
     found = {}
+    empty = []
     for name in names:
         m = _RANK_DIR.match(name)
         if m and not os.access(os.path.join(root, name), os.R_OK | os.X_OK):
             raise LogAccessError(_denied(os.path.join(root, name), None))
-        if m and file_state(os.path.join(root, name)) is FileState.PRESENT:
+        state = file_state(os.path.join(root, name)) if m else None
+        if state is FileState.PRESENT:
             check_owner(os.path.join(root, name), root_uid)
-            found[int(m.group(1))] = os.path.join(root, name)
+            found[int(m.group(1))] = os.path.join(root, name)  # type: ignore[union-attr]
+        elif state is FileState.EMPTY:
+            empty.append(os.path.join(root, name))
+    for path in empty:
+        data = os.path.join(path, DATA_FILE)
+        try:
+            age = time.time() - os.stat(data).st_mtime
+        except OSError:
+            continue  # gone meanwhile
+        if found and age >= EMPTY_RANK_GRACE_S:
+            raise DamagedLogError(
+                f"{data}: empty (0 bytes) while other ranks of the job hold logs: a wiped file or a creation killed "
+                "midway; this rank's data is lost. Restore it from a copy, or move the job's logs away and start afresh")
     if not found:
         raise NotALogError(
             f"{root} holds no persistent_delta log (expected {root}/rank-<r>/data.mdb); check the path, "

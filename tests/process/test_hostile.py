@@ -361,3 +361,55 @@ def test_a_healthy_log_whose_file_ends_in_free_pages_opens(tmp_path):
     with DeltaReader(path) as r:
         assert not r.poll().empty
     assert main(["verify", path]) == 0
+
+
+@pytest.mark.parametrize("key", ["update_mode", "closed_end"])
+def test_a_damaged_meta_key_name_is_damage(tmp_path, capsys, key):
+    """A flipped byte in a meta key's name would hide the setting (read as its default: a poll
+    then returns other rows): an unknown meta key is refused as damage on open, and verify says
+    DAMAGED."""
+    from persistent_delta.errors import DamagedLogError
+    from persistent_delta.log.deltalog import DeltaLog
+
+    path = str(tmp_path / "log")
+    with LmdbDeltaStore(path, UpdateMode.FIRST) as s:
+        for b in range(5):
+            s.append(b, "t", torch.arange(b, b + 5), torch.ones(5, 4) * b)
+    with DeltaLog(path) as log:
+        log.write(lambda w: w.set_meta("closed_end", 5))
+    data = os.path.join(path, "data.mdb")
+    raw = open(data, "rb").read()
+    assert raw.count(key.encode()) >= 1
+    with open(data, "wb") as f:
+        f.write(raw.replace(key.encode(), key[:-1].encode() + b"\x7e"))
+    with pytest.raises(DamagedLogError, match="meta database holds keys"):
+        DeltaReader(path)
+    capsys.readouterr()
+    assert main(["verify", path]) == 1
+    assert "meta database holds keys" in capsys.readouterr().out
+
+
+def test_an_empty_data_file_in_one_rank_is_damage(tmp_path, capsys):
+    """Rank 0's ``data.mdb`` wiped to 0 bytes in a 2-rank job: verify, offsets and replay's dry
+    run exit 1 naming the file, and a reader or consumer is refused instead of polling rank 1
+    alone as if nothing were wrong. A fresh empty file (a creation in progress) is not damage."""
+    from logs import fill_ranks
+
+    from persistent_delta.errors import DamagedLogError
+
+    root = str(tmp_path / "log")
+    fill_ranks(root, lambda r, b: [("t", torch.arange(b, b + 5) + 100 * r, None)], ranks=2, batches=6)
+    DeltaConsumer(root, "c").close()
+    data = os.path.join(root, "rank-0", "data.mdb")
+    open(data, "wb").close()
+    with DeltaReader(root) as r:  # just emptied: may be a creation in progress
+        assert r.ranks == [1]
+    os.utime(data, (1, 1))
+    for cmd in (["verify", root], ["offsets", root], ["replay", root, "--from-batch", "0", "--to-batch", "6",
+                                                       "--dry-run"]):
+        capsys.readouterr()
+        assert main(cmd) == 1, cmd
+        assert f"{data}: empty (0 bytes)" in capsys.readouterr().err
+    for open_ in (lambda: DeltaReader(root), lambda: DeltaConsumer(root, "c")):
+        with pytest.raises(DamagedLogError, match="empty"):
+            open_()
