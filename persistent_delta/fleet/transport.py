@@ -139,7 +139,9 @@ class Transport(Protocol):
     **Errors.** A method that needs the engine raises
     :class:`~persistent_delta.errors.TransportError` when it cannot be reached in time or
     refuses the request (also: a job whose stream or buckets do not exist, any call after
-    :meth:`close`); a lost compare-and-set raises
+    :meth:`close`); a request the engine refuses for the user's permissions raises
+    :class:`~persistent_delta.errors.PermissionDeniedError` (a ``TransportError``) naming what was
+    refused; a lost compare-and-set raises
     :class:`~persistent_delta.errors.KeyConflictError`. :meth:`send_all` raises nothing: it
     returns what was not acknowledged.
     """
