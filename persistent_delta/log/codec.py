@@ -377,11 +377,22 @@ def _gather_into(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) ->
         out.copy_(torch.index_select(source, 0, rows.to(source.device)))
 
 
+def encode_cast(
+    ids: torch.Tensor, states: torch.Tensor, dtype: torch.dtype, kind: int = KIND_SNAPSHOT,
+    publish_time: Optional[float] = None, fmt: str = NATIVE, into: Optional[bytearray] = None,
+) -> Encoded:
+    """Encode a record of ``states`` cast to ``dtype`` on their way into the record's buffer
+    (one pass: no converted copy in between), in row format ``fmt``; ``into``: a buffer to
+    reuse, as for :func:`encode_gathered`."""
+    return _encode(ids, (dtype, list(states.shape)), lambda out: out.copy_(states.detach().reshape(out.shape)), kind,
+                   None, None, publish_time, True, into, fmt)
+
+
 def encoded_size(ids: torch.Tensor, states_dtype: torch.dtype, states_shape: Sequence[int], kind: int = KIND_SNAPSHOT,
-                 publish_time: Optional[float] = None) -> int:
-    """The length of the record :func:`encode_gathered` encodes for these arguments (to size an
-    ``into`` buffer)."""
-    head = _header(ids, (states_dtype, list(states_shape)), kind, None, None, publish_time)
+                 publish_time: Optional[float] = None, fmt: str = NATIVE) -> int:
+    """The length of the record :func:`encode_gathered` (or :func:`encode_cast`) encodes for
+    these arguments (to size an ``into`` buffer)."""
+    head = _header(ids, (states_dtype, list(states_shape)), kind, None, None, publish_time, fmt)
     return _placement(head, ids.numel() * ids.element_size(), (states_dtype, list(states_shape)))[2]
 
 

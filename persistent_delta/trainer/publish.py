@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, Optional, Sequence, Tuple
 
+import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import codec, position_rules
@@ -66,6 +67,8 @@ class Captured:
     rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows captured
     formats: Tuple[str, ...] = (codec.NATIVE,)  # the row formats to write (write_publish converts)
     column_half: FrozenSet[str] = frozenset()  # fqns of column-wise shards (int8: float32 halves)
+    # (fqn, format) -> a reusable buffer of converted records (the writer's; see capture's buffers)
+    format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None
 
     @property
     def nbytes(self) -> int:
@@ -87,12 +90,15 @@ def publish_formats(r: ReadTxn, asked: Iterable[str] = ()) -> Tuple[str, ...]:
 def capture(
     r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
     buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
+    format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None,
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
 
     ``formats``: row formats asked for besides those of the registered snapshots consumers
-    (:func:`publish_formats`); the records hold native rows, :func:`write_publish` converts.
+    (:func:`publish_formats`); the records hold native rows, :func:`write_publish` converts,
+    into ``format_buffers`` ((fqn, format) -> buffer, kept by the caller like ``buffers``, under
+    the same rule) when given.
 
     ``pending``: lookups records handed to the writer and not committed yet; their rows are
     unread too (:func:`persistent_delta.trainer.consume.consume_read_ids`). The
@@ -113,7 +119,7 @@ def capture(
     """
     entry, unread = consume.consume_read_ids(r, name, pending)
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time,
-                   formats=publish_formats(r, formats))
+                   formats=publish_formats(r, formats), format_buffers=format_buffers)
     halves = set()
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
@@ -153,8 +159,18 @@ def formatted_records(cap: Captured, fqn: str, value: codec.Encoded) -> Iterable
                 native_done = True
                 yield codec.checksum_record(value)
             continue
-        rows = codec.convert_rows(rec.states, stored, fqn in cap.column_half)
-        yield codec.encode_record(rec.ids, rows, codec.KIND_SNAPSHOT, publish_time=cap.publish_time, fmt=stored)
+        half = fqn in cap.column_half
+        dtype, tail = codec.format_states(stored, rec.states.dtype, tuple(rec.states.shape[1:]), half)
+        # float formats (and int8 halves) are cast on their way into the record; int8 quantized first
+        rows = codec.quantize_int8(rec.states) if dtype == torch.uint8 else rec.states
+        into = None
+        if cap.format_buffers is not None:
+            size = codec.encoded_size(rec.ids, dtype, (int(rows.shape[0]), *tail), codec.KIND_SNAPSHOT,
+                                      cap.publish_time, stored)
+            into = cap.format_buffers.get((fqn, stored))
+            if into is None or len(into) < size:
+                into = cap.format_buffers[(fqn, stored)] = bytearray(int(size * BUFFER_HEADROOM))
+        yield codec.encode_cast(rec.ids, rows, dtype, codec.KIND_SNAPSHOT, cap.publish_time, stored, into)
 
 
 def write_publish(

@@ -98,6 +98,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # publish(): a record buffer per table, reused (publish.capture; free again once the
         # writer committed the previous publish, which publish() waits for before capturing)
         self._publish_buffers: Dict[str, bytearray] = {}
+        self._format_buffers: Dict[Tuple[str, str], bytearray] = {}  # the same, of converted records (writer)
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
@@ -333,7 +334,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
         try:
             cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
-                                                           self._publish_buffers, pending, formats))
+                                                           self._publish_buffers, pending, formats,
+                                                           self._format_buffers))
         except InvalidInputError:
             if pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so

@@ -29,6 +29,7 @@ def _publish_log(path: str) -> torch.Tensor:
     """Three publishes of table ``t`` (native, float16 and int8 records each); returns the
     table's values at the last one."""
     table = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+    buffers = {}  # converted records' buffers, reused from publish to publish (as the tracker does)
     with DeltaLog(path) as log:
         def setup(w):
             e = w.ensure_table("t")
@@ -39,7 +40,7 @@ def _publish_log(path: str) -> torch.Tensor:
             table[stamp * 5:stamp * 5 + 9] += 0.5  # rows change between publishes
             ids = torch.arange(stamp * 5, stamp * 5 + 9 + stamp)
             cap = Captured("serving", ConsumerEntry(0), stamp + 1, stamp, time.time(),
-                           formats=("native", "float16", "int8"))
+                           formats=("native", "float16", "int8"), format_buffers=buffers)
             value = codec.encode_gathered(ids, table, ids, codec.KIND_SNAPSHOT, cap.publish_time, checksum=False)
 
             def put(w, value=value, stamp=stamp, cap=cap):
