@@ -12,6 +12,7 @@ for an engine other than NATS. Nothing is durable: the broker lives as long as i
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class _Job:
     nbytes: int = 0
     ids: Dict[str, float] = field(default_factory=dict)  # message id -> when it was stored
     buckets: Dict[str, _Bucket] = field(default_factory=dict)
+    uid: str = field(default_factory=lambda: os.urandom(8).hex())  # this incarnation of the stream
 
 
 class MemoryBroker:
@@ -208,6 +210,11 @@ class MemoryTransport:
                 if s.msg.subject == subject:
                     return s.msg
             return None
+
+    def stream_id(self, job: str) -> str:
+        """An identifier of the job's stream as created."""
+        with self.broker.lock:
+            return self._job(job, "identify the stream").uid
 
     def watch(self, subject: str, event: threading.Event) -> None:
         """Set ``event`` whenever a message on ``subject`` (a filter) is stored, until :meth:`close`."""

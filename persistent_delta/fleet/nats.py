@@ -427,6 +427,14 @@ class Connection:
 
         return self.call(f"read the last message on {subject}", last)
 
+    def stream_id(self, job: str) -> str:
+        """The job's stream's creation time (another after it was deleted and created again)."""
+        async def created() -> str:
+            si = await self.js.stream_info(stream_name(job))
+            return si.created.isoformat() if si.created is not None else ""
+
+        return self.call(f"describe stream {stream_name(job)}", created)
+
     def stream_state(self, job: str) -> Dict[str, int]:
         """first_seq, last_seq, messages and bytes of the job's stream."""
         async def info() -> Dict[str, int]:

@@ -101,6 +101,7 @@ _T = TypeVar("_T")
 _GET_BATCH = 256
 _GET_BYTES = 32 << 20
 _RECHECK_S = 0.05
+_STREAM_CHECK_S = 2.0  # how often a caught-up consumer asks whether the stream was created again
 
 
 @dataclass
@@ -242,6 +243,8 @@ class RemoteConsumer:
         self._ranks: Dict[int, _RankState] = {}
         self._meta: Dict[int, RankTables] = {}
         self._expected: Optional[Set[int]] = None
+        self._stream_id = ""  # the stream's identity when last looked (Transport.stream_id)
+        self._stream_checked = 0.0  # when (monotonic) it was last looked at
         if transport is None:
             assert server is not None  # checked above
             transport = open_transport(server, connect, wait=wait)
@@ -250,6 +253,7 @@ class RemoteConsumer:
         try:
             deadline = time.monotonic() + wait
             self._await_job(deadline)  # a consumer never creates the job's stream or buckets: the shipper side does
+            self._stream_id = self.conn.stream_id(self.job)
             self._claim(deadline)
             self._closed = False
             self._load_meta(deadline)
@@ -393,16 +397,21 @@ class RemoteConsumer:
     def _load_positions(self) -> None:
         got = self._retrying(lambda: self.conn.kv_get(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel)))
         stored: Dict[str, Any] = {}
+        recreated = False
         if got is not None:
             d = codec.unpack(got.value, "remote offsets")
             stored = d.get("ranks", {}) if isinstance(d, dict) else {}
             if not isinstance(stored, dict):
                 stored = {"": stored}  # reported below as malformed
+            was = d.get("stream") if isinstance(d, dict) else None
+            recreated = isinstance(was, str) and was != self._stream_id
         for rank, st in self._ranks.items():
             entry = stored.get(str(rank))
             if entry is not None:
                 pos, seq, epoch = self._stored_position(entry, rank)
                 st.pos, st.seq, st.epoch = pos, seq, epoch  # pos None: reset to earliest
+                if recreated:  # committed on a stream since deleted and created again: read the new one from its start
+                    st.seq = 1
                 st.resume_seq = st.seq
             elif self.reset == "latest":
                 self._to_latest(st)
@@ -589,7 +598,8 @@ class RemoteConsumer:
         positions = {r: st.pos for r, st in self._ranks.items() if st.pos is not None}
         ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
                  for r, pos in positions.items()}
-        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time()})
+        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time(),
+                            "stream": self._stream_id})
         self._retrying(lambda: self.conn.kv_put(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel), value))
         return dict(positions)
 
@@ -626,6 +636,8 @@ class RemoteConsumer:
             msgs, more = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
                                               min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)))
             if not msgs:
+                if time.monotonic() - self._stream_checked >= _STREAM_CHECK_S and self._recreated():
+                    continue  # caught up on a stream since created again below this sequence
                 return
             for seq, subj, headers, data in msgs:
                 try:  # anything that does not authenticate is skipped (and reported): never applied
@@ -660,6 +672,24 @@ class RemoteConsumer:
                     return
             if not more:
                 return  # caught up: a new marker wakes the next poll (no request that would come back empty)
+
+    def _recreated(self) -> bool:
+        """Whether the job's stream was deleted and created again since this consumer last
+        looked (its sequence numbers started again at 1): then every rank is read again from
+        the new stream's start -- ranges at or below a position are re-sends, a range above it
+        is the gap it is."""
+        self._stream_checked = time.monotonic()
+        now = self.conn.stream_id(self.job)
+        if now == self._stream_id:
+            return False
+        logger.warning("remote consumer %r of job %s: the stream was deleted and created again; reading it from its "
+                       "start", self.name, self.job)
+        self._stream_id = now
+        for st in self._ranks.values():
+            st.seq = st.resume_seq = 1
+            st.gap, st.gap_complete = None, False
+        self._scans.clear()
+        return True
 
     def _managed(self, rank: int) -> bool:
         """Whether the lookups channel of ``rank`` has managed-collision tables (their side
@@ -780,6 +810,8 @@ class RemoteConsumer:
     def _resolve_gap(self, st: _RankState) -> None:
         """A gap at the position: raise, or apply the reset policy."""
         assert st.gap is not None
+        if self._recreated():
+            return  # read again from the new stream's start (the caller fills)
         gap, m = st.gap, st.gap.marker
         if self.reset is None:
             why = (f"batches [{st.pos}, {m.start}) are not on the stream: dropped by its limits, or never shipped "

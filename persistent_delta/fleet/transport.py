@@ -190,6 +190,11 @@ class Transport(Protocol):
         """The job's last message on ``subject`` (an exact subject), or None."""
         ...
 
+    def stream_id(self, job: str) -> str:
+        """An identifier of the job's stream as created: a stream deleted and created again has
+        another (its sequence numbers started again at 1)."""
+        ...
+
     def watch(self, subject: str, event: threading.Event) -> None:
         """Set ``event`` whenever a message on ``subject`` (a filter) is sent, until
         :meth:`close` (a wake-up signal, best effort: readers re-check on a timer)."""

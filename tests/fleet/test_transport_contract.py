@@ -43,6 +43,7 @@ def test_a_message_id_is_stored_once_and_a_subject_keeps_its_order(transport):
     assert not transport.job_exists(JOB)
     transport.ensure_job(JOB, StreamOptions())
     assert transport.job_exists(JOB) and transport.connected
+    assert transport.stream_id(JOB) and transport.stream_id(JOB) == transport.stream_id(JOB)
     transport.ensure_job(JOB, StreamOptions())  # idempotent
     a, b = subjects.data_subject(JOB, "lookups", 0, "t"), subjects.end_subject(JOB, "lookups", 0)
     other = subjects.end_subject(JOB, "lookups", 1)

@@ -158,7 +158,8 @@ def _stored_stats(conn: Connection, job: str) -> dict:
 def test_a_stream_deleted_under_a_running_shipper_is_created_again(tmp_path, nats_server):
     """Another client deletes the job's stream while a shipper runs: the shipper creates it again
     and ships on; its stored statistics say what happened (not a lag of 0 while it is stuck); a
-    new consumer reads every batch shipped after the deletion."""
+    new consumer reads every batch shipped after the deletion, and one that had read the old
+    stream goes on from its position in the new one."""
     root, job = str(tmp_path / "log"), "trust-e"
     _write(root, 0, 10)
     admin = Connection(nats_server.url)
@@ -171,6 +172,11 @@ def test_a_stream_deleted_under_a_running_shipper_is_created_again(tmp_path, nat
         async def delete() -> None:
             await admin.js.delete_stream(subjects.stream_name(job))
 
+        with RemoteConsumer(nats_server.url, job, "before", reset=None, wait=10) as c:
+            assert _rows_read(c) == _local_rows(root, 0, 10)
+            c.commit()
+        live = RemoteConsumer(nats_server.url, job, "live", reset=None, wait=10)
+        assert _rows_read(live) == _local_rows(root, 0, 10)
         admin.call("delete the stream", delete)
         assert not admin.job_exists(job)
         _write(root, 10, 20)
@@ -184,6 +190,13 @@ def test_a_stream_deleted_under_a_running_shipper_is_created_again(tmp_path, nat
     with RemoteConsumer(nats_server.url, job, "after", reset="earliest", wait=10) as c:
         assert _rows_read(c) == _local_rows(root, 10, 30)
         assert c.position() == {0: 30}
+    # consumers that read the old stream to 10 -- one open all along, one reopened from its
+    # committed position -- read the new stream from its start: [10, 30), no gap
+    with live:
+        assert _rows_read(live) == _local_rows(root, 10, 30)
+    with RemoteConsumer(nats_server.url, job, "before", reset=None, wait=10) as c:
+        assert c.position() == {0: 10}
+        assert _rows_read(c) == _local_rows(root, 10, 30)
 
 
 def test_nats_permissions_only_the_shipper_writes_a_job(tmp_path):
