@@ -24,9 +24,11 @@ uses is much less sensitive to the neighbours. Two parts are measured:
 Workload: one rank (gloo), an EmbeddingCollection of 4 tables x 100,000 rows x dim 64, batch
 1024 x pooling 8, Zipf ids, fused row-wise Adagrad, ID_ONLY with consumer ``serving``: the
 ``freshness`` benchmark's. One tracked model per format (same seed, same batches, so every
-variant publishes the same rows), each publishing only its format
-(``publish("serving", formats=[fmt])``; ``native`` is float32 here), plus an A/A twin of
-``native`` (the noise). Each round trains every model ``--every`` steps (untimed), flushes
+variant publishes the same rows), each publishing only its format (a snapshots consumer of
+that format is registered, as a replica would be, and moved past each publish untimed, so
+that retention deletes the previous publish in the next one's transaction, as the floor
+does; without it every publish stays on disk and each commit writes to new pages: 2-4x the
+writer's CPU; ``native`` is float32 here), plus an A/A twin of ``native`` (the noise). Each round trains every model ``--every`` steps (untimed), flushes
 (untimed), then times one publish of each variant and each floor, in a shuffled order. The
 first round is a warm-up, dropped. The training thread's part is also split: the consumer's
 unread ids read from the log (``consume_read_ids``, timed by wrapping it) and the rest. Prints one JSON line per format and a summary; ``--out``
@@ -190,9 +192,14 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
     init_single_rank_pg()
     root = workdir("publish-cost-formats")
     variants = list(formats) + ["native_aa"]
+    from persistent_delta.read.consumer import DeltaConsumer
+
     models: Dict[str, Any] = {}
+    replicas: Dict[str, Any] = {}
     for v in variants:
         models[v] = _tracked(os.path.join(root, v), seed)
+        replicas[v] = DeltaConsumer(os.path.join(root, v), "replica", channel="snapshots",
+                                    format="native" if v == "native_aa" else v)
     batches = make_batches(_workload(), 40, seed=seed + 1)
     weights = [t for _, t in sorted(_local_weights(models[variants[0]][0]).items())]
     floors = {f: BytesFloor(root, weights, f) for f in formats}
@@ -228,6 +235,9 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
                 tracker._settle()  # the writer committed it (no fsync: see the module docs)
                 p1, w1 = time.process_time(), time.perf_counter()
                 tracker.flush()  # untimed
+                rep_c = replicas[v]
+                rep_c.seek(rep_c.end_offsets()[0])  # the replica applied it (untimed)
+                rep_c.commit()
                 if rnd:
                     train_s[v].append(c1 - c0)
                     ids_s[v].append(sum(_IDS_S))
@@ -278,6 +288,8 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
          aa_process=median(proc_s["native_aa"]) / median(proc_s["native"]),
          aa_thread_per_round=sorted(a / b for a, b in zip(train_s["native_aa"], train_s["native"])),
          machine=machine())
+    for c in replicas.values():
+        c.close()
     for _, tracker in models.values():
         tracker.close()
     for fl in floors.values():
