@@ -259,6 +259,7 @@ def consumer_main(root: str, name: str, stop_file: str, out_file: str) -> None:
     c = DeltaConsumer(root, name, wait=60.0)
     open(out_file + ".ready", "w").close()
     polls = batches = 0
+    ranges: List[Any] = []  # the first polls' (start, end) of rank 0, for a look at them
     cpu = wall = 0.0
     nbytes = 0
     while True:
@@ -266,6 +267,8 @@ def consumer_main(root: str, name: str, stop_file: str, out_file: str) -> None:
         p = c.poll(timeout=0.2)
         if not p.empty:
             batches += max(r.end_idx - r.start_idx for r in p.ranks.values())
+            if len(ranges) < 40:
+                ranges.append([(r.start_idx, r.end_idx) for r in p.ranks.values()][0])
             for d in p.merged().values():
                 nbytes += sum(t.numel() * t.element_size() for t in (d.global_ids, d.states) if t is not None)
             c.commit()
@@ -276,7 +279,8 @@ def consumer_main(root: str, name: str, stop_file: str, out_file: str) -> None:
             break
     c.close()
     with open(out_file, "w") as f:
-        json.dump({"polls": polls, "batches": batches, "poll_cpu_s": cpu, "poll_wall_s": wall, "bytes": nbytes}, f)
+        json.dump({"polls": polls, "batches": batches, "poll_cpu_s": cpu, "poll_wall_s": wall, "bytes": nbytes,
+                   "ranges": ranges}, f)
 
 
 def child_consumers(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -342,6 +346,9 @@ def child_consumers(cfg: Dict[str, Any]) -> Dict[str, Any]:
     res["consumer_poll_wall_ms_per_poll"] = 1e3 * sum(s["poll_wall_s"] for s in stats) / max(1, sum(s["polls"] for s in stats))
     res["consumer_poll_cpu_ms_per_step"] = 1e3 * sum(s["poll_cpu_s"] for s in stats) / len(stats) / n
     res["consumer_polls"] = sum(s["polls"] for s in stats) / len(stats)
+    res["consumer_batches"] = sum(s["batches"] for s in stats) / len(stats)  # batches a consumer's polls moved over
+    res["consumer_bytes_per_step"] = sum(s["bytes"] for s in stats) / len(stats) / n  # merged bytes it received
+    res["consumer0_first_ranges"] = stats[0]["ranges"]
     res["file_bytes_end"] = os.path.getsize(data)
     tr.close()
     rmtree(root)

@@ -130,13 +130,11 @@ class BytesFloor:
             while self.queue or self.busy:
                 self.cv.wait()
         keys, self.keys = self.keys, []
-        out = 0
         with self.env.begin(write=True) as txn:
             parts = [np.frombuffer(txn.get(k), dtype=np.uint8).copy() for k in keys]
             for k in keys:
                 txn.delete(k)
-        out = sum(p.nbytes for p in parts)
-        return out
+        return sum(p.nbytes for p in parts)
 
     def close(self) -> None:
         with self.cv:
