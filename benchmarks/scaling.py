@@ -5,20 +5,23 @@ figures are its own) and prints one JSON line; the sweep writes ``benchmarks/res
 <sweep>.json`` (every point, plus the fitted log-log slope of each curve) and a PNG beside it,
 copied to ``docs/images/`` for docs/scaling.md.
 
-* ``rows``: ids looked up per step, 10^3..10^6 (one table of 4x as many rows, dim 8, uniform
-  ids, EMBEDDING mode), untracked vs TorchRec's tracker vs persistent_delta.
+* ``rows``: ids looked up per step, 10^3..10^5 (``--big`` adds 10^6: ~5 s of CPU per step in
+  TorchRec's kernels alone here), one table of 4x as many rows, dim 8, uniform ids, EMBEDDING
+  mode, a read every 5 steps: untracked vs TorchRec's tracker vs persistent_delta.
 * ``table``: table rows 10^6..10^8 at dim 8 with a fixed 10^4 ids per step (all three).
-* ``lag``: a consumer reading every L = 10..300 steps (2 x 10^4 ids per step, dim 16): TorchRec's
-  in-memory store grows with L, the persistent tracker's memory does not (its disk does).
-* ``ranks``: 1, 2, 4, 8 gloo ranks on CPU (weak scaling: 4 tables x 100k rows x dim 16 row-wise,
-  256 x 8 ids per table per rank and step), the three models interleaved in each rank; bytes
-  and CPU per rank, not wall time (8 ranks on 2 cores).
-* ``consumers``: 1..16 out-of-process ``DeltaConsumer`` processes reading one trainer's log
-  (EMBEDDING, 4 tables x 100k x dim 16, batch 512 x 8) while it trains: the trainer's CPU per
-  step, each consumer's poll CPU per batch, the file size.
+* ``lag``: a consumer reading every L = 10, 30, 100 steps (10^4 ids per step over 400k rows, dim
+  16): TorchRec's in-memory store grows with L, the persistent tracker's memory does not (its
+  disk does).
+* ``ranks``: 1, 2, 4, 8 gloo ranks on CPU (4 tables x 50k rows x dim 16 row-wise, 128 x 8 ids per
+  table per rank and step, the same ids on every rank), the three models interleaved in each
+  rank; bytes and CPU per rank, not wall time (8 ranks on 2 cores).
+* ``consumers``: 1, 4, 16 out-of-process ``DeltaConsumer`` processes reading one trainer's log
+  (EMBEDDING, 4 tables x 100k x dim 16, batch 512 x 8) while it trains 40 steps: the trainer's CPU
+  per step, each consumer's poll CPU, the bytes it received, the largest file.
 * ``loglen``: logs of 10^3..10^5 batches (``LmdbDeltaStore``, one table, 256 ids per batch with
-  dim-8 FIRST states): open, a consumer's open + seek to the middle + a poll of 10 batches,
-  retention (deleting the 10 oldest batches), compaction of 10 batches in the middle, file size.
+  dim-8 FIRST states): open, a reader's open + a poll of 10 batches from the middle, retention
+  (deleting the 10 oldest batches), compaction of 10 batches in the middle (wall and CPU), file
+  size.
 
 Measured at each point, where it applies: training-thread CPU per step (``time.thread_time``,
 torch at one intra-op thread so that it is the training compute), process CPU per step, the
