@@ -245,12 +245,12 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
         raise PersistentDeltaError("--register is for local logs (remote consumers register themselves)")
     found = describe_remote(args.server, args.job, opts)
     crow = [[c.rank, c.consumer, c.channel, c.offset if c.offset is not None else "earliest", c.stream_end, c.lag,
-             _when(c.commit_time), "yes" if c.active else "no"] for c in found["consumers"]]
+             _when(c.commit_time), "yes" if c.active else "no", c.health] for c in found["consumers"]]
     srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
              f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
     return Output(data=_jsonable(found), tables=[
-        Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE"],
-              crow),
+        Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE",
+                                   "HEALTH"], crow),
         Table("SHIPPERS", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-SHIPPED",
                            "HOST:PID", "LAST-ERROR"], srow)])
 

@@ -96,7 +96,7 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
             view.errors.append(f"{root}: {exc}")
     if server and job:
         try:
-            found = describe_remote(server, job, options)
+            found = describe_remote(server, job, options, stall_after_s)
             view.remote, view.shippers = found["consumers"], found["shippers"]
         except Exception as exc:  # noqa: BLE001 - a server away is shown, and retried at the next refresh
             view.errors.append(f"{server}: {exc}")
@@ -158,10 +158,11 @@ def draw(view: View) -> Any:
         parts.append(c)
     if view.remote:
         rc = table("REMOTE CONSUMERS", "RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT",
-                   "ACTIVE")
+                   "ACTIVE", "HEALTH")
         for x in view.remote:
             rc.add_row(*(cell(v) for v in (x.rank, x.consumer, x.channel, _num(x.offset), x.stream_end, _num(x.lag),
-                                           _ago(view.when, x.commit_time), "yes" if x.active else "no")))
+                                           _ago(view.when, x.commit_time), "yes" if x.active else "no")),
+                       cell(x.health, _HEALTH_STYLE.get(x.health, "")))
         parts.append(rc)
     if view.shippers:
         s = table("SHIPPERS", "RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-ERROR")

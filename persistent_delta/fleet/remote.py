@@ -42,13 +42,14 @@ TTL (:attr:`StreamOptions.lock_ttl_s`), and a second user is refused with
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, TypeVar
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
@@ -78,8 +79,10 @@ from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
 from persistent_delta.read.results import DeltaPoll, RankDelta, join_int8, table_delta
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.schema import (
+    COMMIT_HISTORY,
     LOOKUPS,
     SNAPSHOTS,
+    CommitPoint,
     ShardInfo,
     TableEntry,
     check_batch_idx,
@@ -126,6 +129,7 @@ class _RankState:
     gap: Optional[_Range] = None  # the first range found above the buffered end (tables {} when incomplete)
     gap_complete: bool = False
     left: Set[str] = field(default_factory=set)  # epochs an explicit epoch start replaced: their markers are replays
+    history: Tuple[CommitPoint, ...] = ()  # its last commits (the health window), stored with the position
 
 
 def _check_ids(ids: torch.Tensor, shard: Optional[ShardInfo], where: str, seq: int) -> None:
@@ -143,6 +147,32 @@ def offsets_key(name: str, channel: str) -> str:
 
 def lock_key(name: str) -> str:
     return subjects.token(name)
+
+
+#: The key of a rank's commit history in its stored position entry.
+HISTORY_KEY = "hist"
+
+
+def stored_history(entry: object) -> Tuple[CommitPoint, ...]:
+    """The commit history kept in a rank's stored position entry (``"hist"``: a list of
+    ``[time, pos, end]``, oldest first; ``end`` -1 when unknown), at most the last
+    :data:`~persistent_delta.log.schema.COMMIT_HISTORY`.
+
+    The history only feeds the health rule, so a missing one (an entry written before it) and a
+    malformed one (not a list, or a point that is not ``[number, int, int]``) read as no history
+    rather than failing the consumer or the tools.
+    """
+    raw = entry.get(HISTORY_KEY) if isinstance(entry, dict) else None
+    if not isinstance(raw, list):
+        return ()
+    out: List[CommitPoint] = []
+    for p in raw[-COMMIT_HISTORY:]:
+        if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+                and all(isinstance(v, int) and not isinstance(v, bool) and -1 <= v < MAX_BATCH_IDX for v in p[1:])
+                and p[1] >= 0 and math.isfinite(p[0])):
+            return ()
+        out.append(CommitPoint(float(p[0]), int(p[1]), int(p[2])))
+    return tuple(out)
 
 
 class RemoteConsumer:
@@ -410,6 +440,7 @@ class RemoteConsumer:
             if entry is not None:
                 pos, seq, epoch = self._stored_position(entry, rank)
                 st.pos, st.seq, st.epoch = pos, seq, epoch  # pos None: reset to earliest
+                st.history = stored_history(entry)
                 if recreated:  # committed on a stream since deleted and created again: read the new one from its start
                     st.seq = 1
                 st.resume_seq = st.seq
@@ -596,12 +627,28 @@ class RemoteConsumer:
         if self._lost:
             raise LogLockedError(f"consumer {self.name!r} of job {self.job!r} lost its claim; nothing committed")
         positions = {r: st.pos for r, st in self._ranks.items() if st.pos is not None}
-        ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch}
+        now = time.time()
+        # each rank's commit joins its history, with the stream's end as far as this consumer has
+        # read it (its buffered ranges' end): what the health rule judges the lag at each commit by
+        histories = {r: (*self._ranks[r].history, CommitPoint(now, pos, self._seen_end(self._ranks[r], pos))
+                         )[-COMMIT_HISTORY:] for r, pos in positions.items()}
+        ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch,
+                          HISTORY_KEY: [[p.time, p.offset, p.end] for p in histories[r]]}
                  for r, pos in positions.items()}
-        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": time.time(),
+        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": now,
                             "stream": self._stream_id})
         self._retrying(lambda: self.conn.kv_put(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel), value))
+        for r, h in histories.items():
+            self._ranks[r].history = h
         return dict(positions)
+
+    @staticmethod
+    def _seen_end(st: _RankState, pos: int) -> int:
+        """The stream's end as far as rank ``st`` has read it (no request): its last buffered
+        range's end, or the first range past a gap, or its position when it holds nothing."""
+        if st.gap is not None:
+            return max(pos, st.gap.marker.end)
+        return max(pos, st.ranges[-1].marker.end) if st.ranges else pos
 
     def committed(self) -> Dict[int, int]:
         """rank -> the position stored in the ``offsets`` bucket now.

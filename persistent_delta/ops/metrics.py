@@ -18,7 +18,8 @@ training thread:
 
 Labels are ``job``, ``rank``, ``consumer`` and ``channel`` only (``table`` only with
 ``tables=True``). A consumer's health is a number (0 ok, 1 lagging, 2 stalled, 3 expired) so an
-alert is ``persistent_delta_consumer_health > 0``. Prometheus renames a ``job`` label that
+alert is ``persistent_delta_consumer_health > 0`` (``remote_consumer_health`` the same for a
+remote consumer). Prometheus renames a ``job`` label that
 clashes with its scrape job's to ``exported_job`` unless the scrape config says
 ``honor_labels: true``.
 
@@ -223,16 +224,19 @@ class StreamCollector(Collector):
         server: the NATS server(s).
         job: the job (its stream and buckets; also the ``job`` label).
         options: connection options (credentials, TLS).
+        stall_after_s: the health rule's least silence (see :mod:`persistent_delta.ops.health`).
     """
 
-    def __init__(self, server: ServerSpec, job: str, options: Optional[ConnectOptions] = None) -> None:
+    def __init__(self, server: ServerSpec, job: str, options: Optional[ConnectOptions] = None,
+                 stall_after_s: Optional[float] = None) -> None:
         self.server = server
         self.job = job
         self.options = options
+        self.stall_after_s = stall_after_s
 
     def collect(self) -> Iterable[Metric]:
         fams = _Families()
-        found = describe_remote(self.server, self.job, self.options)
+        found = describe_remote(self.server, self.job, self.options, self.stall_after_s)
         for c in found["consumers"]:
             labels = [("job", self.job), ("rank", str(c.rank)), ("consumer", c.consumer), ("channel", c.channel)]
             if c.offset is not None:
@@ -246,6 +250,8 @@ class StreamCollector(Collector):
             if c.commit_time is not None:
                 fams.add("gauge", "remote_consumer_last_commit_timestamp_seconds", "When it last committed.", labels,
                          float(c.commit_time))
+            fams.add("gauge", "remote_consumer_health", "Health over its last commits: 0 ok, 1 lagging, 2 stalled, "
+                     "3 expired.", labels, HEALTH_CODES.get(c.health, 0))
         _shipper_metrics(fams, self.job, [vars(s) for s in found["shippers"]])
         return fams
 
@@ -315,7 +321,7 @@ def build_registry(
     if root is not None:
         reg.register(_Guarded(LogCollector(root, job, tables, stall_after_s), "log"))
     if server is not None:
-        reg.register(_Guarded(StreamCollector(server, job, options), "stream"))
+        reg.register(_Guarded(StreamCollector(server, job, options, stall_after_s), "stream"))
     return reg
 
 

@@ -1,25 +1,29 @@
 """What every remote consumer and shipper of a job's stream has done, read from the stream.
 
 Owns: the describe computation for a job's stream (remote consumers' positions from the
-``offsets`` bucket, the stream's end per rank from its end markers, shippers' statistics from the
-``meta`` bucket) shared by ``persistent-delta offsets --server``, the exporter and ``top``.
+``offsets`` bucket, the stream's end per rank from its end markers, their health from the commit
+history stored with each position, shippers' statistics from the ``meta`` bucket) shared by ``persistent-delta offsets --server``, the exporter and ``top``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from persistent_delta.fleet import subjects
-from persistent_delta.fleet.remote import lock_key
+from persistent_delta.fleet.remote import lock_key, stored_history
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
 from persistent_delta.fleet.wire import Marker
 from persistent_delta.log import codec
+from persistent_delta.ops.health import Health, health
 
 
 @dataclass
 class RemoteConsumerRow:
-    """One remote consumer on one rank: its position in the stream and its lag in batches."""
+    """One remote consumer on one rank: its position in the stream, its lag in batches and its
+    ``health`` (:func:`persistent_delta.ops.health.health` over the commits stored with its
+    position, as for a local consumer: ``ok``, ``lagging`` or ``stalled``)."""
 
     consumer: str
     channel: str
@@ -29,6 +33,7 @@ class RemoteConsumerRow:
     lag: Optional[int]
     commit_time: Optional[float]
     active: bool
+    health: str = Health.OK.value
 
 
 @dataclass
@@ -67,36 +72,57 @@ def remote_offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
     return out
 
 
-def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None
-                    ) -> Dict[str, List[Any]]:
+def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None,
+                    stall_after_s: Optional[float] = None) -> Dict[str, List[Any]]:
     """Every remote consumer (per rank: offset, the stream's end, lag in batches, last commit,
-    whether a process holds it now) and every shipper (statistics) of ``job``."""
+    whether a process holds it now, health) and every shipper (statistics) of ``job``.
+
+    Args:
+        server: the NATS server(s).
+        job: the job.
+        options: connection options.
+        stall_after_s: the health rule's least silence before ``stalled`` (default:
+            :func:`persistent_delta.config.stall_after_s`).
+    """
     conn = open_transport(server, options)
     try:
-        locks = set(conn.kv_entries(job, subjects.LOCKS))
-        consumers: List[RemoteConsumerRow] = []
-        for d in remote_offsets(conn, job):
-            ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
-            ends = stream_ends(conn, job, str(d["channel"]), sorted(ranks))
-            for r, v in sorted(ranks.items()):
-                pos = None if v.get("pos") is None else int(v["pos"])
-                consumers.append(RemoteConsumerRow(str(d["name"]), str(d["channel"]), r, pos, ends[r],
-                                                   None if pos is None else max(0, ends[r] - pos), d.get("time"),
-                                                   lock_key(str(d["name"])) in locks))
-        shippers: List[ShipperRow] = []
-        for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
-            s = codec.unpack(value, f"shipper state {key}")
-            if not isinstance(s, dict):
-                continue
-            st = s.get("stats", {})
-            shippers.append(ShipperRow(int(st.get("rank", -1)), str(st.get("channel", "")), int(st.get("position", 0)),
-                                       int(st.get("log_end", 0)), int(st.get("lag_batches", 0)),
-                                       int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
-                                       st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
-                                       str(st.get("last_error", ""))))
-        return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel))}
+        return describe_stream(conn, job, stall_after_s)
     finally:
         conn.close()
 
 
-__all__ = ["RemoteConsumerRow", "ShipperRow", "describe_remote", "remote_offsets", "stream_ends"]
+def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = None) -> Dict[str, List[Any]]:
+    """:func:`describe_remote` over an open transport (left open)."""
+    locks = set(conn.kv_entries(job, subjects.LOCKS))
+    consumers: List[RemoteConsumerRow] = []
+    now = time.time()
+    for d in remote_offsets(conn, job):
+        stored = d.get("ranks")
+        ranks = {int(r): v for r, v in (stored.items() if isinstance(stored, dict) else [])
+                 if str(r).isdigit() and isinstance(v, dict)}
+        when = d.get("time")
+        when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
+        ends = stream_ends(conn, job, str(d.get("channel")), sorted(ranks))
+        for r, v in sorted(ranks.items()):
+            raw = v.get("pos")
+            pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+            state = health(stored_history(v), pos or 0, ends[r], now, when or 0.0,
+                           stall_after_s=stall_after_s)
+            consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, ends[r],
+                                               None if pos is None else max(0, ends[r] - pos), when,
+                                               lock_key(str(d.get("name"))) in locks, state.value))
+    shippers: List[ShipperRow] = []
+    for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
+        s = codec.unpack(value, f"shipper state {key}")
+        if not isinstance(s, dict):
+            continue
+        st = s.get("stats", {})
+        shippers.append(ShipperRow(int(st.get("rank", -1)), str(st.get("channel", "")), int(st.get("position", 0)),
+                                   int(st.get("log_end", 0)), int(st.get("lag_batches", 0)),
+                                   int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
+                                   st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
+                                   str(st.get("last_error", ""))))
+    return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel))}
+
+
+__all__ = ["RemoteConsumerRow", "ShipperRow", "describe_remote", "describe_stream", "remote_offsets", "stream_ends"]

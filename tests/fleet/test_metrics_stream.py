@@ -47,6 +47,7 @@ def test_stream_and_shipper_metrics(tmp_path, nats_server):
     labels = (("channel", "lookups"), ("consumer", "r"), ("job", job), ("rank", "0"))
     assert got[("persistent_delta_remote_consumer_lag_batches", labels)] == row.lag == 4
     assert got[("persistent_delta_remote_consumer_offset", labels)] == row.offset == 2
+    assert got[("persistent_delta_remote_consumer_health", labels)] == 0 and row.health == "ok"
     (ship,) = found["shippers"]  # the statistics the shipper last stored (it stores them now and then)
     feed = (("channel", "lookups"), ("job", job), ("rank", "0"))
     assert got[("persistent_delta_shipper_position", feed)] == ship.position
