@@ -84,7 +84,8 @@ def plan_range(
     the reader's row format (snapshots); :data:`~persistent_delta.log.codec.ANY_FORMAT` reads
     native records into ``tables`` and every other format's into ``formats``."""
     mode = position_rules.update_mode(r, channel)
-    start_idx = position_rules.read_start(r, start_idx, channel)
+    if end_idx > start_idx:  # reach back to a window start only when there is something new to read
+        start_idx = position_rules.read_start(r, start_idx, channel)
     end_idx = max(end_idx, start_idx)
     every = fmt == codec.ANY_FORMAT
     first = codec.NATIVE if every else fmt

@@ -426,3 +426,23 @@ def test_consume_read_ids_reads_pending_records_of_a_table_no_longer_listed(tmp_
     _, ids = log.read(lambda r: consume.consume_read_ids(r, "a", [AppendRecord(2, "t", torch.tensor([9, 4]))]))
     assert ids["t"].tolist() == [4, 9]
     log.close()
+
+
+def test_a_read_with_nothing_new_inside_a_window_reads_nothing(tmp_path):
+    """A read whose position lies inside a filtered window and that stops there (nothing new:
+    another rank has not completed the next batch, or the batch is still open) reads nothing:
+    it reaches back to the window start only when there is something new to read. (It read
+    the window's rows again, so a poll with a timeout returned them at once, again and again:
+    a busy loop until the next batch.)"""
+    from persistent_delta.read import fetch
+
+    mode = UpdateMode.FIRST
+    log = log_with_consumer(str(tmp_path / "log"), mode)
+    write_all(log, mode, batches(12, seed=2), WindowFilter(mode))
+    begin = log.read(lambda r: position_rules.read_start(r, 9))
+    assert begin < 9  # batch 9 lies inside a window
+    nothing = fetch.fetch_ranks({0: log}, {0: 9}, {0: 9})[0]
+    assert (nothing.start_idx, nothing.end_idx) == (9, 9) and not any(t.ids.numel() for t in nothing.tables.values())
+    more = fetch.fetch_ranks({0: log}, {0: 9}, {0: 10})[0]
+    assert (more.start_idx, more.end_idx) == (begin, 10)  # the read reaches back to the window start
+    log.close()
