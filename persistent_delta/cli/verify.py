@@ -204,7 +204,7 @@ class _Checker:
             except CorruptRecordError as exc:
                 self.bad(f"{db} key {key.hex()}", str(exc))
                 continue
-            side = channel == LOOKUPS and codec.is_side_table_id(t)
+            side = codec.is_side_table_id(t)  # snapshots: the slot reassignments a publish carried
             base_id = t & ~codec.SIDE_TABLE_BIT if side else t
             where = codec.record_where(db, by_id.get(base_id, t), side, b, s)
             if base_id not in by_id:

@@ -1016,7 +1016,8 @@ class RemoteConsumer:
                 rows = empty_rows(entry, mode, self.channel, self.format)
             shard = ShardInfo.from_entry(entry)
             zch = None
-            if self.channel == LOOKUPS and is_managed(entry):  # the same rule as a local read (zchlog)
+            # the same rule as a local read (zch_records); snapshots: the publishes' slot reassignments
+            if is_managed(entry) and (self.channel == LOOKUPS or any(fqn in r.side for r in taken)):
                 zch = side_delta(fqn, start, end, [rec for r in taken for rec in r.side.get(fqn, [])],
                                  shard.row_offset if shard is not None else 0, f"{self._where(st.rank)} {fqn!r}")
             rd.tables[fqn] = table_delta(fqn, st.rank, start, end, rows, shard, stamps, zch, self.format)

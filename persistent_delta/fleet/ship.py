@@ -472,8 +472,7 @@ class Shipper:
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
         # replicated tables: per row, the publish its value comes from (parts of their own)
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
-        side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None]) \
-            if feed.channel == LOOKUPS else None
+        side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None])
         formats = {f: {fqn: (t.rows, t.stamps) for fqn, t in by_fqn.items()} for f, by_fqn in d.formats.items()}
         parts, marker, row_bytes = wire.encode_range(self.job, feed.epoch, feed.channel, rank, d.start_idx,
                                                      d.end_idx, rows, chunk, info, side, stamps, self._ring, feed.prev,
@@ -505,7 +504,7 @@ class Shipper:
 
         def read(r: Any) -> Dict[str, List[wire.SideRecord]]:
             entries = r.tables()
-            return {fqn: zch_records.shipped_side(r, entries[fqn], start_idx, end_idx) for fqn in managed}
+            return {fqn: zch_records.shipped_side(r, entries[fqn], start_idx, end_idx, feed.channel) for fqn in managed}
 
         return feed.log.read(read)
 

@@ -190,7 +190,7 @@ class ReadTxn:
     def _damaged(self, key: bytes, channel: str, exc: CorruptRecordError) -> CorruptRecordError:
         """``exc`` (a record that fails its checks) naming the log's file and the record."""
         t, b, s = codec.decode_record_key(key)
-        side = channel == LOOKUPS and codec.is_side_table_id(t)
+        side = codec.is_side_table_id(t)
         base = t & ~codec.SIDE_TABLE_BIT if side else t
         name = next((fqn for fqn, e in self.tables().items() if e.table_id == base), t)
         return CorruptRecordError(

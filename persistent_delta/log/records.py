@@ -374,13 +374,12 @@ def last_appended(r: ReadTxn) -> int:
 def delete_table_records(
     w: WriteTxn, entry: TableEntry, start_idx: int, end_idx: Optional[int], channel: str = LOOKUPS
 ) -> Tuple[int, int]:
-    """Delete a table's records in ``[start_idx, end_idx)`` of a channel -- on the lookups
-    channel its side records (raw ids, slot reassignments) too; returns (records, bytes)."""
+    """Delete a table's records in ``[start_idx, end_idx)`` of a channel, its side records
+    (lookups: raw ids and slot reassignments; snapshots: the slot reassignments publishes
+    carried) too; returns (records, bytes)."""
     n, nbytes = w.delete_records(entry.table_id, start_idx, end_idx, channel=channel)
-    if channel == LOOKUPS:
-        sn, sb = w.delete_records(codec.side_table_id(entry.table_id), start_idx, end_idx, channel=channel)
-        n, nbytes = n + sn, nbytes + sb
-    return n, nbytes
+    sn, sb = w.delete_records(codec.side_table_id(entry.table_id), start_idx, end_idx, channel=channel)
+    return n + sn, nbytes + sb
 
 
 def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) -> Tuple[int, int]:
@@ -410,13 +409,13 @@ def delete_below(w: WriteTxn, up_to_idx: Optional[int], channel: str = LOOKUPS) 
 def pending_stats(r: ReadTxn, channel: str, start_idx: int, end_idx: int) -> Tuple[int, int, int]:
     """``(records, rows, bytes)`` stored in ``[start_idx, end_idx)`` over every table (rows as
     stored, before de-duplication; value bytes; side records of managed-collision tables
-    included on the lookups channel)."""
+    included)."""
     recs = rows = nbytes = 0
     if end_idx <= start_idx:
         return 0, 0, 0
     for entry in r.tables().values():
-        ids = [entry.table_id] + ([codec.side_table_id(entry.table_id)] if channel == LOOKUPS else [])
-        for table_id in ids:  # lookups: a managed-collision table's side records count too
+        ids = [entry.table_id, codec.side_table_id(entry.table_id)]
+        for table_id in ids:  # a managed-collision table's side records count too
             for rec in r.iter_records(table_id, start_idx, end_idx, verify=False, channel=channel):
                 recs, rows, nbytes = recs + 1, rows + int(rec.ids.numel()), nbytes + rec.nbytes
     return recs, rows, nbytes

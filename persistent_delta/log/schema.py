@@ -63,6 +63,9 @@ META_CHECKPOINT_FLOOR = "checkpoint_floor"  # first batch after the latest model
 # (multi-rank): ranks that hold different values are mid-way, and a poll reads none of them.
 META_RESTART_GEN = "restart_gen"
 META_SNAPSHOT_END = "snapshot_end"  # one past the newest snapshot stamp
+# Written by capped publishes (persistent_delta.log.deferred).
+META_DEFERRED = "publish_deferred"  # consumer -> its deferred rows (ids per table, seq)
+META_DEFERRED_ROWS = "publish_deferred_rows"  # consumer -> how many (read without the ids)
 
 
 # ------------------------------------------------------------------------------ validators

@@ -17,9 +17,14 @@ behind them:
   slots whose raw id changed, states int64 ``[n, 2]`` = (raw id taken from the slot, raw id
   given it), :data:`~persistent_delta.log.codec.NO_RAW_ID` for none. An *eviction* is a taken raw
   id that holds no slot afterwards. The trainer also writes one in the first batch after every attach
-  and every checkpoint (a *base*: every slot of the shard with its current raw id, taken column
-  ``NO_RAW_ID``) and at a restore (the checkpoint's raw id for every slot reassigned after the
-  checkpoint).
+  and every checkpoint (a *base*: every slot of the shard with its current raw id as both taken
+  and given -- no slot changes; bases written before 0.3 have ``NO_RAW_ID`` as taken) and at a
+  restore (the checkpoint's raw id for every slot reassigned after the checkpoint).
+
+A publish carries the slot reassignments of the lookups channel since its consumer last read as
+one ``KIND_SLOTS`` side record of the snapshots channel (stamped with the publish), and the rows
+of every slot whose raw id changed (TorchRec re-initialises them): a replica that reads only the
+snapshots channel follows the map and the rows (:func:`slot_moves`).
 
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
 (admitted raw id -> slot) map: :class:`RawIdMap` does that. Local reads (:func:`read_side`)
@@ -32,14 +37,14 @@ and remote ones (the records a shipper shipped: :func:`shipped_side`, read back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from persistent_delta.log import codec
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 from persistent_delta.log.deltalog import ReadTxn
-from persistent_delta.log.schema import TableEntry
+from persistent_delta.log.schema import LOOKUPS, TableEntry
 
 RAW, ADMITTED = 0, 1  # columns of a KIND_RAW_IDS record's states
 TAKEN, GIVEN = 0, 1  # columns of a KIND_SLOTS record's states
@@ -128,11 +133,12 @@ def _check(rec_states: Optional[torch.Tensor], n: int, where: str) -> torch.Tens
 
 
 def iter_side(
-    r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: Optional[int]
+    r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: Optional[int], channel: str = LOOKUPS
 ) -> Iterable[Tuple[int, int, torch.Tensor, torch.Tensor]]:
     """``(batch_idx, kind, slot ids (int64, shard-local), states [n, 2])`` of a table's side
-    records in ``[start_idx, end_idx)``, in append order (copies: safe after the transaction)."""
-    for rec in r.iter_records(codec.side_table_id(entry.table_id), start_idx, end_idx):
+    records in ``[start_idx, end_idx)`` of ``channel``, in append order (copies: safe after the
+    transaction). The snapshots channel holds the slot reassignments each publish carried."""
+    for rec in r.iter_records(codec.side_table_id(entry.table_id), start_idx, end_idx, channel=channel):
         if rec.kind not in codec.SIDE_KINDS:
             raise CorruptRecordError(f"{r.path}: record kind {rec.kind} under the side id of {entry.fqn!r}")
         states = _check(rec.states, int(rec.ids.numel()), f"{r.path} {entry.fqn!r} batch {rec.batch_idx}")
@@ -180,13 +186,50 @@ def side_delta(
     return out
 
 
-def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_offset: int = 0) -> Optional[ZchDelta]:
-    """One rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)``, or None for a
-    table that is not a managed-collision one."""
+def read_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, row_offset: int = 0,
+              channel: str = LOOKUPS) -> Optional[ZchDelta]:
+    """One rank's :class:`ZchDelta` of a table over ``[start_idx, end_idx)`` of ``channel``, or
+    None for a table that is not a managed-collision one."""
     if not is_managed(entry):
         return None
-    return side_delta(entry.fqn, start_idx, end_idx, ((k, ids, st) for _, k, ids, st in iter_side(r, entry, start_idx, end_idx)),
-                      row_offset, f"{r.path} {entry.fqn!r}")
+    sides = iter_side(r, entry, start_idx, end_idx, channel)
+    return side_delta(entry.fqn, start_idx, end_idx, ((k, ids, st) for _, k, ids, st in sides), row_offset,
+                      f"{r.path} {entry.fqn!r}")
+
+
+def slot_moves(
+    r: ReadTxn, start_idx: int, end_idx: int, extra: Sequence[Tuple[int, str, int, torch.Tensor, torch.Tensor]] = (),
+) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """What a publish carries of the managed-collision tables: per table fqn, every slot
+    reassignment of the lookups channel in ``[start_idx, end_idx)`` in order (shard-local slots
+    int64, states int64 ``[n, 2]`` = (taken, given)), then those of ``extra`` (``(batch_idx,
+    fqn, kind, slots, states)`` of records not committed yet, in order; other kinds and batches
+    below ``start_idx`` are passed over). Tables without any are absent."""
+    parts: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    if end_idx > start_idx:
+        for fqn, entry in r.tables().items():
+            if not is_managed(entry):
+                continue
+            side_id = codec.side_table_id(entry.table_id)
+            for b, seq, value in r.iter_record_views(side_id, start_idx, end_idx):
+                if codec.record_header(value).get("k") != codec.KIND_SLOTS:
+                    continue  # a lookup's raw ids (most side records): header only
+                rec = codec.decode_record(value, key=codec.record_key(side_id, b, seq))
+                states = _check(rec.states, int(rec.ids.numel()), f"{r.path} {fqn!r} batch {b}")
+                if rec.ids.numel():
+                    parts.setdefault(fqn, []).append((rec.ids.to(torch.int64).clone(), states.clone()))
+    for b, fqn, kind, ids, states in extra:
+        if kind == codec.KIND_SLOTS and b >= start_idx and ids.numel():
+            parts.setdefault(fqn, []).append((ids.to(torch.int64), _check(states, int(ids.numel()), fqn)))
+    return {fqn: (torch.cat([i for i, _ in p]), torch.cat([s for _, s in p])) for fqn, p in parts.items()}
+
+
+def reinitialised(states: torch.Tensor) -> torch.Tensor:
+    """Of slot reassignments' states, those whose slot changed raw id: TorchRec re-initialised
+    its row (an eviction, or an admission into an empty slot), whether or not a batch looked it
+    up. A base's rows (taken = given) are not."""
+    out: torch.Tensor = states[:, TAKEN] != states[:, GIVEN]
+    return out
 
 
 def reduce_raw_ids(ids: torch.Tensor, states: torch.Tensor) -> SideRecord:
@@ -201,7 +244,7 @@ def reduce_raw_ids(ids: torch.Tensor, states: torch.Tensor) -> SideRecord:
     return codec.KIND_RAW_IDS, torch.cat([a_slot, u_slot[keep]]), raw_ids_states(torch.cat([a_raw, u_raw[keep]]), flags)
 
 
-def shipped_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int) -> List[SideRecord]:
+def shipped_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int, channel: str = LOOKUPS) -> List[SideRecord]:
     """A table's side records over ``[start_idx, end_idx)`` as at most two records, as the
     shipper ships them: the raw-id records concatenated and reduced (each admitted raw id once,
     with the last slot it was looked up in; each raw id never admitted in the range once), and
@@ -209,14 +252,15 @@ def shipped_side(r: ReadTxn, entry: TableEntry, start_idx: int, end_idx: int) ->
     :class:`ZchDelta` of them as of the log's records, also when several consecutive ranges'
     records are concatenated (the last slot of a raw id is in the last range that looked it up;
     an id unadmitted in one range and admitted in another is dropped from the unadmitted ids
-    either way). Empty for a table that is not a managed-collision one."""
+    either way). Empty for a table that is not a managed-collision one. On the snapshots channel:
+    the slot reassignments the publishes carried."""
     if not is_managed(entry):
         return []
     raw_slots: List[torch.Tensor] = []
     raw: List[torch.Tensor] = []
     slots: List[torch.Tensor] = []
     moves: List[torch.Tensor] = []
-    for _, kind, ids, states in iter_side(r, entry, start_idx, end_idx):
+    for _, kind, ids, states in iter_side(r, entry, start_idx, end_idx, channel):
         (raw_slots if kind == codec.KIND_RAW_IDS else slots).append(ids)
         (raw if kind == codec.KIND_RAW_IDS else moves).append(states)
     out: List[SideRecord] = []

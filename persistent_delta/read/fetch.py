@@ -21,6 +21,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 
 from persistent_delta.log import codec, position_rules
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, read_all
+from persistent_delta.log.deferred import deferred_rows
 from persistent_delta.log.records import TablePlan, batch_bytes, last_stamps, plan_unique, publish_times
 from persistent_delta.log.rows import IdMemo
 from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ShardInfo
@@ -53,12 +54,13 @@ class RankPlan:
     format: str = codec.NATIVE  # the row format of ``tables``
     passed_over: int = 0  # records of other row formats passed over
     formats: Dict[str, Dict[str, PlannedTable]] = field(default_factory=dict)  # a reader of every format: the others
+    deferred: Optional[int] = None
 
     def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
         """The :class:`~persistent_delta.read.results.RankDelta`: the tables' rows copied out of the map (inside the
         transaction the plan was made in), or taken from ``rows`` where it has them."""
         out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
-                        publishes=self.publishes, passed_over=self.passed_over)
+                        publishes=self.publishes, passed_over=self.passed_over, deferred=self.deferred)
         for fqn, (tp, shard, stamps, side) in self.tables.items():
             u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
             out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side,
@@ -96,6 +98,7 @@ def plan_range(
     out = RankPlan(rank=rank, path=path, start_idx=start_idx, end_idx=end_idx, tables={}, format=first)
     if channel == SNAPSHOTS:
         out.publishes = publish_times(r, start_idx, end_idx)
+        out.deferred = deferred_rows(r)
 
     def planned(found: Dict[str, TablePlan], f: str) -> Dict[str, PlannedTable]:
         got: Dict[str, PlannedTable] = {}
@@ -104,8 +107,8 @@ def plan_range(
             stamps = None
             if channel == SNAPSHOTS and shard is not None and shard.replicated and tp.num_rows:
                 stamps = last_stamps(r, fqn, start_idx, end_idx, fmt=f, exact=every)  # newest publish wins across ranks
-            side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0) \
-                if channel == LOOKUPS else None
+            side = read_side(r, entries[fqn], start_idx, end_idx, shard.row_offset if shard else 0, channel) \
+                if f == first else None  # snapshots: the slot reassignments publishes carried
             got[fqn] = PlannedTable(tp, shard, stamps, side)
         return got
 

@@ -101,6 +101,9 @@ class RankDelta:
     unjoined: int = 0  # int8: rows of a column-wise table left out, some column half missing (see join_int8)
     # a reader of every format (a shipper): format -> fqn -> rows of the other formats
     formats: Dict[str, Dict[str, TableDelta]] = field(default_factory=dict)
+    # snapshots: rows capped publishes of this rank deferred and none has carried yet, as the
+    # log stood at this read (persistent_delta.log.deferred); None when not known (a remote read)
+    deferred: Optional[int] = None
 
 
 @dataclass
@@ -344,6 +347,16 @@ class DeltaPoll:
             for stamp, t in d.publishes.items():
                 out[stamp] = min(t, out.get(stamp, t))
         return dict(sorted(out.items()))
+
+    @property
+    def deferred(self) -> Optional[int]:
+        """Snapshots: rows that capped publishes deferred and no publish has carried yet, summed
+        over the ranks read, as their logs stood at this poll (``tracker.publish(...,
+        max_rows=...)``). A replica that applied every publish up to the log's end equals the
+        trainer's tables as of the newest publish once this is 0. None when no rank's count is
+        known (lookups, or a remote poll)."""
+        known = [d.deferred for d in self.ranks.values() if d.deferred is not None]
+        return int(sum(known)) if known else None
 
     @property
     def nbytes(self) -> int:

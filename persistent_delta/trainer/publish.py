@@ -35,6 +35,11 @@ thread's part does not change with them: it gathers the native rows once. The co
 native record (stored once). A column-wise shard's int8 record holds its float32 column half,
 flagged ``"int8"``: the scale and bias are the whole row's, which no rank holds, so the
 reader joins the halves and quantizes (:func:`persistent_delta.read.results.join_int8`).
+
+A capped publish (``max_rows``/``max_bytes``, :mod:`persistent_delta.trainer.caps`) gathers only
+the rows it carries and stores the rest as the consumer's deferred rows
+(:mod:`persistent_delta.log.deferred`) in that same transaction; the next publish of the
+consumer carries them first.
 """
 
 from __future__ import annotations
@@ -47,10 +52,13 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import codec, position_rules
 from persistent_delta.config import RetentionBound
+from persistent_delta.errors import ConsumerConflictError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
-from persistent_delta.log.records import AppendRecord, check_row_ids
+from persistent_delta.log.deferred import read_deferred, write_deferred
+from persistent_delta.log.records import AppendRecord, check_row_ids, log_start
 from persistent_delta.log.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
-from persistent_delta.trainer import consume
+from persistent_delta.log.zch_records import reinitialised, slot_moves
+from persistent_delta.trainer import caps, consume
 from persistent_delta.trainer.sharding import LocalTable
 
 
@@ -69,6 +77,19 @@ class Captured:
     column_half: FrozenSet[str] = frozenset()  # fqns of column-wise shards (int8: float32 halves)
     # (fqn, format) -> a reusable buffer of converted records (the writer's; see capture's buffers)
     format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None
+    # caps (persistent_delta.trainer.caps): the rows deferred to the next publish, and the
+    # stored deferred record read (its seq; whether it held rows)
+    deferred: Dict[str, torch.Tensor] = field(default_factory=dict)
+    due_seq: int = 0
+    had_due: bool = False
+    # managed-collision tables: fqn -> (shard-local slots, (taken, given) states) of the slot
+    # reassignments since the consumer's last read, in order (written as snapshots side records)
+    moves: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def deferred_rows(self) -> int:
+        """Rows this publish defers to the next one (all tables)."""
+        return int(sum(int(t.numel()) for t in self.deferred.values()))
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +112,7 @@ def capture(
     r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
     buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
     format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None,
+    cap: Optional[caps.PublishCap] = None,
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
@@ -112,14 +134,33 @@ def capture(
     same buffers again before this capture's :func:`write_publish` has run (the tracker waits for its
     writer first); their memory is the largest publish so far, per table.
 
+    ``cap``: what this publish may carry (:mod:`persistent_delta.trainer.caps`); the rows an
+    earlier capped publish deferred are due first, and the rows that do not fit are deferred
+    (``Captured.deferred``, stored by :func:`write_publish`). Only the rows carried are gathered.
+
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
         InvalidInputError: a pending record holds a negative id (the log never does); an
             unknown format; int8 asked for a table whose values are not float32 or float16.
+        CorruptRecordError: the stored deferred rows are damaged.
     """
     entry, unread = consume.consume_read_ids(r, name, pending)
+    # managed-collision tables: the slot reassignments since the consumer's last read travel with
+    # the publish, and every slot an eviction re-initialised is carried (in any tracking mode)
+    moves = slot_moves(r, max(entry.offset, log_start(r)), end,
+                       [(p.batch_idx, p.fqn, p.kind, p.ids, p.states) for p in pending if p.kind in codec.SIDE_KINDS])
+    for fqn, (slots, states) in moves.items():
+        if fqn in tables:
+            again = slots[reinitialised(states)]
+            if again.numel():
+                have = unread.get(fqn)
+                unread[fqn] = torch.unique(again if have is None else torch.cat([have.to(torch.int64), again]))
+    due = read_deferred(r, name, {fqn: t.local_rows for fqn, t in tables.items()})
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time,
-                   formats=publish_formats(r, formats), format_buffers=format_buffers)
+                   formats=publish_formats(r, formats), format_buffers=format_buffers, due_seq=due.seq,
+                   had_due=bool(due.ids), moves={f: m for f, m in moves.items() if f in tables})
+    if due.ids or cap is not None:
+        unread, out.deferred = caps.select(due, unread, tables, cap)
     halves = set()
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
@@ -185,16 +226,33 @@ def write_publish(
     """Write a captured publish inside ``w``: the consumer's new position (the consume rule's
     write half), the snapshot records, the snapshot end, and retention of both channels.
 
+    With deferred rows (a capped publish), or when the capture found some (now carried), the
+    consumer's deferred rows are stored in the same transaction
+    (:func:`persistent_delta.log.deferred.write_deferred`).
+
     Raises:
-        ConsumerConflictError: the consumer moved since the capture (nothing is written).
+        ConsumerConflictError: the consumer moved, or its deferred rows changed, since the
+            capture (nothing is written).
     """
     consume.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
                            bound=bound)
+    if cap.deferred or cap.had_due:
+        stored = read_deferred(w, cap.name)
+        if stored.seq != cap.due_seq:
+            raise ConsumerConflictError(
+                f"the deferred rows of consumer {cap.name!r} of {w.path} changed between its publish's capture and "
+                "its commit; the publish is not committed")
+        write_deferred(w, cap.name, cap.deferred, cap.due_seq + 1)
     for fqn, value in cap.records.items():
         entry = w.table(fqn)
         if entry is not None:
             for record in formatted_records(cap, fqn, value):
                 w.put_record(entry.table_id, cap.stamp, record, channel=SNAPSHOTS)
+    for fqn, (slots, states) in cap.moves.items():
+        entry = w.table(fqn)
+        if entry is not None:  # the publish's raw-id changes (a snapshots replica's RawIdMap)
+            w.put_record(codec.side_table_id(entry.table_id), cap.stamp,
+                         codec.encode_record(slots, states, codec.KIND_SLOTS), channel=SNAPSHOTS)
     w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
     if delete_on_read:
         position_rules.enforce_retention(w, SNAPSHOTS, bound)

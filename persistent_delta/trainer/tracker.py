@@ -31,7 +31,7 @@ from torchrec.distributed.model_tracker.types import Trackers, UniqueRows, Updat
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.log import codec, position_rules
-from persistent_delta.trainer import consume, publish, restore, topk
+from persistent_delta.trainer import caps, consume, publish, restore, topk
 from persistent_delta.trainer.capture import Capture, Discovery, check_mode, read_states, register_hooks, row_shapes
 from persistent_delta.trainer.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
@@ -39,7 +39,8 @@ from persistent_delta.errors import InvalidInputError, LogClosedError
 from persistent_delta.log.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
-from persistent_delta.log.deltalog import DeltaLog, ReadTxn
+from persistent_delta.log.deferred import drop_deferred, deferred_by_consumer
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.log.schema import (
     LOOKUPS,
@@ -124,6 +125,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._log.close()
             raise
         self.curr_compact_index = self.curr_batch_idx
+        # capped publishes: consumer -> rows still deferred (persistent_delta.log.deferred), as stored
+        self._publish_deferred: Dict[str, int] = self._log.read(deferred_by_consumer)
+        # The stamp of the newest publish: a publish never reuses one (a snapshots consumer may have
+        # read past it). The index a (re)start continues at counts as used (an earlier writer may
+        # have published at it), the same on every rank (resume_at agreed on it).
+        self._last_stamp = self.curr_batch_idx
         self._window = WindowFilter(self._update_mode)
         # TorchRec's consume rule, as every read applies it (compaction is moot when the
         # window filter already stores each row once per window).
@@ -309,7 +316,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._log.write(lambda w: position_rules.safe_compact(w, self._update_mode, max(0, start_idx), end_idx))
 
     # ------------------------------------------------------------------ publish, checkpoints
-    def publish(self, consumer: str, formats: Sequence[str] = ()) -> Dict[str, int]:
+    def publish(self, consumer: str, formats: Sequence[str] = (), max_rows: Optional[int] = None,
+                max_bytes: Optional[int] = None, order: str = "oldest") -> Dict[str, int]:
         """Write snapshot records of the rows changed since ``consumer`` last read, with their values
         now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them (and the
         consumer's position) in one transaction in the background (``flush()`` waits).
@@ -318,30 +326,45 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         consumers, and ``formats`` (for readers not registered in the log, such as remote
         consumers); ``"native"`` when nothing asks. Conversions run on the writer thread.
 
+        ``max_rows``/``max_bytes`` cap what this publish carries on this rank (:mod:`.caps`):
+        the rest is deferred, durably, to the next publish of ``consumer``, due before rows
+        changed later (``order="oldest"``). Rows deferred by earlier publishes are carried by
+        this one first, capped or not. ``stats()["publish_deferred_rows"]`` (and a snapshots
+        poll's ``deferred``) says how many rows are still deferred.
+
         Raises:
             InvalidInputError: an unknown format, or ``"int8"`` for a table whose values are
-                not float32 or float16.
+                not float32 or float16; a cap that is not a positive int, an unknown order, or
+                a ``max_bytes`` below one row.
+            UnknownConsumerError: ``consumer`` is not registered.
         """
         name, t = check_consumer_name(consumer), time.time()
         formats = tuple(formats)
         for f in formats:
             codec.check_format(f)
         self._check()
+        cap = caps.check_cap(max_rows, max_bytes, order, self._tables)
         if self._pending_restore is not None:
             self._first_step()
+        if self._last_stamp >= self.curr_batch_idx:
+            # A publish was stamped with this batch index already, and a snapshots consumer may
+            # have read past it: this one takes the next index (a batch without lookups).
+            self.curr_batch_idx = self._last_stamp + 1
         self._hand_off(self._take_step())
         pending = self._unsettled()
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
         try:
-            cap = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
-                                                           self._publish_buffers, pending, formats,
-                                                           self._format_buffers))
+            captured = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
+                                                                self._publish_buffers, pending, formats,
+                                                                self._format_buffers, cap))
         except InvalidInputError:
             if pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
             raise
-        self._hand_off(PublishWrite(cap, **self._read_rule))
-        return cap.rows
+        self._hand_off(PublishWrite(captured, **self._read_rule))
+        self._last_stamp = stamp
+        self._publish_deferred[name] = captured.deferred_rows
+        return captured.rows
 
     def state_dict(self) -> Dict[str, Any]:
         """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
@@ -416,7 +439,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
         self._settle()
-        self._log.write(lambda w: position_rules.unregister(w, name))
+        def unregister(w: WriteTxn) -> None:
+            position_rules.unregister(w, name)
+            drop_deferred(w, name)  # its deferred rows go with it
+
+        self._log.write(unregister)
+        self._publish_deferred.pop(name, None)
         self._claims.release(name)
         if name in self._consumers:
             self._consumers.remove(name)
@@ -443,8 +471,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         return self._log
 
     def stats(self) -> Dict[str, float]:
-        """Writer statistics (queue depth/bytes, commits, bytes written, longest wait, ...)."""
-        return self._writer.stats() if self._writer is not None else {}
+        """Writer statistics (queue depth/bytes, commits, bytes written, longest wait, ...), and
+        ``publish_deferred_rows``: the rows this process's latest capped publishes deferred and no
+        publish has carried yet (all consumers; see :meth:`publish`)."""
+        out: Dict[str, float] = self._writer.stats() if self._writer is not None else {}
+        out["publish_deferred_rows"] = sum(self._publish_deferred.values())
+        return out
 
     def resume(self) -> None:
         """After a ``WriterError`` (e.g. the disk was full), once the cause is fixed: commit the

@@ -206,9 +206,8 @@ class ZchCapture:
         t.base_pending = False
         if t.kind != "mch":
             return
-        given = t.slot_raw()
-        self._record(t, codec.KIND_SLOTS, torch.arange(t.rows, dtype=torch.int64),
-                     slots_states(torch.full_like(given, NO_RAW_ID), given))
+        given = t.slot_raw()  # taken = given: no slot changes (a publish re-sends no row for a base)
+        self._record(t, codec.KIND_SLOTS, torch.arange(t.rows, dtype=torch.int64), slots_states(given, given))
 
     @staticmethod
     def _compute_hook(ec: Any, orig: Callable[..., Any]) -> Callable[..., Any]:

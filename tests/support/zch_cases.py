@@ -176,7 +176,7 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
                     moved = slots[st[:, 0] != st[:, 1]]  # (a base lists unchanged slots too)
                     assert bool(torch.isin(moved, changed[fqn].ids).all()), f"batch {b}: reassigned slots not changed rows"
                     counts["moves"] += int(slots.numel())
-                    counts["evicted"] += int((st[:, 0] != -1).sum())
+                    counts["evicted"] += int(((st[:, 0] != -1) & (st[:, 0] != st[:, 1])).sum())
                     replica.apply(ZchDelta(fqn, b, b + 1, slots=gslots, taken=st[:, 0], given=st[:, 1]))
                     continue
                 for raw, ok, slot in zip(st[:, 0].tolist(), st[:, 1].tolist(), gslots.tolist()):
