@@ -439,6 +439,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Unregister a consumer (durably); it no longer holds back retention."""
         check_consumer_name(name)
         self._settle()
+
         def unregister(w: WriteTxn) -> None:
             position_rules.unregister(w, name)
             drop_deferred(w, name)  # its deferred rows go with it
