@@ -15,8 +15,6 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
-from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.model_tracker.types import UniqueRows
 from torchrec.inference.modules import quantize_embeddings, quantize_inference_model
@@ -27,35 +25,15 @@ from persistent_delta.log.schema import ShardInfo
 from persistent_delta.read.inference import InferenceReplica
 from persistent_delta.read.results import DeltaPoll, RankDelta, TableDelta
 
+from inference_cases import Sparse as _Sparse
+
 ROWS, DIM = 64, 8
 DTYPES = {"int8": torch.int8, "fp16": torch.float16}
 
 
-class Sparse(nn.Module):
+def Sparse(kind: str, rows: int = ROWS, dim: int = DIM, tables: int = 2) -> _Sparse:  # noqa: N802 - a model "class"
     """An EC or EBC of two tables under ``sparse`` (the trainer's fqns: ``sparse.embeddings.table_0``)."""
-
-    def __init__(self, kind: str, rows: int = ROWS, dim: int = DIM, tables: int = 2) -> None:
-        super().__init__()
-        if kind == "ec":
-            self.sparse = EmbeddingCollection(tables=[EmbeddingConfig(
-                name=f"table_{t}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{t}"])
-                for t in range(tables)])
-        else:
-            self.sparse = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
-                name=f"table_{t}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{t}"])
-                for t in range(tables)])
-        self.attr = "embeddings" if kind == "ec" else "embedding_bags"
-
-    def forward(self, kjt: KeyedJaggedTensor):  # type: ignore[no-untyped-def]
-        return self.sparse(kjt)
-
-    def fqn(self, t: int) -> str:
-        return f"sparse.{self.attr}.table_{t}"
-
-    def set_weights(self, weights: Dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for fqn, w in weights.items():
-                self.get_parameter(fqn + ".weight").copy_(w)
+    return _Sparse(kind, rows, dim, tables)
 
 
 def torchrec_bytes(model: Sparse, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
