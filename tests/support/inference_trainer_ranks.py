@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import build_sharded_model, init_gloo, make_batches, table_shard_info, train_step  # noqa: E402
-from restore_trainer_ranks import newest_common  # noqa: E402
+from restore_trainer_ranks import restore_newest  # noqa: E402
 from torchrec.distributed.model_tracker.types import TrackingMode  # noqa: E402
 
 from persistent_delta import PersistentTrackerConfig, attach  # noqa: E402
@@ -39,14 +39,7 @@ def main() -> None:
     dmp = build_sharded_model(rank, 2, "ec", "row_wise,column_wise", "EXACT_SGD", rows=100)
     tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=root, consumers=["serving"]))
     info = table_shard_info(dmp)
-    batch = newest_common(ckpt_dir)
-    dist.barrier()  # both ranks chose before either saves again
-    if batch >= 0:
-        saved = torch.load(os.path.join(ckpt_dir, f"{batch}.{rank}"), weights_only=False)
-        with torch.no_grad():
-            for fqn, w in saved["tables"].items():
-                tracker.local_tables[fqn].weights().copy_(w)
-        tracker.load_state_dict(saved["tracker"])
+    restore_newest(tracker, ckpt_dir, rank)
     print("START", tracker.curr_batch_idx, flush=True)
     batches = make_batches("ec", 40, 16, seed=11, world_size=2, rank=rank, rows=100)
     for step in range(steps):

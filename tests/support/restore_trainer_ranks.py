@@ -28,13 +28,8 @@ def newest_common(ckpt_dir: str) -> int:
     return max(common) if common else -1
 
 
-def main() -> None:
-    root, rank, port, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    ckpt_dir = os.path.join(os.path.dirname(root), "ckpt")
-    os.makedirs(ckpt_dir, exist_ok=True)
-    init_gloo(rank, 2, port, timeout=60)
-    dmp = build_sharded_model(rank, 2, "ec", "column_wise", "EXACT_SGD", rows=300)
-    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, linger_steps=1))
+def restore_newest(tracker, ckpt_dir: str, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """Restore the tables and the tracker from the newest checkpoint both ranks saved (if any); a collective."""
     batch = newest_common(ckpt_dir)
     dist.barrier()  # both ranks chose before either saves again
     if batch >= 0:
@@ -43,6 +38,16 @@ def main() -> None:
             for fqn, w in saved["tables"].items():
                 tracker.local_tables[fqn].weights().copy_(w)
         tracker.load_state_dict(saved["tracker"])
+
+
+def main() -> None:
+    root, rank, port, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    ckpt_dir = os.path.join(os.path.dirname(root), "ckpt")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    init_gloo(rank, 2, port, timeout=60)
+    dmp = build_sharded_model(rank, 2, "ec", "column_wise", "EXACT_SGD", rows=300)
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, linger_steps=1))
+    restore_newest(tracker, ckpt_dir, rank)
     print("START", tracker.curr_batch_idx, flush=True)
     batches = make_batches("ec", 40, 32, seed=11, world_size=2, rank=rank, rows=300)
     for step in range(steps):
