@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCHREC := torchrec==1.8.0
 PYTEST_ARGS ?=
+# make test / test-all: test files spread over this many pytest-xdist workers (a file stays on one worker:
+# its module fixtures and servers are started once). 1 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: venv test test-unit test-all demo demo-fleet bench gpu-check gpu-check-dry docs clean
 
@@ -22,14 +26,14 @@ $(STAMP): requirements.txt requirements-docs.txt pyproject.toml
 
 # Every kind (tests/unit, tests/process, tests/fleet, tests/fuzz) except the tests marked slow.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # In-process tests only (no child process, gloo rank or server): the quick loop while editing.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "" $(XDIST) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
