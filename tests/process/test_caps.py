@@ -40,6 +40,9 @@ def test_a_snapshot_replica_follows_evictions_after_every_publish(published):
     assert r["rows_differ"] == [0] * len(r["rows_differ"]), r
     assert r["map_differs"] == [0] * len(r["map_differs"]), r
     assert r["tombstones_held"] == 0, r  # an evicted raw id holds no slot after its publish
+    # an int8 TorchRec inference replica of the MC model, fed by the same polls, holds TorchRec's
+    # quantization of the trainer's tables after every publish
+    assert r["int8_rows_differ"] == [0] * len(r["int8_rows_differ"]), r
 
 
 def test_the_publishes_slot_reassignments_travel_through_the_stream(published):

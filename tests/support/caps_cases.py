@@ -162,8 +162,10 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
                                             delete_on_read=True))
     names = {fqn: z.name for fqn, z in t.zch.tables.items()}
     rows = {fqn: t.local_tables[fqn].weights().detach().clone() for fqn in names}
+    serving = _quantized_mc_replica(rows, dim=int(next(iter(rows.values())).shape[1]))
     raw_map = RawIdMap()
-    out: Dict[str, Any] = {"rows_differ": [], "map_differs": [], "evicted": 0, "tombstones_held": 0}
+    out: Dict[str, Any] = {"rows_differ": [], "map_differs": [], "evicted": 0, "tombstones_held": 0,
+                           "int8_rows_differ": []}
     DeltaConsumer(root, "keep", channel="snapshots").close()  # keeps every publish for a shipper after the run
     with DeltaConsumer(root, "replica", channel="snapshots") as consumer:
         for kjt in mc_batches(rank, world_size, steps, seed=5):
@@ -172,6 +174,7 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
             t.flush()
             poll = consumer.poll()
             apply_poll(rows, poll)
+            apply_poll(serving, poll)
             maps = module_maps(dmp)
             for fqn, z in poll.zch().items():
                 raw_map.apply(z)
@@ -181,8 +184,48 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
             consumer.commit()
             out["rows_differ"].append(sum(int((rows[f] != t.local_tables[f].weights()).any(dim=1).sum()) for f in names))
             out["map_differs"].append(sum(1 for f, n in names.items() if raw_map.as_dict(f) != maps[n]))
+            out["int8_rows_differ"].append(_int8_rows_differ(serving, {f: t.local_tables[f].weights() for f in names}))
     t.close()
     return out
+
+
+def _quantized_mc_replica(base: Dict[str, torch.Tensor], dim: int) -> Any:
+    """An :class:`InferenceReplica` over TorchRec's int8 quantization of an unsharded MC-EC with
+    the trainer's tables (``zch_cases.FEATURES``), starting from ``base`` (fqn -> full table)."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.inference.modules import quantize_inference_model
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+    from zch_cases import FEATURES, INPUT_HASH_SIZE
+
+    from persistent_delta.read.inference import InferenceReplica
+
+    by_name = {fqn.rsplit(".", 1)[-1]: w for fqn, w in base.items()}
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name=n, embedding_dim=dim, num_embeddings=int(by_name[n].shape[0]),
+                                                     feature_names=f) for n, f in FEATURES.items()])
+    with torch.no_grad():
+        for n in FEATURES:
+            ec.embeddings[n].weight.copy_(by_name[n])
+    mcc = ManagedCollisionCollection(
+        managed_collision_modules={n: MCHManagedCollisionModule(
+            zch_size=int(by_name[n].shape[0]), device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+            eviction_interval=2, input_hash_size=INPUT_HASH_SIZE) for n in FEATURES},
+        embedding_configs=ec.embedding_configs())
+    model = torch.nn.Module()
+    model.sparse = ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=False)
+    return InferenceReplica(quantize_inference_model(model))
+
+
+def _int8_rows_differ(replica: Any, tables: Dict[str, torch.Tensor]) -> int:
+    """Rows where the replica's int8 bytes (values, scale, bias) differ from TorchRec's row-wise
+    int8 quantization of the trainer's ``tables`` now."""
+    by_name = {fqn.rsplit(".", 1)[-1]: w for fqn, w in tables.items()}
+    differ = 0
+    for table in replica.tables.values():
+        want = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(by_name[table.name].float().contiguous(), 8)
+        got = torch.cat([table.values, table.scale_bias], dim=1)
+        differ += int((got != want).any(dim=1).sum())
+    return differ
 
 
 def publish_cases(rank: int, world_size: int, root: str) -> Dict[str, Any]:
