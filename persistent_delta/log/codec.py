@@ -225,17 +225,6 @@ def quantize_int8(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def convert_rows(rows: torch.Tensor, fmt: str, column_half: bool = False) -> torch.Tensor:
-    """``rows`` (2-D) in row format ``fmt`` (a column half in int8: float32, see
-    :func:`format_states`)."""
-    if fmt == NATIVE:
-        return rows
-    if fmt in _FLOAT_FORMATS:
-        return rows.to(_FLOAT_FORMATS[fmt])
-    format_states(fmt, rows.dtype, tuple(rows.shape[1:]), column_half)  # (checks the table's dtype)
-    return rows.to(torch.float32) if column_half else quantize_int8(rows)
-
-
 def _check_record_format(header: Dict[str, Any], states_dtype: Optional[str]) -> str:
     """A record header's row format (``"f"``; absent: native), checked against its states.
 

@@ -44,11 +44,12 @@ import torch
 from torch import nn
 
 from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError
+from persistent_delta.log import codec
 from persistent_delta.read.apply import Applied, check_poll
 from persistent_delta.read.results import DeltaPoll, MergedDelta, TableDelta, merge_table
 from persistent_delta.threads import intra_op_threads
 
-INT8 = "int8"
+INT8 = codec.INT8
 FLOAT16 = "float16"
 DEFAULT_CHUNK_ROWS = 4096
 
@@ -186,10 +187,9 @@ def quantized_rows(table: InferenceTable, part: TableDelta, rows: torch.Tensor) 
         raise ReplicaMismatchError(
             f"table {table.fqn}: the inference model's table is {table.rows} x {table.dim} ({table.weight_type}); "
             f"the poll's {fmt} rows have {rows.shape[1]} columns")
-    if fmt in ("native", "float32") and rows.dtype == torch.float32:
+    if fmt in (codec.NATIVE, "float32") and rows.dtype == torch.float32:
         if table.weight_type == INT8:
-            out: torch.Tensor = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows.contiguous(), 8)
-            return out
+            return codec.quantize_int8(rows)
         return rows.half()
     if fmt == table.weight_type == INT8 and rows.dtype == torch.uint8:
         sb = rows[:, table.dim:].contiguous().view(torch.float16)
@@ -435,7 +435,7 @@ class InferenceReplica:
                     f"{table.fqn} has {table.rows} rows")
             split = merged.column_split or (shard is not None and shard.local_cols is not None
                                             and shard.global_cols is not None and shard.local_cols != shard.global_cols)
-            if split and _format(parts[0]) in ("native", "float32", FLOAT16):
+            if split and _format(parts[0]) in (codec.NATIVE, "float32", FLOAT16):
                 halves = self._halves.get(table.fqn) or _ColumnHalves.empty(table.rows, table.dim)
                 ids, rows, commit = halves.joined(table, merged)
                 commits.append((table.fqn, halves, commit))

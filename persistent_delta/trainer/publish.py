@@ -188,8 +188,8 @@ def capture(
 def formatted_records(cap: Captured, fqn: str, value: codec.Encoded) -> Iterable[codec.Encoded]:
     """``fqn``'s captured (native, unchecksummed) record as the records to store, one per
     stored format of ``cap.formats``, checksummed: the native record itself when a format is
-    stored as native, else its rows converted (:func:`persistent_delta.log.codec.convert_rows`)
-    into a record of their own."""
+    stored as native, else its rows converted (cast on their way into
+    the record, or :func:`persistent_delta.log.codec.quantize_int8`) into a record of their own."""
     rec = codec.decode_record(value, verify=False)
     assert rec.states is not None
     native_done = False

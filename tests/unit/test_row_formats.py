@@ -115,7 +115,7 @@ def test_int8_rows_are_torchrecs_own_and_column_halves_join_to_them():
     ranks = {}
     for rank, c0 in ((0, 0), (1, DIM // 2)):
         shard = ShardInfo("t", "column_wise", 0, c0, ROWS, DIM // 2, ROWS, DIM)
-        half = codec.convert_rows(weights[ids, c0:c0 + DIM // 2], "int8", column_half=True)
+        half = weights[ids, c0:c0 + DIM // 2]  # what a rank stores of a column-wise int8 record: float32 halves
         ids_r = ids if rank == 0 else torch.cat([ids, torch.tensor([50])])  # row 50: one half only
         half = half if rank == 0 else torch.cat([half, weights[50:51, c0:c0 + DIM // 2]])
         ranks[rank] = RankDelta(rank, "", 1, 2, {"t": table_delta("t", rank, 1, 2, UniqueRows(ids_r, half), shard,
@@ -132,11 +132,17 @@ def test_float_formats_are_casts_and_int8_needs_float_rows():
     from persistent_delta.errors import InvalidInputError
 
     rows = torch.randn(5, DIM)
-    assert torch.equal(codec.convert_rows(rows, "float16"), rows.to(torch.float16))
-    assert torch.equal(codec.convert_rows(rows, "bfloat16"), rows.to(torch.bfloat16))
+    ids = torch.arange(5)
+
+    def converted(fmt):  # as a publish writes them: cast on their way into the record
+        dtype, _ = codec.format_states(fmt, rows.dtype, (DIM,))
+        return codec.decode_record(codec.encode_cast(ids, rows, dtype, fmt=fmt)).states
+
+    assert torch.equal(converted("float16"), rows.to(torch.float16))
+    assert torch.equal(converted("bfloat16"), rows.to(torch.bfloat16))
     assert codec.stored_format("float32", torch.float32) == "native"  # written once, as native
     with pytest.raises(InvalidInputError, match="float32 or float16"):
-        codec.convert_rows(rows.to(torch.bfloat16), "int8")
+        codec.format_states("int8", torch.bfloat16, (DIM,))
     with pytest.raises(InvalidInputError, match="'native', 'float32'"):
         codec.check_format("int4")
 
