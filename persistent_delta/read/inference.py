@@ -12,6 +12,12 @@ Design note:
   table a view of the weights (``[rows, dim]`` uint8 values and ``[rows, 4]`` uint8 scale and
   bias for int8; ``[rows, 2 * dim]`` uint8 for fp16) over the module's ``weights_host``, which
   the forward reads. Writing through the views updates the model in place.
+* **Sharded models.** ``shard_quant_model`` (TorchRec's local sharding: every shard in this
+  process) gives sharded EC / EBC modules whose ``tbes_configs()`` map each FBGEMM module to
+  its shards' metadata. A table-wise table is one whole shard; a row-wise table is row blocks,
+  and a row goes to the block holding it at ``id - row_offset``. A column shard would need a
+  row's int8 scale and bias per column slice, which a whole row's are not: refused (TorchRec's
+  CPU sharding refuses column-wise too), as is a model holding only some shards of a table.
 * **Which rows.** A poll is merged per table by the one rule of "applied"
   (:func:`persistent_delta.read.results.merge_table`: row-wise shards side by side, column
   halves joined into whole rows, a replicated table's newest publish per row), after the same
@@ -55,6 +61,25 @@ DEFAULT_CHUNK_ROWS = 4096
 
 
 @dataclass
+class TableShard:
+    """One block of rows of an inference table, as its FBGEMM module holds it.
+
+    Attributes:
+        row_offset: the block's first row in the whole table (rows ``[row_offset, row_offset +
+            rows)``; 0 for an unsharded or table-wise sharded table).
+        rows: rows of the block.
+        values: the view of the block's values in the FBGEMM weights: uint8 ``[rows, dim]``
+            (int8) or ``[rows, 2 * dim]`` (the fp16 bytes).
+        scale_bias: int8: uint8 ``[rows, 4]`` (fp16 scale then fp16 bias); fp16: None.
+    """
+
+    row_offset: int
+    rows: int
+    values: torch.Tensor
+    scale_bias: Optional[torch.Tensor]
+
+
+@dataclass
 class InferenceTable:
     """One table of the inference model, as the replica writes it.
 
@@ -65,9 +90,10 @@ class InferenceTable:
         rows: rows of the table.
         dim: the embedding dimension.
         weight_type: ``"int8"`` or ``"float16"``.
-        values: the view of the table's values in the FBGEMM weights: uint8 ``[rows, dim]``
-            (int8) or ``[rows, 2 * dim]`` (the fp16 bytes).
-        scale_bias: int8: uint8 ``[rows, 4]`` (fp16 scale then fp16 bias); fp16: None.
+        shards: the table's row blocks, by ``row_offset``, tiling ``[0, rows)``: one for an
+            unsharded or table-wise sharded table, one per shard for a row-wise one.
+        sharding: ``None`` (an unsharded quantized module), or TorchRec's sharding type of the
+            table in a sharded one (``"table_wise"``, ``"row_wise"``).
     """
 
     fqn: str
@@ -75,8 +101,8 @@ class InferenceTable:
     rows: int
     dim: int
     weight_type: str
-    values: torch.Tensor
-    scale_bias: Optional[torch.Tensor]
+    shards: List[TableShard]
+    sharding: Optional[str] = None
 
 
 class _ServingLock:
@@ -121,44 +147,120 @@ class _ServingLock:
                 self._cond.notify_all()
 
 
+# Sharding types whose shards hold whole rows: a row's values and its scale/bias live in one
+# shard, so a published row is written there as it is. TorchRec's CPU sharding of quantized
+# models builds table-wise (int8, fp16) and row-wise (int8) ones, and refuses column-wise.
+WHOLE_ROW_SHARDINGS = ("table_wise", "row_wise")
+TORCHREC_CPU_SHARDING = (
+    "TorchRec (1.8) shards a quantized model on CPU with shard_quant_model(model, compute_device='cpu', "
+    "sharding_device='cpu') after torchrec.distributed.global_settings.set_propogate_device(True): "
+    "table_wise (int8 and fp16 tables) and row_wise (int8 tables, whose sharder needs "
+    "quant_state_dict_split_scale_bias); it refuses column_wise on CPU")
+
+
+def _weight_kind(fqn: str, sparse_type: str) -> str:
+    kind = {"int8": INT8, "fp16": FLOAT16}.get(sparse_type)
+    if kind is None:
+        raise ReplicaMismatchError(f"table {fqn} is {sparse_type}: an inference replica writes int8 and fp16 tables")
+    return kind
+
+
+def _check_not_pruned(tbe: nn.Module, where: str) -> None:
+    if int(tbe.index_remappings_array_offsets.numel()) or int(tbe.index_remapping_hash_table_offsets.numel()):
+        raise ReplicaMismatchError(f"{where}: a pruned table (rows remapped) cannot be written by row id")
+
+
+def _unsharded_tables(mod: nn.Module, prefix: str) -> Dict[str, InferenceTable]:
+    """The tables of TorchRec's quantized EC / EBC (one FBGEMM module per group of tables)."""
+    out: Dict[str, InferenceTable] = {}
+    # TorchRec keeps the FBGEMM modules in _emb_modules (registered as ``tbes`` only by
+    # quantize_inference_model, not by quantize_embeddings)
+    for tbe in getattr(mod, "_emb_modules", []):
+        _check_not_pruned(tbe, f"{prefix}*")
+        for spec, (values, scale_bias) in zip(tbe.embedding_specs, tbe.split_embedding_weights()):
+            name, rows, dim = spec[0], int(spec[1]), int(spec[2])
+            kind = _weight_kind(prefix + name, spec[3].value)
+            shard = TableShard(0, rows, values, scale_bias if kind == INT8 else None)
+            out[prefix + name] = InferenceTable(prefix + name, name, rows, dim, kind, [shard])
+    return out
+
+
+def _sharded_tables(mod: nn.Module, prefix: str) -> Dict[str, InferenceTable]:
+    """The tables of TorchRec's sharded quantized EC / EBC (``shard_quant_model``): each shard
+    is a table of an FBGEMM module of ``tbes_configs()``, placed by its shard metadata."""
+    kinds = {info.embedding_config.name: info.param_sharding.sharding_type
+             for infos in mod.sharding_type_device_group_to_sharding_infos().values() for info in infos}
+    for name, sharding in sorted(kinds.items()):
+        if sharding not in WHOLE_ROW_SHARDINGS:
+            raise ReplicaMismatchError(
+                f"table {prefix}{name} is sharded {sharding} in the inference model: an inference replica writes "
+                f"unsharded, table_wise and row_wise quantized tables (a column shard's int8 scale and bias are not "
+                f"the whole row's). {TORCHREC_CPU_SHARDING}")
+    found: Dict[str, Tuple[int, int, str, List[TableShard]]] = {}
+    for tbe, config in mod.tbes_configs().items():
+        _check_not_pruned(tbe, f"{prefix}*")
+        for spec, table, (values, scale_bias) in zip(tbe.embedding_specs, config.embedding_tables,
+                                                     tbe.split_embedding_weights()):
+            fqn = prefix + table.name
+            kind = _weight_kind(fqn, spec[3].value)
+            meta = table.local_metadata
+            r0, c0 = (int(x) for x in meta.shard_offsets)
+            # the FBGEMM spec's dim is the shard's columns (the metadata's size may count bytes)
+            n, cols = int(spec[1]), int(spec[2])
+            if spec[0] != table.name or c0 or cols != table.embedding_dim:
+                raise ReplicaMismatchError(
+                    f"table {fqn}: a shard of rows [{r0}, {r0 + n}) and {cols} of its {table.embedding_dim} columns "
+                    f"from column {c0}: an inference replica writes shards of whole rows. {TORCHREC_CPU_SHARDING}")
+            entry = found.setdefault(fqn, (int(table.num_embeddings), int(table.embedding_dim), kind, []))
+            entry[3].append(TableShard(r0, n, values, scale_bias if kind == INT8 else None))
+    out: Dict[str, InferenceTable] = {}
+    for fqn, (rows, dim, kind, shards) in found.items():
+        shards.sort(key=lambda s: s.row_offset)
+        ends = [0] + [s.row_offset + s.rows for s in shards]
+        if [s.row_offset for s in shards] != ends[:-1] or ends[-1] != rows:
+            raise ReplicaMismatchError(
+                f"table {fqn}: this process holds its rows {[(s.row_offset, s.row_offset + s.rows) for s in shards]} "
+                f"of {rows}: an inference replica writes a model that holds every shard of its tables "
+                "(shard_quant_model's local sharding)")
+        name = fqn.rsplit(".", 1)[-1]
+        out[fqn] = InferenceTable(fqn, name, rows, dim, kind, shards, kinds.get(name))
+    return out
+
+
 def inference_tables(model: nn.Module) -> Dict[str, InferenceTable]:
     """The FBGEMM tables of a model quantized with TorchRec's inference path, by trainer fqn.
 
     Args:
         model: the quantized model (``quantize_inference_model(model)``; an EBC quantized with
-            ``quantize_embeddings`` too).
+            ``quantize_embeddings`` too), unsharded or sharded by ``shard_quant_model`` with
+            table-wise or row-wise tables.
 
     Returns:
         fqn -> :class:`InferenceTable`, for every int8 and fp16 table of every quantized
-        ``EmbeddingCollection`` / ``EmbeddingBagCollection`` in ``model``.
+        ``EmbeddingCollection`` / ``EmbeddingBagCollection`` in ``model``, sharded or not.
 
     Raises:
         ReplicaMismatchError: the model holds no quantized table, a table of a weight type this
-            replica does not write (int4, int2, fp32...), or a pruned table (its rows are
-            remapped).
+            replica does not write (int4, int2, fp32...), a pruned table (its rows are
+            remapped), a column-wise (or otherwise not whole-row) sharded table, or a sharded
+            table of which the model holds only some shards.
     """
+    from torchrec.distributed.quant_embedding import ShardedQuantEmbeddingCollection as ShardedQuantEC
+    from torchrec.distributed.quant_embeddingbag import ShardedQuantEmbeddingBagCollection as ShardedQuantEBC
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
     from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEC
 
     out: Dict[str, InferenceTable] = {}
     for path, mod in model.named_modules():
-        if not isinstance(mod, (QuantEC, QuantEBC)):
+        if isinstance(mod, (QuantEC, ShardedQuantEC)):
+            attr = "embeddings"
+        elif isinstance(mod, (QuantEBC, ShardedQuantEBC)):
+            attr = "embedding_bags"
+        else:
             continue
-        attr = "embeddings" if isinstance(mod, QuantEC) else "embedding_bags"
         prefix = f"{path}.{attr}." if path else f"{attr}."
-        # TorchRec keeps the FBGEMM modules in _emb_modules (registered as ``tbes`` only by
-        # quantize_inference_model, not by quantize_embeddings)
-        for tbe in getattr(mod, "_emb_modules", []):
-            if int(tbe.index_remappings_array_offsets.numel()) or int(tbe.index_remapping_hash_table_offsets.numel()):
-                raise ReplicaMismatchError(f"{prefix}*: a pruned table (rows remapped) cannot be written by row id")
-            for spec, (values, scale_bias) in zip(tbe.embedding_specs, tbe.split_embedding_weights()):
-                name, rows, dim, sparse_type = spec[0], int(spec[1]), int(spec[2]), spec[3].value
-                kind = {"int8": INT8, "fp16": FLOAT16}.get(sparse_type)
-                if kind is None:
-                    raise ReplicaMismatchError(
-                        f"table {prefix}{name} is {sparse_type}: an inference replica writes int8 and fp16 tables")
-                out[prefix + name] = InferenceTable(prefix + name, name, rows, dim, kind, values,
-                                                    scale_bias if kind == INT8 else None)
+        sharded = isinstance(mod, (ShardedQuantEC, ShardedQuantEBC))
+        out.update(_sharded_tables(mod, prefix) if sharded else _unsharded_tables(mod, prefix))
     if not out:
         raise ReplicaMismatchError(
             "the model holds no quantized embedding table: quantize it with "
@@ -266,10 +368,11 @@ class _ColumnHalves:
 
 
 def _layout(t: InferenceTable) -> torch.Tensor:
-    """A copy of a table's rows in a converted record's layout."""
-    if t.scale_bias is not None:
-        return torch.cat([t.values, t.scale_bias], dim=1)
-    return t.values.clone().view(torch.float16)
+    """A copy of a table's rows in a converted record's layout (shards joined in row order)."""
+    if t.weight_type == INT8:
+        blocks = [torch.cat([s.values, s.scale_bias], dim=1) for s in t.shards if s.scale_bias is not None]
+        return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+    return torch.cat([s.values for s in t.shards]).view(torch.float16)
 
 
 class InferenceReplica:
@@ -285,7 +388,8 @@ class InferenceReplica:
     ``poll_atomic=True`` it observes all of a poll's rows or none.
 
     Args:
-        model: the quantized inference model (unsharded; see the serving guide for sharding).
+        model: the quantized inference model: unsharded, or sharded table-wise / row-wise by
+            ``shard_quant_model`` (see the serving guide).
         chunk_rows: rows written per hold of the lock (bounds how long a request waits).
         poll_atomic: hold the lock over a whole poll instead of per chunk.
 
@@ -451,12 +555,21 @@ class InferenceReplica:
 
     @staticmethod
     def _write(table: InferenceTable, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write converted rows at ``ids`` (caller holds the write lock)."""
-        if table.scale_bias is None:
-            table.values.index_copy_(0, ids, rows.contiguous().view(torch.uint8))
-            return
-        table.values.index_copy_(0, ids, rows[:, :table.dim])
-        table.scale_bias.index_copy_(0, ids, rows[:, table.dim:])
+        """Write converted rows at ``ids`` (global row ids) into the shards that hold them
+        (caller holds the write lock)."""
+        for shard in table.shards:
+            at, part = ids, rows
+            if len(table.shards) > 1:
+                inside = (ids >= shard.row_offset) & (ids < shard.row_offset + shard.rows)
+                sel = inside.nonzero().squeeze(1)
+                if not sel.numel():
+                    continue
+                at, part = ids.index_select(0, sel) - shard.row_offset, rows.index_select(0, sel)
+            if shard.scale_bias is None:
+                shard.values.index_copy_(0, at, part.contiguous().view(torch.uint8))
+            else:
+                shard.values.index_copy_(0, at, part[:, :table.dim])
+                shard.scale_bias.index_copy_(0, at, part[:, table.dim:])
 
 
-__all__ = ["InferenceReplica", "InferenceTable", "inference_tables", "quantized_rows"]
+__all__ = ["InferenceReplica", "InferenceTable", "TableShard", "inference_tables", "quantized_rows"]

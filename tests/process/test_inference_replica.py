@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import global_table_weights, run_spawn
-from inference_cases import full_tables, publishing_trainer, quantized, torchrec_bytes
+from inference_cases import full_tables, publishing_trainer, quantized, same_output, sharded_quantized, torchrec_bytes
 from persistent_delta import DeltaConsumer, apply_poll
 from persistent_delta.read.inference import InferenceReplica
 
@@ -116,6 +116,74 @@ def test_through_the_stream(ec_job, tmp_path):
                 c.commit()
 
     assert follow("ec", results, polls()) == STEPS
+
+
+# TorchRec's CPU sharding of a quantized model: table-wise (int8 and fp16), row-wise (int8)
+SHARDED = [("int8", "table_wise"), ("float16", "table_wise"), ("int8", "row_wise")]
+
+
+def _requests(kind: str) -> Any:
+    """Every id of every table, one id per bag (an EBC's pooled row is the row itself)."""
+    from torchrec import KeyedJaggedTensor
+
+    ids = torch.arange(ROWS).repeat(TABLES)
+    return KeyedJaggedTensor.from_lengths_sync(keys=[f"f{t}" for t in range(TABLES)], values=ids,
+                                               lengths=torch.ones(ids.numel(), dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["ec", pytest.param("ebc", marks=pytest.mark.slow)])
+def test_a_sharded_inference_model_follows_every_publish(ec_job, tmp_path_factory, kind):
+    """TorchRec's CPU sharding of the quantized model (``shard_quant_model``, all shards in this
+    process): after every publish each sharded replica's FBGEMM weights equal TorchRec's own
+    quantization of the trainer's tables, and its forward on every id equals the unsharded
+    replica's; the rows it serves really changed (the trainer moved them)."""
+    root, results = ec_job if kind == "ec" else _job(tmp_path_factory, kind)
+    base = global_table_weights(TABLES, ROWS, DIM, seed=0)
+    wt_of = {"int8": "int8", "float16": "fp16"}
+    unsharded = {wt: InferenceReplica(quantized(kind, base, wt)) for wt in ("int8", "fp16")}
+    replicas = {(fmt, sh): InferenceReplica(sharded_quantized(kind, base, wt_of[fmt], sh), chunk_rows=16)
+                for fmt, sh in SHARDED}
+    assert {t.sharding for r in replicas.values() for t in r.tables.values()} == {"table_wise", "row_wise"}
+    assert any(len(t.shards) == 2 for t in replicas[("int8", "row_wise")].tables.values())
+    request = _requests(kind)
+    first = {key: r.forward(request) for key, r in replicas.items()}
+    seen = 0
+    for poll in _local_polls(root, f"sharded-{kind}"):
+        stamp = max(poll.publishes)
+        want = _expected(results, stamp)
+        for wt, replica in unsharded.items():
+            apply_poll(replica, poll, complete_only=True)
+        for (fmt, sharding), replica in replicas.items():
+            assert apply_poll(replica, poll, complete_only=True).rows > 0
+            expect = torchrec_bytes(kind, want, wt_of[fmt])
+            got = replica.all_weights()
+            assert sorted(got) == sorted(expect)
+            for fqn in expect:
+                assert torch.equal(got[fqn], expect[fqn]), (fmt, sharding, fqn, stamp)
+            assert same_output(replica.forward(request), unsharded[wt_of[fmt]].forward(request)), (fmt, sharding, stamp)
+        seen += len(poll.publishes)
+    assert seen == STEPS
+    assert not any(same_output(r.forward(request), first[key]) for key, r in replicas.items())
+
+
+def test_a_column_wise_sharded_inference_model_is_refused():
+    """TorchRec builds a column-wise sharded quantized model only for CUDA (here on the meta
+    device): its shards split rows, whose int8 scale and bias are the whole row's. Refused, with
+    what TorchRec's CPU sharding allows."""
+    import copy
+
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.inference.modules import shard_quant_model
+
+    from persistent_delta.errors import ReplicaMismatchError
+
+    quant = quantized("ec", global_table_weights(2, ROWS, DIM, seed=0), "int8")
+    constraints = {f"table_{t}": ParameterConstraints(sharding_types=["column_wise"], compute_kernels=["quant"],
+                                                      min_partition=4) for t in range(2)}
+    model, _ = shard_quant_model(copy.deepcopy(quant), world_size=2, compute_device="cuda", sharding_device="meta",
+                                 constraints=constraints)
+    with pytest.raises(ReplicaMismatchError, match="column_wise.*table_wise .*row_wise"):
+        InferenceReplica(model)
 
 
 @pytest.mark.slow
