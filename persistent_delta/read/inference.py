@@ -36,6 +36,11 @@ Design note:
   values and scale/bias come from different publishes; rows of different chunks may come from
   different polls while an apply runs. ``poll_atomic=True`` holds the write side for the whole
   poll: a request then sees all of a poll's rows or none.
+* **Managed collision.** A quantized managed-collision model remaps raw ids through its MCH
+  modules' buffers (:mod:`persistent_delta.read.mch_maps`); a poll's slot reassignments
+  (``poll.zch()``) are written there, and a table with a map change has its map and all of the
+  poll's rows for it written under one hold of the write side: a request never looks a raw id
+  up in one publish's map and reads the slot's row of another.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from torch import nn
 from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError
 from persistent_delta.log import codec
 from persistent_delta.read.apply import Applied, check_poll
+from persistent_delta.read.mch_maps import MapUpdate, MchMap, mch_maps
 from persistent_delta.read.results import DeltaPoll, MergedDelta, TableDelta, merge_table
 from persistent_delta.threads import intra_op_threads
 
@@ -384,8 +390,13 @@ class InferenceReplica:
     :meth:`serving`) on any number of other threads.
 
     Guarantee (see the module note): a request never observes a row whose values and
-    scale/bias come from different publishes, nor a row written in part; with
-    ``poll_atomic=True`` it observes all of a poll's rows or none.
+    scale/bias come from different publishes, nor a row written in part, nor a managed-collision
+    table's raw-id map of one poll with its rows of another; with ``poll_atomic=True`` it
+    observes all of a poll's rows or none.
+
+    A quantized managed-collision model (``quantize_inference_model`` of an MC-EC / MC-EBC with
+    ``MCHManagedCollisionModule``) has its raw-id maps written too (:attr:`maps`,
+    :meth:`raw_id_map`); its MCH modules are put in eval mode, so requests never admit or evict.
 
     Args:
         model: the quantized inference model: unsharded, or sharded table-wise / row-wise by
@@ -410,6 +421,7 @@ class InferenceReplica:
         for fqn, t in self.tables.items():
             self._by_name.setdefault(t.name, []).append(fqn)
         self._lock = _ServingLock()
+        self.maps: Dict[str, MchMap] = mch_maps(model, self.tables)
         self._halves: Dict[str, _ColumnHalves] = {}
         for fqn, full in (base or {}).items():
             t = self.table(fqn)
@@ -447,6 +459,20 @@ class InferenceReplica:
         with self._lock.reading():
             return {fqn: _layout(t) for fqn, t in self.tables.items()}
 
+    def raw_id_map(self, fqn: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(raw ids ascending, slots)`` of a managed-collision table's map in the model (what
+        its forward remaps raw ids with). Thread-safe.
+
+        Raises:
+            ReplicaMismatchError: no such table, or the table has no managed-collision module.
+        """
+        t = self.table(fqn)
+        found = self.maps.get(t.fqn)
+        if found is None:
+            raise ReplicaMismatchError(f"table {t.fqn} has no managed-collision module in the inference model")
+        with self._lock.reading():
+            return found.map()
+
     def table(self, fqn: str) -> InferenceTable:
         """The inference table a trainer fqn maps to: the same fqn, else the one table of the
         fqn's table name (its last component).
@@ -476,7 +502,9 @@ class InferenceReplica:
             strict: a polled table the model lacks is an error (``False``: skipped).
 
         Returns:
-            What was applied (``rows``: whole rows written; ``nbytes``: bytes written).
+            What was applied (``rows``: whole rows written; ``nbytes``: bytes written). A
+            managed-collision table's slot reassignments (``poll.zch()``) are written into its
+            MCH module's map with its rows.
 
         Raises:
             InvalidInputError: not a snapshots poll.
@@ -489,6 +517,7 @@ class InferenceReplica:
         with torch.no_grad(), intra_op_threads(poll.read_threads):
             commits: List[Tuple[str, _ColumnHalves, _HalvesUpdate]] = []
             plan = self._plan(poll, strict, commits)
+            maps = self._planned_maps(poll)
             for fqn, halves, update in commits:
                 halves.keep(update)
                 self._halves[fqn] = halves
@@ -497,16 +526,43 @@ class InferenceReplica:
                 with self._lock.writing():
                     for table, ids, rows in plan:
                         self._write(table, ids, rows)
+                    for update in maps.values():
+                        update.map.write(update)
             else:
                 for table, ids, rows in plan:
+                    update = maps.pop(table.fqn, None)
+                    if update is not None:  # the map and the table's rows in one hold
+                        with self._lock.writing():
+                            self._write(table, ids, rows)
+                            update.map.write(update)
+                        continue
                     for lo in range(0, ids.numel(), self.chunk_rows):
                         hi = lo + self.chunk_rows
                         with self._lock.writing():
                             self._write(table, ids[lo:hi], rows[lo:hi])
+                for update in maps.values():  # reassignments without rows in this poll
+                    with self._lock.writing():
+                        update.map.write(update)
             for _, ids, rows in plan:
                 out.rows += int(ids.numel())
                 out.nbytes += rows.numel() * rows.element_size()
         out.applied_at = time.time()
+        return out
+
+    def _planned_maps(self, poll: DeltaPoll) -> Dict[str, MapUpdate]:
+        """The managed-collision maps after the poll's slot reassignments, by table fqn (no
+        lock held; nothing written)."""
+        out: Dict[str, MapUpdate] = {}
+        if not self.maps:
+            return out
+        for fqn, delta in poll.zch().items():
+            try:
+                found = self.maps.get(self.table(fqn).fqn)
+            except ReplicaMismatchError:
+                continue  # a table the model lacks: _plan decides (strict)
+            update = found.planned(delta) if found is not None else None
+            if update is not None:
+                out[found.fqn] = update
         return out
 
     def _plan(self, poll: DeltaPoll, strict: bool, commits: List[Tuple[str, "_ColumnHalves", "_HalvesUpdate"]]

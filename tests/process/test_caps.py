@@ -45,6 +45,16 @@ def test_a_snapshot_replica_follows_evictions_after_every_publish(published):
     assert r["int8_rows_differ"] == [0] * len(r["int8_rows_differ"]), r
 
 
+def test_a_quantized_mc_models_forward_follows_the_trainers_after_every_publish(published):
+    """The int8 replica's managed-collision modules get the publishes' slot reassignments with
+    the rows: its forward on every raw id of the hash space (admitted, evicted, never seen)
+    equals TorchRec's quantization of the trainer's model (tables and MCH buffers) after every
+    publish."""
+    r = published["evictions"]
+    assert r["evicted"] > 0 and r["served_admitted"] > 0, r
+    assert r["forward_differs"] == [0] * len(r["forward_differs"]), r
+
+
 def test_the_publishes_slot_reassignments_travel_through_the_stream(published):
     """The snapshots channel shipped (in-process transport): a remote poll's rows and ``zch()``
     equal a local reader's over the same publishes."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.model_tracker.types import TrackingMode
@@ -162,10 +162,13 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
                                             delete_on_read=True))
     names = {fqn: z.name for fqn, z in t.zch.tables.items()}
     rows = {fqn: t.local_tables[fqn].weights().detach().clone() for fqn in names}
-    serving = _quantized_mc_replica(rows, dim=int(next(iter(rows.values())).shape[1]))
+    dim = int(next(iter(rows.values())).shape[1])
+    from persistent_delta.read.inference import InferenceReplica
+
+    serving = InferenceReplica(_quantized_mc_model(rows, dim))
     raw_map = RawIdMap()
     out: Dict[str, Any] = {"rows_differ": [], "map_differs": [], "evicted": 0, "tombstones_held": 0,
-                           "int8_rows_differ": []}
+                           "int8_rows_differ": [], "forward_differs": [], "served_admitted": 0}
     DeltaConsumer(root, "keep", channel="snapshots").close()  # keeps every publish for a shipper after the run
     with DeltaConsumer(root, "replica", channel="snapshots") as consumer:
         for kjt in mc_batches(rank, world_size, steps, seed=5):
@@ -185,20 +188,51 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
             out["rows_differ"].append(sum(int((rows[f] != t.local_tables[f].weights()).any(dim=1).sum()) for f in names))
             out["map_differs"].append(sum(1 for f, n in names.items() if raw_map.as_dict(f) != maps[n]))
             out["int8_rows_differ"].append(_int8_rows_differ(serving, {f: t.local_tables[f].weights() for f in names}))
+            # the quantized MC model's forward on every raw id (admitted, evicted, never seen)
+            # against TorchRec's quantization of the trainer's model now: its tables and its
+            # MCH buffers (raw id -> slot)
+            reference = _quantized_mc_model({f: t.local_tables[f].weights() for f in names}, dim, mch_buffers(dmp))
+            request = _every_raw_id()
+            with serving.serving() as model, torch.no_grad():
+                got, _ = model.sparse(request)
+                want, _ = reference.sparse(request)
+            out["forward_differs"].append(sum(int((got[k].values() != want[k].values()).any(dim=1).sum()) for k in want))
+            out["served_admitted"] += sum(len(m) for m in maps.values())
     t.close()
     return out
 
 
-def _quantized_mc_replica(base: Dict[str, torch.Tensor], dim: int) -> Any:
-    """An :class:`InferenceReplica` over TorchRec's int8 quantization of an unsharded MC-EC with
-    the trainer's tables (``zch_cases.FEATURES``), starting from ``base`` (fqn -> full table)."""
+def mch_buffers(dmp: Any) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """table name -> (``_mch_sorted_raw_ids``, ``_mch_remapped_ids_mapping``) of the trainer's MCH
+    modules (one rank: the whole map)."""
+    out = {}
+    for module in dmp.modules():
+        mcms = getattr(getattr(module, "_managed_collision_collection", None), "_managed_collision_modules", None)
+        for name, mcm in (mcms or {}).items():
+            out[name] = (mcm._mch_sorted_raw_ids.detach().clone(), mcm._mch_remapped_ids_mapping.detach().clone())
+    return out
+
+
+def _every_raw_id() -> Any:
+    """A request looking up every raw id of the hash space under every feature, one per bag."""
+    from torchrec import KeyedJaggedTensor
+    from zch_cases import FEATURES, INPUT_HASH_SIZE
+
+    feats = [f for fs in FEATURES.values() for f in fs]
+    ids = torch.arange(INPUT_HASH_SIZE).repeat(len(feats))
+    return KeyedJaggedTensor.from_lengths_sync(keys=feats, values=ids, lengths=torch.ones(ids.numel(), dtype=torch.long))
+
+
+def _quantized_mc_model(base: Dict[str, torch.Tensor], dim: int,
+                        maps: Optional[Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Any:
+    """TorchRec's int8 quantization of an unsharded MC-EC with the trainer's tables
+    (``zch_cases.FEATURES``) from ``base`` (fqn -> full table), and MCH buffers from ``maps``
+    (table name -> sorted raw ids, slot mapping; default: empty), in eval mode."""
     from torchrec import EmbeddingCollection, EmbeddingConfig
     from torchrec.inference.modules import quantize_inference_model
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
     from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
     from zch_cases import FEATURES, INPUT_HASH_SIZE
-
-    from persistent_delta.read.inference import InferenceReplica
 
     by_name = {fqn.rsplit(".", 1)[-1]: w for fqn, w in base.items()}
     ec = EmbeddingCollection(tables=[EmbeddingConfig(name=n, embedding_dim=dim, num_embeddings=int(by_name[n].shape[0]),
@@ -206,14 +240,16 @@ def _quantized_mc_replica(base: Dict[str, torch.Tensor], dim: int) -> Any:
     with torch.no_grad():
         for n in FEATURES:
             ec.embeddings[n].weight.copy_(by_name[n])
-    mcc = ManagedCollisionCollection(
-        managed_collision_modules={n: MCHManagedCollisionModule(
-            zch_size=int(by_name[n].shape[0]), device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
-            eviction_interval=2, input_hash_size=INPUT_HASH_SIZE) for n in FEATURES},
-        embedding_configs=ec.embedding_configs())
+    mcms = {n: MCHManagedCollisionModule(
+        zch_size=int(by_name[n].shape[0]), device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+        eviction_interval=2, input_hash_size=INPUT_HASH_SIZE) for n in FEATURES}
+    for n, (sorted_raw, mapping) in (maps or {}).items():
+        mcms[n]._mch_sorted_raw_ids.copy_(sorted_raw)
+        mcms[n]._mch_remapped_ids_mapping.copy_(mapping)
+    mcc = ManagedCollisionCollection(managed_collision_modules=mcms, embedding_configs=ec.embedding_configs())
     model = torch.nn.Module()
     model.sparse = ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=False)
-    return InferenceReplica(quantize_inference_model(model))
+    return quantize_inference_model(model).eval()
 
 
 def _int8_rows_differ(replica: Any, tables: Dict[str, torch.Tensor]) -> int:
@@ -223,7 +259,7 @@ def _int8_rows_differ(replica: Any, tables: Dict[str, torch.Tensor]) -> int:
     differ = 0
     for table in replica.tables.values():
         want = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(by_name[table.name].float().contiguous(), 8)
-        got = torch.cat([table.values, table.scale_bias], dim=1)
+        got = replica.weights(table.fqn)
         differ += int((got != want).any(dim=1).sum())
     return differ
 
