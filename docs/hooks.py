@@ -84,6 +84,9 @@ WHAT_TO_DO: Dict[str, str] = {
     "KeyConflictError": "Another process changed the key first: read it again and decide.",
     "JobNotFoundError": "Start the job's shipper (it creates the stream and buckets; consumers never do), "
                         "or pass `wait=` to wait for it; check the job name and the server.",
+    "StreamLayoutError": "Ship with the job's recorded layout (leave `ranks_per_stream` / `--ranks-per-stream` "
+                         "unset to follow it; `persistent-delta offsets --server ... --job ...` shows it), or "
+                         "ship under a new job name.",
     "PermissionDeniedError": "Grant the user what its side needs (`persistent_delta.fleet.permissions`; "
                              "`docs/guides/security.md`), or connect as the right user.",
     "StreamKeyError": "Create a key with `persistent-delta keygen PATH` (owner-only), and give it to the "

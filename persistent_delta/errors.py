@@ -150,6 +150,13 @@ class JobNotFoundError(NotALogError):
     :class:`NotALogError`."""
 
 
+class StreamLayoutError(ConfigMismatchError):
+    """A shipper asked for another stream layout than the job has: a job's layout (one stream,
+    or a stream per group of ``ranks_per_stream`` ranks) is fixed by its first shipper and
+    recorded in the job's ``meta`` bucket, and its streams never mix two layouts. Also a
+    :class:`ConfigMismatchError`."""
+
+
 class PermissionDeniedError(TransportError, PermissionError):
     """The stream server refused a request for this user's permissions (its NATS
     ``authorization`` block): the message names the subject. A denied publish or key write is

@@ -248,7 +248,9 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
              _when(c.commit_time), "yes" if c.active else "no", c.health] for c in found["consumers"]]
     srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
              f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
+    strow = [[st.stream, ",".join(str(r) for r in st.ranks) or "-", st.layout] for st in found["streams"]]
     return Output(data=_jsonable(found), tables=[
+        Table("STREAMS", ["STREAM", "RANKS", "LAYOUT"], strow),
         Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE",
                                    "HEALTH"], crow),
         Table("SHIPPERS", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-SHIPPED",
@@ -413,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, default=1, help="stream replicas when creating it (default 1)")
     s.add_argument("--max-bytes", type=int, default=-1, help="stream byte limit when creating it (default none)")
     s.add_argument("--max-age", type=float, default=0.0, help="stream age limit in seconds when creating it")
+    s.add_argument("--ranks-per-stream", type=int, default=None, metavar="G",
+                   help="ship ranks [g*G, (g+1)*G) into a stream of their own per group g (PDG_<job>_<g>) instead "
+                        "of one stream for the job (PD_<job>); fixed by the job's first shipper (default: the "
+                        "job's layout, one stream for a new job)")
     s.add_argument("--nice", type=niceness, default=0, metavar="N",
                    help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
                         "core, the shipper then runs on what it leaves (freshness pays)")

@@ -19,6 +19,7 @@ from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownCo
 from persistent_delta.fleet.remote import lock_key, offsets_key
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, open_transport
 from persistent_delta.fleet.wire import Marker
+from persistent_delta.fleet.streams import read_layout
 from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, describe_remote, remote_offsets, stream_ends
 
 
@@ -50,16 +51,17 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
         if not found:
             raise UnknownConsumerError(f"no remote consumer {name!r} in job {job!r}")
         changes: List[RemoteChange] = []
+        layout = read_layout(conn, job, None)
         for d in found:
             ch = str(d["channel"])
             ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
             new_ranks: Dict[str, Dict[str, Any]] = {}
             if action == "reset":
-                ends = stream_ends(conn, job, ch, sorted(ranks))
+                ends = stream_ends(conn, job, ch, sorted(ranks), layout)
                 for r, v in sorted(ranks.items()):
                     nv: Dict[str, Any]
                     if target == "latest":
-                        last = conn.last_message(job, subjects.end_subject(job, ch, r))
+                        last = conn.last_message(job, subjects.end_subject(job, ch, r), stream=layout.stream(r))
                         m = None if last is None else Marker.decode(last.data, last.seq, f"job {job}")
                         nv = {"pos": ends[r], "seq": 1 if m is None else m.seq + 1, "epoch": None if m is None else m.epoch}
                     elif target == "earliest":

@@ -1,10 +1,10 @@
 """An in-process transport: the fleet's streaming engine held in this process's memory.
 
-Owns: :class:`MemoryBroker` (the engine: per job a stream, its key-value buckets and its
-object store) and :class:`MemoryTransport` (a connection to it, a
+Owns: :class:`MemoryBroker` (the engine: per job its streams -- one by default, or one per rank
+group -- its key-value buckets and its object store) and :class:`MemoryTransport` (a connection to it, a
 :class:`~persistent_delta.fleet.transport.Transport`). It keeps every promise of the protocol
 -- message-id de-duplication within the duplicate window, per-subject order, one sequence per
-stream, atomic compare-and-set on keys, expiring ``locks`` keys, the stream's byte and age
+stream, a message stored in the stream whose subjects select it (two streams never overlap), atomic compare-and-set on keys, expiring ``locks`` keys, the stream's byte and age
 limits with the oldest messages dropped first -- so a shipper and a remote consumer in one
 process run against it unchanged: tests without a server, and the proof that the seam holds
 for an engine other than NATS. Nothing is durable: the broker lives as long as its process.
@@ -16,10 +16,18 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from persistent_delta.errors import InvalidInputError, KeyConflictError, TransportError
-from persistent_delta.fleet.subjects import BUCKETS, LOCKS, check_job, stream_name, subject_matches
+from persistent_delta.errors import InvalidInputError, KeyConflictError, StreamLayoutError, TransportError
+from persistent_delta.fleet.subjects import (
+    BUCKETS,
+    LOCKS,
+    check_job,
+    filters_overlap,
+    stream_name,
+    stream_subjects,
+    subject_matches,
+)
 from persistent_delta.fleet.transport import KvEntry, StoredMessage, StreamOptions
 from persistent_delta.fleet.wire import Message
 
@@ -41,11 +49,18 @@ class _Bucket:
 @dataclass
 class _Job:
     opts: StreamOptions
+    buckets: Dict[str, _Bucket] = field(default_factory=dict)
+
+
+@dataclass
+class _Stream:
+    job: str
+    subjects: List[str]
+    opts: StreamOptions
     messages: List[_Stored] = field(default_factory=list)
     next_seq: int = 1
     nbytes: int = 0
     ids: Dict[str, float] = field(default_factory=dict)  # message id -> when it was stored
-    buckets: Dict[str, _Bucket] = field(default_factory=dict)
     uid: str = field(default_factory=lambda: os.urandom(8).hex())  # this incarnation of the stream
 
 
@@ -66,7 +81,8 @@ class MemoryBroker:
         self.max_payload = max_payload
         self.clock = clock
         self.lock = threading.Lock()
-        self.jobs: Dict[str, _Job] = {}
+        self.jobs: Dict[str, _Job] = {}  # job -> its buckets
+        self.streams: Dict[str, _Stream] = {}  # stream name -> its messages
         self.objects: Dict[str, Dict[str, bytes]] = {}
         self.watches: List[Tuple[str, threading.Event, "MemoryTransport"]] = []
 
@@ -112,42 +128,69 @@ class MemoryTransport:
             self.broker.watches = [w for w in self.broker.watches if w[2] is not self]
 
     def _job(self, job: str, what: str) -> _Job:
-        """The job's state (the broker's lock held)."""
+        """The job's buckets (the broker's lock held)."""
         if self._closed:
             raise TransportError(f"{what}: the connection to {self._servers[0]} is closed")
         j = self.broker.jobs.get(check_job(job))
         if j is None:
-            raise TransportError(f"{what} on {self._servers[0]} failed: no stream {stream_name(job)}")
+            raise TransportError(f"{what} on {self._servers[0]} failed: no buckets of job {job!r}")
         return j
 
+    def _stream(self, job: str, stream: Optional[str], what: str) -> _Stream:
+        """A stream of the job (None: its single stream; the broker's lock held)."""
+        if self._closed:
+            raise TransportError(f"{what}: the connection to {self._servers[0]} is closed")
+        name = stream or stream_name(job)
+        st = self.broker.streams.get(name)
+        if st is None or st.job != check_job(job):
+            raise TransportError(f"{what} on {self._servers[0]} failed: no stream {name}")
+        return st
+
     # ------------------------------------------------------------------ stream and buckets
-    def ensure_job(self, job: str, opts: StreamOptions) -> None:
-        """Create the job's stream and buckets where missing (idempotent)."""
+    def ensure_job(self, job: str, opts: StreamOptions, streams: Optional[Mapping[str, Sequence[str]]] = None
+                   ) -> None:
+        """Create the job's buckets and streams (default: its single stream) where missing
+        (idempotent).
+
+        Raises:
+            StreamLayoutError: a new stream's subjects overlap an existing stream's.
+        """
+        wanted = {stream_name(job): [stream_subjects(job)]} if streams is None else dict(streams)
         with self.broker.lock:
             if self._closed:
                 raise TransportError(f"create the stream of job {job!r}: the connection is closed")
+            for name, subjects in wanted.items():
+                if name in self.broker.streams:
+                    continue
+                for other in self.broker.streams.values():
+                    if any(filters_overlap(a, b) for a in subjects for b in other.subjects):
+                        raise StreamLayoutError(f"stream {name} of job {job!r} cannot take subjects {list(subjects)[:4]}: "
+                                                f"they overlap another stream's on {self._servers[0]}")
+                self.broker.streams[name] = _Stream(check_job(job), list(subjects), opts)
             if check_job(job) not in self.broker.jobs:
                 self.broker.jobs[job] = _Job(opts, buckets={
                     what: _Bucket(opts.lock_ttl_s if what == LOCKS else None) for what in BUCKETS})
 
-    def job_exists(self, job: str) -> bool:
-        """Whether the job's stream and buckets exist."""
+    def job_exists(self, job: str, streams: Optional[Sequence[str]] = None) -> bool:
+        """Whether the job's buckets and streams (default: its single stream) exist."""
+        names = [stream_name(job)] if streams is None else list(streams)
         with self.broker.lock:
             if self._closed:
                 raise TransportError(f"look up the stream of job {job!r}: the connection is closed")
-            return check_job(job) in self.broker.jobs
+            return check_job(job) in self.broker.jobs and all(
+                n in self.broker.streams and self.broker.streams[n].job == job for n in names)
 
     # ------------------------------------------------------------------ sending
     def send_all(self, msgs: Sequence[Message]) -> List[Message]:
-        """Store ``msgs`` in their jobs' streams; returns the ones not stored (no such stream,
-        over the max payload, or a closed connection). A message whose id was stored within
-        the duplicate window is acknowledged and not stored again."""
+        """Store ``msgs`` in the streams that take their subjects; returns the ones not stored
+        (no such stream, over the max payload, or a closed connection). A message whose id was
+        stored within the duplicate window is acknowledged and not stored again."""
         failed: List[Message] = []
         with self.broker.lock:
             now = self.broker.clock()
             for m in msgs:
-                parts = m.subject.split(".")
-                j = None if self._closed or len(parts) < 3 else self.broker.jobs.get(parts[1])
+                j = None if self._closed else next((st for st in self.broker.streams.values() if any(
+                    subject_matches(f, m.subject) for f in st.subjects)), None)
                 size = len(m.subject) + len(m.payload) + sum(len(k) + len(v) for k, v in m.headers.items()) + len(m.id)
                 if j is None or size > self.broker.max_payload:
                     failed.append(m)
@@ -155,7 +198,7 @@ class MemoryTransport:
                 self._store(j, m, size, now)
         return failed
 
-    def _store(self, j: _Job, m: Message, size: int, now: float) -> None:
+    def _store(self, j: _Stream, m: Message, size: int, now: float) -> None:
         window = j.opts.duplicate_window_s
         j.ids = {i: t for i, t in j.ids.items() if now - t < window}
         if m.id in j.ids:
@@ -171,7 +214,7 @@ class MemoryTransport:
                 event.set()
 
     @staticmethod
-    def _trim(j: _Job, now: float) -> None:
+    def _trim(j: _Stream, now: float) -> None:
         """Drop the oldest messages past the stream's byte or age limit."""
         drop = 0
         while drop < len(j.messages) and (
@@ -183,12 +226,13 @@ class MemoryTransport:
             del j.messages[:drop]
 
     # ------------------------------------------------------------------ reading
-    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int
+    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int, stream: Optional[str] = None
                   ) -> Tuple[List[StoredMessage], bool]:
-        """The job's messages on ``subject`` (a filter) from sequence ``seq`` on: at most
-        ``batch``, about ``max_bytes`` (at least one). Returns ``(messages, more)``."""
+        """The stream's (default: the job's single stream) messages on ``subject`` (a filter)
+        from sequence ``seq`` on: at most ``batch``, about ``max_bytes`` (at least one).
+        Returns ``(messages, more)``."""
         with self.broker.lock:
-            j = self._job(job, f"read {subject} from seq {seq}")
+            j = self._stream(job, stream, f"read {subject} from seq {seq}")
             self._trim(j, self.broker.clock())
             out: List[StoredMessage] = []
             held = 0
@@ -201,20 +245,20 @@ class MemoryTransport:
                 held += len(s.msg.data)
             return out, False
 
-    def last_message(self, job: str, subject: str) -> Optional[StoredMessage]:
-        """The job's last message on ``subject``, or None."""
+    def last_message(self, job: str, subject: str, stream: Optional[str] = None) -> Optional[StoredMessage]:
+        """The stream's (default: the job's single stream) last message on ``subject``, or None."""
         with self.broker.lock:
-            j = self._job(job, f"read the last message on {subject}")
+            j = self._stream(job, stream, f"read the last message on {subject}")
             self._trim(j, self.broker.clock())
             for s in reversed(j.messages):
                 if s.msg.subject == subject:
                     return s.msg
             return None
 
-    def stream_id(self, job: str) -> str:
-        """An identifier of the job's stream as created."""
+    def stream_id(self, job: str, stream: Optional[str] = None) -> str:
+        """An identifier of the stream (default: the job's single stream) as created."""
         with self.broker.lock:
-            return self._job(job, "identify the stream").uid
+            return self._stream(job, stream, "identify the stream").uid
 
     def watch(self, subject: str, event: threading.Event) -> None:
         """Set ``event`` whenever a message on ``subject`` (a filter) is stored, until :meth:`close`."""

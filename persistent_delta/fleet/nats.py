@@ -7,7 +7,8 @@ is an optional dependency (``pip install nats-py``), imported when a connection 
 
 Design note
 -----------
-The stream ``PD_<job>`` takes the subjects ``pd.<job>.>`` (file storage, ``discard=old``,
+The stream ``PD_<job>`` takes the subjects ``pd.<job>.>`` (a rank group's stream
+``PDG_<job>_<g>`` its ranks' subjects: :mod:`persistent_delta.fleet.streams`; file storage, ``discard=old``,
 direct gets allowed, no message size limit beyond the server's max payload); a message id
 travels as ``Nats-Msg-Id``, which the server de-duplicates within the stream's duplicate
 window. A bucket is a JetStream key-value bucket (history 1; ``locks`` with the lock TTL as
@@ -25,10 +26,11 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from persistent_delta.errors import (
     InvalidInputError,
+    StreamLayoutError,
     KeyConflictError,
     PermissionDeniedError,
     PersistentDeltaError,
@@ -165,20 +167,37 @@ class Connection:
         return int(self.nc.max_payload or (1 << 20))
 
     # ------------------------------------------------------------------ stream and buckets
-    def ensure_job(self, job: str, opts: StreamOptions) -> None:
-        """Create the job's stream and buckets where missing (idempotent; retried while a
-        cluster elects leaders)."""
+    def ensure_job(self, job: str, opts: StreamOptions, streams: Optional[Mapping[str, Sequence[str]]] = None
+                   ) -> None:
+        """Create the job's buckets and streams (default: its single stream) where missing
+        (idempotent; retried while a cluster elects leaders).
+
+        Raises:
+            StreamLayoutError: a stream's subjects overlap another stream's (the server's
+                error 10065).
+        """
         from nats.js import api
 
+        wanted = {stream_name(job): [stream_subjects(job)]} if streams is None else dict(streams)
+
         async def ensure() -> None:
-            name = stream_name(job)
-            try:
-                await self.js.stream_info(name)
-            except Exception:  # noqa: BLE001 - not found (or not yet elected): create
-                await self.js.add_stream(api.StreamConfig(
-                    name=name, subjects=[stream_subjects(job)], storage=api.StorageType.FILE, num_replicas=opts.replicas,
-                    max_bytes=opts.max_bytes, max_age=opts.max_age_s or None, discard=api.DiscardPolicy.OLD,
-                    duplicate_window=opts.duplicate_window_s, allow_direct=True, max_msg_size=-1))
+            for name, subjects in wanted.items():
+                try:
+                    await self.js.stream_info(name)
+                    continue
+                except Exception:  # noqa: BLE001 - not found (or not yet elected): create
+                    pass
+                try:
+                    await self.js.add_stream(api.StreamConfig(
+                        name=name, subjects=list(subjects), storage=api.StorageType.FILE, num_replicas=opts.replicas,
+                        max_bytes=opts.max_bytes, max_age=opts.max_age_s or None, discard=api.DiscardPolicy.OLD,
+                        duplicate_window=opts.duplicate_window_s, allow_direct=True, max_msg_size=-1))
+                except Exception as exc:  # noqa: BLE001 - one error is ours to type: overlapping subjects
+                    if getattr(exc, "err_code", None) == 10065 or "overlap" in str(exc).lower():
+                        raise StreamLayoutError(
+                            f"stream {name} of job {job!r} cannot take subjects {list(subjects)[:4]}: they overlap "
+                            f"another stream's on {','.join(self.servers)} (the job has another layout)") from exc
+                    raise
             for what in BUCKETS:
                 ttl = opts.lock_ttl_s if what == LOCKS else None
                 try:
@@ -189,12 +208,15 @@ class Connection:
 
         self.retry(f"create the stream of job {job!r}", ensure, attempts=20)
 
-    def job_exists(self, job: str) -> bool:
-        """Whether the job's stream and every bucket exist (one stream-info request each)."""
+    def job_exists(self, job: str, streams: Optional[Sequence[str]] = None) -> bool:
+        """Whether the job's streams (default: its single stream) and every bucket exist (one
+        stream-info request each)."""
         from nats.js.errors import NotFoundError
 
+        names = [stream_name(job)] if streams is None else list(streams)
+
         async def exists() -> bool:
-            for name in [stream_name(job)] + [f"KV_{bucket(job, what)}" for what in BUCKETS]:
+            for name in names + [f"KV_{bucket(job, what)}" for what in BUCKETS]:
                 try:
                     await self.js.stream_info(name)
                 except NotFoundError:
@@ -208,7 +230,7 @@ class Connection:
         for i in range(attempts):
             try:
                 return self.call(what, fn)
-            except PermissionDeniedError:
+            except (PermissionDeniedError, StreamLayoutError):
                 raise  # not transient
             except TransportError:
                 if i == attempts - 1:
@@ -379,13 +401,15 @@ class Connection:
             return list(msgs)
 
     # ------------------------------------------------------------------ reading
-    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int
+    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int, stream: Optional[str] = None
                   ) -> Tuple[List[StoredMessage], bool]:
         """Messages on ``subject`` (wildcards allowed) from stream sequence ``seq`` on (a batch
         direct get, stateless: nothing on the server to recreate after a restart). Returns
         ``(messages, more)``: ``more`` is False when the server said no
         message on ``subject`` follows the last one returned (a reader that has caught up
         need not ask again until something new arrives)."""
+
+        name = stream or stream_name(job)
 
         async def get() -> Tuple[List[StoredMessage], bool]:
             inbox = self.nc.new_inbox()
@@ -394,7 +418,7 @@ class Connection:
             more = True
             try:
                 req = {"seq": max(1, seq), "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-                await self.nc.publish(f"$JS.API.DIRECT.GET.{stream_name(job)}", json.dumps(req).encode(), reply=inbox)
+                await self.nc.publish(f"$JS.API.DIRECT.GET.{name}", json.dumps(req).encode(), reply=inbox)
                 while True:
                     m = await sub.next_msg(self.options.request_timeout)
                     h = dict(m.headers or {})
@@ -404,7 +428,7 @@ class Connection:
                             more = False  # nothing at or after seq
                         if status in ("204", "404"):
                             break
-                        raise TransportError(f"direct get on {stream_name(job)} answered {status} {h}")
+                        raise TransportError(f"direct get on {name} answered {status} {h}")
                     out.append(StoredMessage(int(h["Nats-Sequence"]), h.get("Nats-Subject", ""), h, bytes(m.data)))
                     # pending after this one (the server still sends EOB; it is read, so the inbox is drained)
                     more = int(h.get("Nats-Num-Pending", "1") or 0) > 0
@@ -414,36 +438,43 @@ class Connection:
 
         return self.call(f"read {subject} from seq {seq}", get)
 
-    def last_message(self, job: str, subject: str) -> Optional[StoredMessage]:
-        """The stream's last message on ``subject``, or None."""
+    def last_message(self, job: str, subject: str, stream: Optional[str] = None) -> Optional[StoredMessage]:
+        """The stream's (default: the job's single stream) last message on ``subject``, or None."""
         from nats.js.errors import NotFoundError
+
+        name = stream or stream_name(job)
 
         async def last() -> Optional[StoredMessage]:
             try:
-                m = await self.js.get_last_msg(stream_name(job), subject)
+                m = await self.js.get_last_msg(name, subject)
             except NotFoundError:
                 return None
             return StoredMessage(int(m.seq), str(m.subject or subject), dict(m.headers or {}), bytes(m.data or b""))
 
         return self.call(f"read the last message on {subject}", last)
 
-    def stream_id(self, job: str) -> str:
-        """The job's stream's creation time (another after it was deleted and created again)."""
+    def stream_id(self, job: str, stream: Optional[str] = None) -> str:
+        """The stream's (default: the job's single stream) creation time (another after it was
+        deleted and created again)."""
+        name = stream or stream_name(job)
+
         async def created() -> str:
-            si = await self.js.stream_info(stream_name(job))
+            si = await self.js.stream_info(name)
             return si.created.isoformat() if si.created is not None else ""
 
-        return self.call(f"describe stream {stream_name(job)}", created)
+        return self.call(f"describe stream {name}", created)
 
-    def stream_state(self, job: str) -> Dict[str, int]:
-        """first_seq, last_seq, messages and bytes of the job's stream."""
+    def stream_state(self, job: str, stream: Optional[str] = None) -> Dict[str, int]:
+        """first_seq, last_seq, messages and bytes of the stream (default: the job's single stream)."""
+        name = stream or stream_name(job)
+
         async def info() -> Dict[str, int]:
-            si = await self.js.stream_info(stream_name(job))
+            si = await self.js.stream_info(name)
             s = si.state
             return {"first_seq": int(s.first_seq), "last_seq": int(s.last_seq), "messages": int(s.messages),
                     "bytes": int(s.bytes)}
 
-        return self.call(f"describe stream {stream_name(job)}", info)
+        return self.call(f"describe stream {name}", info)
 
     def watch(self, subject: str, event: threading.Event) -> None:
         """Set ``event`` whenever a message on ``subject`` is sent (a core-NATS wake-up signal:

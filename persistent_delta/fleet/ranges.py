@@ -69,7 +69,7 @@ def accept(scan: MarkerScan, m: Marker) -> bool:
 
 
 def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: int, scan: MarkerScan,
-                 on_reject: Callable[[PersistentDeltaError], None]) -> MarkerScan:
+                 on_reject: Callable[[PersistentDeltaError], None], stream: Optional[str] = None) -> MarkerScan:
     """Read rank ``rank``'s markers of ``channel`` from ``scan.seq`` to the stream's end.
 
     Args:
@@ -80,6 +80,7 @@ def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: i
         rank: the rank.
         scan: where the previous scan stopped (updated in place).
         on_reject: called with the typed error of each marker that does not authenticate or decode.
+        stream: the stream that holds the rank's messages (default: the job's single stream).
 
     Returns:
         ``scan``.
@@ -91,7 +92,7 @@ def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: i
     subject = subjects.end_subject(job, channel, rank)
     where = f"rank {rank} of job {job} ({channel})"
     while True:
-        msgs, more = conn.get_batch(job, subject, scan.seq, _BATCH, _BYTES)
+        msgs, more = conn.get_batch(job, subject, scan.seq, _BATCH, _BYTES, stream=stream)
         for seq, subj, headers, data in msgs:
             scan.seq = seq + 1
             try:

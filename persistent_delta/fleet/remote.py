@@ -13,7 +13,11 @@ through a :class:`~persistent_delta.fleet.transport.Transport` (NATS JetStream f
 Design note
 -----------
 Each rank's messages are read with batch direct gets from a stream sequence on (stateless on
-the server: nothing to recreate after a server restart or a leader change). Parts are
+the server: nothing to recreate after a server restart or a leader change), from the stream
+that holds the rank: the job's one stream, or its rank group's when the job is laid out over
+several (:mod:`persistent_delta.fleet.streams`; the layout is read at open from the job's
+``meta`` bucket, so a consumer sees no difference). A rank's stream sequence and the identity
+of each stream read are stored with the positions. Parts are
 collected until their range's marker arrives; a range is buffered only when complete (at
 most ``max_buffer_bytes`` per rank before the poll delivers). A poll delivers, per rank, the
 buffered ranges up to the smallest end over the job's ranks, merged per table by the
@@ -95,6 +99,7 @@ from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
 from persistent_delta.fleet.auth import KeySpec, Keyring, open_value, resolve_keyring, verify_message
 from persistent_delta.fleet.ranges import MarkerScan, scan_markers
+from persistent_delta.fleet.streams import Layout, recorded_layout
 from persistent_delta.fleet.wire import MAX_BATCH_IDX, Marker, RangeAssembler, RangeContent, RankTables, SideRecord
 from persistent_delta.log.zch_records import is_managed, side_delta
 
@@ -273,8 +278,9 @@ class RemoteConsumer:
         self._ranks: Dict[int, _RankState] = {}
         self._meta: Dict[int, RankTables] = {}
         self._expected: Optional[Set[int]] = None
-        self._stream_id = ""  # the stream's identity when last looked (Transport.stream_id)
-        self._stream_checked = 0.0  # when (monotonic) it was last looked at
+        self._layout = Layout(self.job)  # the job's streams (read from its meta bucket at open)
+        self._stream_ids: Dict[str, str] = {}  # stream name -> its identity when last looked (Transport.stream_id)
+        self._stream_checked = 0.0  # when (monotonic) they were last looked at
         if transport is None:
             assert server is not None  # checked above
             transport = open_transport(server, connect, wait=wait)
@@ -283,7 +289,8 @@ class RemoteConsumer:
         try:
             deadline = time.monotonic() + wait
             self._await_job(deadline)  # a consumer never creates the job's stream or buckets: the shipper side does
-            self._stream_id = self.conn.stream_id(self.job)
+            if self._layout.single:
+                self._stream_ids[self._layout.stream(0)] = self.conn.stream_id(self.job)
             self._claim(deadline)
             self._closed = False
             self._load_meta(deadline)
@@ -306,8 +313,13 @@ class RemoteConsumer:
         """
         while True:
             try:
-                if self.conn.job_exists(self.job):
-                    return
+                if self.conn.job_exists(self.job, streams=()):  # the buckets: then the layout, and its streams
+                    layout = recorded_layout(self.conn, self.job, self._ring)
+                    if layout is not None:
+                        self._layout = layout  # a rank's group stream exists before its table metadata
+                        return
+                    if self.conn.job_exists(self.job):
+                        return
             except TransportError:
                 if time.monotonic() >= deadline:
                     raise
@@ -401,6 +413,9 @@ class RemoteConsumer:
                 self._expected = set(range(rt.world_size))
         for rank in sorted(self._meta) if self._expected is None else sorted(self._expected & set(self._meta)):
             if rank not in self._ranks:
+                stream = self._layout.stream(rank)
+                if stream not in self._stream_ids:
+                    self._stream_ids[stream] = self.conn.stream_id(self.job, stream=stream)
                 self._ranks[rank] = self._new_state(rank)
 
     def _reject(self, exc: PersistentDeltaError) -> None:
@@ -427,22 +442,25 @@ class RemoteConsumer:
     def _load_positions(self) -> None:
         got = self._retrying(lambda: self.conn.kv_get(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel)))
         stored: Dict[str, Any] = {}
-        recreated = False
+        was: Optional[Dict[Any, Any]] = None  # stream name -> its identity at the commit
         if got is not None:
             d = codec.unpack(got.value, "remote offsets")
             stored = d.get("ranks", {}) if isinstance(d, dict) else {}
             if not isinstance(stored, dict):
                 stored = {"": stored}  # reported below as malformed
-            was = d.get("stream") if isinstance(d, dict) else None
-            recreated = isinstance(was, str) and was != self._stream_id
+            if isinstance(d, dict) and isinstance(d.get("streams"), dict):
+                was = d["streams"]
+            elif isinstance(d, dict) and isinstance(d.get("stream"), str):
+                was = {subjects.stream_name(self.job): d["stream"]}
         for rank, st in self._ranks.items():
             entry = stored.get(str(rank))
             if entry is not None:
                 pos, seq, epoch = self._stored_position(entry, rank)
                 st.pos, st.seq, st.epoch = pos, seq, epoch  # pos None: reset to earliest
                 st.history = stored_history(entry)
-                if recreated:  # committed on a stream since deleted and created again: read the new one from its start
-                    st.seq = 1
+                stream = self._layout.stream(rank)
+                if was is not None and was.get(stream) != self._stream_ids.get(stream):
+                    st.seq = 1  # committed on a stream since deleted and created again: read the new one from its start
                 st.resume_seq = st.seq
             elif self.reset == "latest":
                 self._to_latest(st)
@@ -475,7 +493,7 @@ class RemoteConsumer:
         """Rank ``rank``'s latest genuine range, read forward (the last message may be a replay)."""
         scan = self._scans.setdefault(rank, MarkerScan())
         return self._retrying(lambda: scan_markers(self.conn, self._ring, self.job, self.channel, rank, scan,
-                                                   self._reject))
+                                                   self._reject, stream=self._layout.stream(rank)))
 
     def _to_latest(self, st: _RankState) -> None:
         m = self._scan(st.rank).latest
@@ -635,8 +653,9 @@ class RemoteConsumer:
         ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch,
                           HISTORY_KEY: [[p.time, p.offset, p.end] for p in histories[r]]}
                  for r, pos in positions.items()}
-        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": now,
-                            "stream": self._stream_id})
+        streams: Dict[str, Any] = ({"stream": self._stream_ids.get(subjects.stream_name(self.job), "")}
+                                   if self._layout.single else {"streams": dict(self._stream_ids)})
+        value = codec.pack({"name": self.name, "channel": self.channel, "ranks": ranks, "time": now, **streams})
         self._retrying(lambda: self.conn.kv_put(self.job, subjects.OFFSETS, offsets_key(self.name, self.channel), value))
         for r, h in histories.items():
             self._ranks[r].history = h
@@ -679,11 +698,13 @@ class RemoteConsumer:
         """Read rank ``st``'s stream messages into complete buffered ranges (bounded)."""
         subject = subjects.rank_filter(self.job, self.channel, st.rank)
         end_subject = subjects.end_subject(self.job, self.channel, st.rank)
+        stream = self._layout.stream(st.rank)
         while st.gap is None and st.buffered < self._max_buffer:
             msgs, more = self.conn.get_batch(self.job, subject, st.seq, _GET_BATCH,
-                                              min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)))
+                                              min(_GET_BYTES, max(1 << 20, self._max_buffer - st.buffered)),
+                                              stream=stream)
             if not msgs:
-                if time.monotonic() - self._stream_checked >= _STREAM_CHECK_S and self._recreated():
+                if time.monotonic() - self._stream_checked >= _STREAM_CHECK_S and self._recreated(st.rank):
                     continue  # caught up on a stream since created again below this sequence
                 return
             for seq, subj, headers, data in msgs:
@@ -720,23 +741,28 @@ class RemoteConsumer:
             if not more:
                 return  # caught up: a new marker wakes the next poll (no request that would come back empty)
 
-    def _recreated(self) -> bool:
-        """Whether the job's stream was deleted and created again since this consumer last
-        looked (its sequence numbers started again at 1): then every rank is read again from
-        the new stream's start -- ranges at or below a position are re-sends, a range above it
-        is the gap it is."""
+    def _recreated(self, rank: int) -> bool:
+        """Whether the stream of ``rank`` was deleted and created again since this consumer last
+        looked (its sequence numbers started again at 1). Every stream read is looked at: the
+        ranks of each one created again are read again from its start -- ranges at or below a
+        position are re-sends, a range above it is the gap it is."""
         self._stream_checked = time.monotonic()
-        now = self.conn.stream_id(self.job)
-        if now == self._stream_id:
+        changed = set()
+        for name, was in list(self._stream_ids.items()):
+            now = self.conn.stream_id(self.job, stream=name)
+            if now != was:
+                changed.add(name)
+                self._stream_ids[name] = now
+        if not changed:
             return False
-        logger.warning("remote consumer %r of job %s: the stream was deleted and created again; reading it from its "
-                       "start", self.name, self.job)
-        self._stream_id = now
+        logger.warning("remote consumer %r of job %s: stream(s) %s were deleted and created again; reading them from "
+                       "their start", self.name, self.job, sorted(changed))
         for st in self._ranks.values():
-            st.seq = st.resume_seq = 1
-            st.gap, st.gap_complete = None, False
-        self._scans.clear()
-        return True
+            if self._layout.stream(st.rank) in changed:
+                st.seq = st.resume_seq = 1
+                st.gap, st.gap_complete = None, False
+                self._scans.pop(st.rank, None)
+        return self._layout.stream(rank) in changed
 
     def _managed(self, rank: int) -> bool:
         """Whether the lookups channel of ``rank`` has managed-collision tables (their side
@@ -857,7 +883,7 @@ class RemoteConsumer:
     def _resolve_gap(self, st: _RankState) -> None:
         """A gap at the position: raise, or apply the reset policy."""
         assert st.gap is not None
-        if self._recreated():
+        if self._recreated(st.rank):
             return  # read again from the new stream's start (the caller fills)
         gap, m = st.gap, st.gap.marker
         if self.reset is None:
@@ -987,7 +1013,7 @@ class RemoteConsumer:
         start = min([pos] + [r.marker.start for r in taken])
         end = taken[-1].marker.end if taken else pos
         meta = self._meta.get(st.rank)
-        rd = RankDelta(rank=st.rank, path=f"{self.server}/{subjects.stream_name(self.job)}/{self.channel}/rank-{st.rank}",
+        rd = RankDelta(rank=st.rank, path=f"{self.server}/{self._layout.stream(st.rank)}/{self.channel}/rank-{st.rank}",
                        start_idx=start, end_idx=end)
         for r in taken:
             for stamp, t in r.marker.info.get("publishes", []):

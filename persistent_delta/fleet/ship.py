@@ -35,6 +35,13 @@ policy. While a shipper is registered on the lookups channel the trainer writes 
 whole (as for any out-of-process lookups consumer); ship ``--channels snapshots`` only to
 keep the trainer's window filter.
 
+**Streams.** By default every rank ships into the job's one stream. With ``ranks_per_stream``
+(``--ranks-per-stream``) ranks ship into a stream per group of that many ranks, so that no one
+stream leader takes every write of a large job; the layout is recorded in the job's ``meta``
+bucket by its first shipper and is fixed for the job's life (:mod:`persistent_delta.fleet.streams`:
+another layout is refused with :class:`~persistent_delta.errors.StreamLayoutError`). A rank's
+group stream is created before its table metadata is stored.
+
 Statistics (per rank and channel: position, log end, lag, bytes, retries) are in
 :meth:`Shipper.stats` and stored every second in the job's ``meta`` bucket
 (``persistent-delta offsets --server``).
@@ -56,6 +63,7 @@ from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.fleet.auth import KeySpec, Keyring, resolve_keyring, seal_value
 from persistent_delta.fleet.ranges import MarkerScan, scan_markers
+from persistent_delta.fleet.streams import Layout, check_ranks_per_stream, settle_layout
 from persistent_delta.config import LogOptions
 from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.read.polling import check_max_batches
@@ -63,6 +71,7 @@ from persistent_delta.errors import (
     ConfigMismatchError,
     DamagedLogError,
     InvalidInputError,
+    KeyConflictError,
     NotALogError,
     PersistentDeltaError,
     TransportError,
@@ -202,6 +211,11 @@ class Shipper:
             :class:`~persistent_delta.fleet.auth.StreamKey`, a key file from ``persistent-delta
             keygen``, or several: the first signs); default ``PERSISTENT_DELTA_STREAM_KEY_FILE``.
         insecure: ship unsigned when no key is found (consumers holding a key refuse it).
+        ranks_per_stream: ship ranks ``[g * G, (g + 1) * G)`` into the job's stream of group
+            ``g`` (``PDG_<job>_<g>``) instead of one stream for the job. None (default): the
+            job's recorded layout, one stream for a new job. A job's layout is fixed by its
+            first shipper: another one makes :meth:`run_once` raise
+            :class:`~persistent_delta.errors.StreamLayoutError` before anything is shipped.
 
     Raises:
         InvalidInputError: a bad argument, or neither ``server`` nor ``transport`` given.
@@ -224,8 +238,12 @@ class Shipper:
         transport: Optional[Transport] = None,
         key: KeySpec = None,
         insecure: bool = False,
+        ranks_per_stream: Optional[int] = None,
     ) -> None:
         self.root = os.fspath(root)
+        self._ranks_per_stream = check_ranks_per_stream(ranks_per_stream)
+        self.layout: Optional[Layout] = None  # the job's, once connected
+        self._ensured: Set[str] = set()  # group streams this shipper made sure exist
         self.job = subjects.check_job(job)
         self._ring: Keyring = resolve_keyring(key, insecure, f"shipper of job {self.job!r}")
         if server is None and transport is None:
@@ -309,7 +327,9 @@ class Shipper:
             if self._conn is None:
                 assert self.server is not None  # checked by __init__ when no transport is given
                 self._conn = open_transport(self.server, self._connect)
-            self._conn.ensure_job(self.job, self._stream)
+            if self.layout is None:  # StreamLayoutError (another layout) is not retried: it propagates
+                self.layout = settle_layout(self._conn, self.job, self._stream, self._ranks_per_stream, self._ring)
+                logger.info("shipper %s: layout %s", self.job, self.layout.describe())
             self._ready = True
             return True
         except TransportError as exc:
@@ -321,8 +341,12 @@ class Shipper:
     def _sync(self, feed: _Feed) -> None:
         """After (re)connecting: the feed's epoch, its table metadata, and the local position
         caught up with what the stream already acknowledged."""
-        assert self._conn is not None
+        assert self._conn is not None and self.layout is not None
         conn, rank = self._conn, feed.rank
+        stream = self.layout.stream(rank)
+        if not self.layout.single and stream not in self._ensured:  # before the rank's table metadata
+            conn.ensure_job(self.job, self._stream, streams=self.layout.spec(rank))
+            self._ensured.add(stream)
         prev = conn.kv_get(self.job, subjects.META, subjects.shipper_key(rank, feed.channel))
         epoch = ""
         if prev is not None and not feed.new_registration:
@@ -336,7 +360,7 @@ class Shipper:
         self._store_tables(feed)
         # the latest genuine range of this rank, read forward (the last message may be forged or
         # a replay): catch the local position up with what the stream acknowledged
-        scan_markers(conn, self._ring, self.job, feed.channel, rank, feed.scan, self._rejected(feed))
+        scan_markers(conn, self._ring, self.job, feed.channel, rank, feed.scan, self._rejected(feed), stream=stream)
         pos = feed.consumer.position()[rank]
         m = feed.scan.latest
         if m is not None and m.epoch == epoch:
@@ -422,15 +446,22 @@ class Shipper:
         under the running shipper -- create it again, so shipping resumes. What the deleted
         stream held is gone: remote consumers behind this shipper's position find the gap
         (:class:`~persistent_delta.errors.OffsetOutOfRangeError` or their reset policy)."""
-        assert self._conn is not None
+        assert self._conn is not None and self.layout is not None
+        layout = self.layout
         try:
-            if self._conn.job_exists(self.job):
+            if self._conn.job_exists(self.job, streams=[layout.stream(feed.rank)]):
                 return
-            self._conn.ensure_job(self.job, self._stream)
+            self._conn.ensure_job(self.job, self._stream, streams=None if layout.single else layout.spec(feed.rank))
+            if not layout.single:  # a deleted meta bucket lost the layout: record it again
+                try:
+                    self._conn.kv_create(self.job, subjects.META, subjects.LAYOUT_KEY, seal_value(
+                        self._ring, self.job, subjects.META, subjects.LAYOUT_KEY, layout.encode()))
+                except KeyConflictError:
+                    pass
         except TransportError:
             return  # unreachable: the send is retried, and this asked again
         feed.stats.recreated += 1
-        feed.stats.last_error = (f"the stream of job {self.job} was deleted under the shipper and was created again; "
+        feed.stats.last_error = (f"the stream {layout.stream(feed.rank)} of job {self.job} was deleted under the shipper and was created again; "
                                  f"batches shipped before it (below {feed.stats.position}) are gone from the stream")
         logger.error("shipper %s: %s", self.job, feed.stats.last_error)
         for f in self._feeds.values():

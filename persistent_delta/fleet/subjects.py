@@ -7,7 +7,9 @@ store. The bytes behind those names are :mod:`persistent_delta.fleet.wire`'s.
 
 Design note
 -----------
-**Subjects** (one stream per job, ``PD_<job>``, subjects ``pd.<job>.>``)::
+**Subjects** (by default one stream per job, ``PD_<job>``, subjects ``pd.<job>.>``; a job laid
+out over several streams has a stream per rank group, ``PDG_<job>_<group>``, holding its ranks'
+subjects ``pd.<job>.*.<rank>.>``: :mod:`persistent_delta.fleet.streams`)::
 
     pd.<job>.<channel>.<rank>.t<base32(fqn)>   a table's rows of one shipped range (chunked)
     pd.<job>.<channel>.<rank>.end              the range's marker: it is complete
@@ -30,7 +32,8 @@ metadata a remote consumer needs, key :func:`tables_key`; per shipper: its epoch
 statistics, key :func:`shipper_key`), ``PD_<job>_offsets`` (remote consumers' positions),
 ``PD_<job>_locks`` (one active process per remote consumer name: a key created exclusively,
 refreshed by a heartbeat, expiring by the bucket's TTL when its holder died), and the object
-store ``PD_<job>_base`` (each rank's base, object :func:`base_name`).
+store ``PD_<job>_base`` (each rank's base, object :func:`base_name`). The ``meta`` key
+:data:`LAYOUT_KEY` records a layout over several streams (:mod:`persistent_delta.fleet.streams`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from __future__ import annotations
 import base64
 import os
 import re
-from typing import Union
+from typing import List, Sequence, Union
 
 from persistent_delta.errors import CorruptRecordError, InvalidInputError
 
@@ -54,6 +57,8 @@ BASE = "base"
 # Key prefixes of the job's ``meta`` bucket: each rank's table metadata, and each shipper's state.
 TABLES_KEYS = "tables."
 SHIPPER_KEYS = "ship."
+# The ``meta`` bucket's key of the job's stream layout (absent: the single stream ``PD_<job>``).
+LAYOUT_KEY = "layout"
 
 
 def check_job(job: object) -> str:
@@ -94,6 +99,35 @@ def stream_name(job: str) -> str:
 def stream_subjects(job: str) -> str:
     """``pd.<job>.>``: every subject of the job's stream."""
     return f"pd.{check_job(job)}.>"
+
+
+def group_stream_name(job: str, group: int) -> str:
+    """``PDG_<job>_<group>``: the stream of rank group ``group`` of a job laid out over several
+    streams. The prefix is its own, so no job's single stream ``PD_<job>`` (nor a bucket's
+    ``KV_``/``OBJ_`` stream) can take the name, and the group is the last ``_<digits>``."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        raise InvalidInputError(f"a stream group is a non-negative int, got {group!r}")
+    return f"PDG_{check_job(job)}_{group}"
+
+
+def rank_subjects(job: str, ranks: Sequence[int]) -> List[str]:
+    """``pd.<job>.*.<rank>.>`` for each of ``ranks``: every subject of those ranks (all channels)."""
+    return [f"pd.{check_job(job)}.*.{int(r)}.>" for r in ranks]
+
+
+def filters_overlap(a: str, b: str) -> bool:
+    """Whether some subject is selected by both filters (``*``: one token, a last ``>``: one or
+    more): JetStream refuses two streams whose subjects overlap."""
+    ta, tb = a.split("."), b.split(".")
+    for i in range(max(len(ta), len(tb))):
+        if i >= len(ta) or i >= len(tb):
+            return False
+        x, y = ta[i], tb[i]
+        if (x == ">" and i == len(ta) - 1) or (y == ">" and i == len(tb) - 1):
+            return True
+        if x != y and x != "*" and y != "*":
+            return False
+    return True
 
 
 def bucket(job: str, what: str) -> str:
@@ -169,6 +203,7 @@ def base_name(rank: int) -> str:
     return f"rank-{int(rank)}"
 
 
-__all__ = ["check_job", "token", "untoken", "stream_name", "stream_subjects", "bucket", "data_subject", "end_subject",
+__all__ = ["check_job", "token", "untoken", "stream_name", "stream_subjects", "group_stream_name", "rank_subjects",
+           "filters_overlap", "bucket", "data_subject", "end_subject",
            "rank_filter", "ends_filter", "fqn_of_subject", "subject_matches", "msg_id", "new_epoch", "tables_key",
-           "shipper_key", "base_name", "META", "OFFSETS", "LOCKS", "BUCKETS", "BASE", "TABLES_KEYS", "SHIPPER_KEYS"]
+           "shipper_key", "base_name", "META", "OFFSETS", "LOCKS", "BUCKETS", "BASE", "TABLES_KEYS", "SHIPPER_KEYS", "LAYOUT_KEY"]

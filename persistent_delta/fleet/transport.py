@@ -12,12 +12,15 @@ What travels is :mod:`persistent_delta.fleet.wire`'s; its names are
 
 Design note
 -----------
-A transport is a connection to one streaming engine that holds, per job, an append-only
-**stream** of messages (each with a subject, headers, payload, and a sequence number that
-increases along the stream), three small **key-value buckets** (``meta``, ``offsets``,
+A transport is a connection to one streaming engine that holds, per job, append-only
+**streams** of messages (each with a subject, headers, payload, and a sequence number that
+increases along its stream): by default one, ``PD_<job>``; a job laid out over rank groups
+has one per group (:mod:`persistent_delta.fleet.streams`), and the calls that read a stream
+name it (``stream``; None: the job's single stream). A message goes to the stream whose
+subjects select it, as JetStream routes a publish. Per job there are also three small **key-value buckets** (``meta``, ``offsets``,
 ``locks``; :data:`~persistent_delta.fleet.subjects.BUCKETS`) with revisions for
 compare-and-set, and an **object store** (``base``) for large values. A Kafka implementation
-would map a job to a topic (a partition per channel and rank, the subject as the record key,
+would map a stream to a topic (a partition per channel and rank, the subject as the record key,
 the message id as the idempotent producer's key for de-duplication) and the buckets to
 compacted topics; the shipper and the remote consumer would not change.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from persistent_delta.fleet.wire import Message
 
@@ -34,10 +37,10 @@ ServerSpec = Union[str, Sequence[str]]
 
 
 class StoredMessage(NamedTuple):
-    """A message as read back from a job's stream.
+    """A message as read back from one of a job's streams.
 
     Attributes:
-        seq: its sequence number in the job's stream (from 1; increases along the stream).
+        seq: its sequence number in that stream (from 1; increases along the stream).
         subject: its subject.
         headers: the headers it was sent with (a transport may add its own).
         data: its payload.
@@ -117,8 +120,8 @@ class Transport(Protocol):
     one of :data:`~persistent_delta.fleet.subjects.BUCKETS`.
 
     **Who calls what.** The shipper: :meth:`ensure_job`, :meth:`send_all` (the parts of a range,
-    then its marker), :meth:`last_message` (its last marker, after a restart), :meth:`kv_get`
-    and :meth:`kv_put` on ``meta``, :attr:`max_payload`; :meth:`object_put` for a base. A
+    then its marker), :meth:`last_message` (its last marker, after a restart), :meth:`kv_get`,
+    :meth:`kv_put` and :meth:`kv_create` (the job's layout) on ``meta``, :attr:`max_payload`; :meth:`object_put` for a base. A
     remote consumer: :meth:`job_exists`, :meth:`get_batch`, :meth:`last_message`,
     :meth:`watch`, :meth:`kv_entries` on ``meta``, :meth:`kv_get` / :meth:`kv_put` on
     ``offsets``, :meth:`kv_create` / :meth:`kv_update` / :meth:`kv_delete` on ``locks``,
@@ -161,38 +164,48 @@ class Transport(Protocol):
         """The largest message payload, in bytes, headers included."""
         ...
 
-    def ensure_job(self, job: str, opts: StreamOptions) -> None:
-        """Create the job's stream and key-value buckets where missing (idempotent); ``opts``
-        apply to what this call creates."""
+    def ensure_job(self, job: str, opts: StreamOptions, streams: Optional[Mapping[str, Sequence[str]]] = None
+                   ) -> None:
+        """Create the job's key-value buckets and the streams ``streams`` (name -> subject
+        filters; default: the job's single stream ``PD_<job>`` taking ``pd.<job>.>``) where
+        missing (idempotent); ``opts`` apply to what this call creates.
+
+        Raises:
+            StreamLayoutError: a stream's subjects overlap another existing stream's (JetStream
+                refuses it: one subject, one stream).
+        """
         ...
 
-    def job_exists(self, job: str) -> bool:
-        """Whether the job's stream and every key-value bucket exist now (creates nothing: a
-        remote consumer asks, only a shipper creates)."""
+    def job_exists(self, job: str, streams: Optional[Sequence[str]] = None) -> bool:
+        """Whether every key-value bucket of the job and the streams ``streams`` (default: the
+        job's single stream) exist now (creates nothing: a remote consumer asks, only a shipper
+        creates)."""
         ...
 
     def send_all(self, msgs: Sequence[Message]) -> List[Message]:
-        """Send ``msgs`` to their job's stream (the job of each subject) and wait for their
+        """Send ``msgs`` to the streams that take their subjects and wait for their
         acknowledgements. Returns the messages not acknowledged, to be sent again with the
         same ids (a message already stored under its id is acknowledged, not stored again)."""
         ...
 
-    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int
+    def get_batch(self, job: str, subject: str, seq: int, batch: int, max_bytes: int, stream: Optional[str] = None
                   ) -> Tuple[List[StoredMessage], bool]:
-        """The job's messages on ``subject`` (a filter: ``*`` one token, a last ``>`` the rest)
+        """The messages of stream ``stream`` (default: the job's single stream) on ``subject`` (a filter: ``*`` one token, a last ``>`` the rest)
         from stream sequence ``seq`` on, at most ``batch`` of them and about ``max_bytes`` (at
         least one). Returns ``(messages, more)``: ``more`` is False when no message on
         ``subject`` follows the last one returned (a reader that caught up need not ask again
         until :meth:`watch` signals)."""
         ...
 
-    def last_message(self, job: str, subject: str) -> Optional[StoredMessage]:
-        """The job's last message on ``subject`` (an exact subject), or None."""
+    def last_message(self, job: str, subject: str, stream: Optional[str] = None) -> Optional[StoredMessage]:
+        """The last message on ``subject`` (an exact subject) of stream ``stream`` (default:
+        the job's single stream), or None."""
         ...
 
-    def stream_id(self, job: str) -> str:
-        """An identifier of the job's stream as created: a stream deleted and created again has
-        another (its sequence numbers started again at 1)."""
+    def stream_id(self, job: str, stream: Optional[str] = None) -> str:
+        """An identifier of stream ``stream`` of the job (default: its single stream) as
+        created: a stream deleted and created again has another (its sequence numbers started
+        again at 1)."""
         ...
 
     def watch(self, subject: str, event: threading.Event) -> None:

@@ -2,7 +2,10 @@
 
 Owns: the describe computation for a job's stream (remote consumers' positions from the
 ``offsets`` bucket, the stream's end per rank from its end markers, their health from the commit
-history stored with each position, shippers' statistics from the ``meta`` bucket) shared by ``persistent-delta offsets --server``, the exporter and ``top``.
+history stored with each position, shippers' statistics from the ``meta`` bucket, the job's
+streams and the ranks each holds) shared by ``persistent-delta offsets --server``, the exporter
+and ``top``. A rank's end is read from the stream that holds it (the job's layout:
+:mod:`persistent_delta.fleet.streams`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.remote import lock_key, stored_history
+from persistent_delta.fleet.streams import Layout, read_layout
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
 from persistent_delta.fleet.wire import Marker
 from persistent_delta.log import codec
@@ -53,11 +57,24 @@ class ShipperRow:
     last_error: str
 
 
-def stream_ends(conn: Transport, job: str, channel: str, ranks: Sequence[int]) -> Dict[int, int]:
-    """rank -> the stream's end (one past the last complete batch shipped) of ``channel``; 0 when none."""
+@dataclass
+class StreamRow:
+    """One of the job's streams: its name and the ranks of the job that ship into it (those
+    whose shipper stored table metadata)."""
+
+    stream: str
+    ranks: List[int]
+    layout: str
+
+
+def stream_ends(conn: Transport, job: str, channel: str, ranks: Sequence[int],
+                layout: Optional[Layout] = None) -> Dict[int, int]:
+    """rank -> the stream's end (one past the last complete batch shipped) of ``channel``; 0 when
+    none. Each rank's end is read from its stream (``layout``: default, the job's recorded one)."""
+    layout = layout or read_layout(conn, job, None)
     out = {}
     for r in ranks:
-        last = conn.last_message(job, subjects.end_subject(job, channel, r))
+        last = conn.last_message(job, subjects.end_subject(job, channel, r), stream=layout.stream(r))
         out[r] = 0 if last is None else Marker.decode(last.data, last.seq, f"job {job}").end
     return out
 
@@ -93,6 +110,7 @@ def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptio
 
 def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = None) -> Dict[str, List[Any]]:
     """:func:`describe_remote` over an open transport (left open)."""
+    layout = read_layout(conn, job, None)  # display only: the consumers verify it
     locks = set(conn.kv_entries(job, subjects.LOCKS))
     consumers: List[RemoteConsumerRow] = []
     now = time.time()
@@ -102,7 +120,7 @@ def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = 
                  if str(r).isdigit() and isinstance(v, dict)}
         when = d.get("time")
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
-        ends = stream_ends(conn, job, str(d.get("channel")), sorted(ranks))
+        ends = stream_ends(conn, job, str(d.get("channel")), sorted(ranks), layout)
         for r, v in sorted(ranks.items()):
             raw = v.get("pos")
             pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
@@ -122,7 +140,10 @@ def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = 
                                    int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
                                    st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
                                    str(st.get("last_error", ""))))
-    return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel))}
+    known = [int(k[len(subjects.TABLES_KEYS):]) for k in conn.kv_entries(job, subjects.META, subjects.TABLES_KEYS)
+             if k[len(subjects.TABLES_KEYS):].isdigit()]
+    streams = [StreamRow(name, ranks, layout.describe()) for name, ranks in layout.streams(known).items()]
+    return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel)), "streams": streams}
 
 
-__all__ = ["RemoteConsumerRow", "ShipperRow", "describe_remote", "describe_stream", "remote_offsets", "stream_ends"]
+__all__ = ["RemoteConsumerRow", "ShipperRow", "StreamRow", "describe_remote", "describe_stream", "remote_offsets", "stream_ends"]

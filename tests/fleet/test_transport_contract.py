@@ -1,7 +1,8 @@
 """Both transports keep the ``Transport`` protocol's promises alike: the NATS JetStream connection
 (against a local server) and the in-process memory transport show the same observable behaviour
 for message-id de-duplication, per-subject order, reads by filter, compare-and-set on keys
-(a lost one raises ``KeyConflictError``), objects, wake-ups and use after close."""
+(a lost one raises ``KeyConflictError``), objects, wake-ups and use after close, and a job
+laid out over two streams (routing by subject, reads by stream, overlapping subjects refused)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import Iterator
 import pytest
 
 from nats_servers import nats_server  # noqa: F401 - fixture
-from persistent_delta.errors import KeyConflictError, TransportError
+from persistent_delta.errors import KeyConflictError, StreamLayoutError, TransportError
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.nats import Connection
+from persistent_delta.fleet.streams import Layout
 from persistent_delta.fleet.transport import StreamOptions, Transport
 from persistent_delta.fleet.wire import Message
 
@@ -109,3 +111,37 @@ def test_objects_wake_ups_unknown_jobs_and_use_after_close(transport):
         transport.kv_get(JOB, subjects.META, "k")
     m = _msg(subjects.end_subject(JOB, "lookups", 0), b"late", "late")
     assert transport.send_all([m]) == [m]
+
+
+def test_a_job_over_two_streams_routes_each_rank_to_its_groups_stream(transport):
+    """A job laid out over rank groups: each rank's messages go to its group's stream (numbered
+    from 1 there), reads name the stream, a subject no stream takes is not acknowledged, and the
+    job's single stream cannot be created over the group streams' subjects."""
+    layout = Layout(JOB, 2)
+    s0, s1 = layout.stream(0), layout.stream(2)
+    assert (s0, s1) == (f"PDG_{JOB}_0", f"PDG_{JOB}_1") and layout.stream(1) == s0
+    transport.ensure_job(JOB, StreamOptions(), streams={})  # the buckets only
+    assert transport.job_exists(JOB, streams=()) and not transport.job_exists(JOB)
+    transport.ensure_job(JOB, StreamOptions(), streams=layout.spec(0))
+    assert transport.job_exists(JOB, streams=[s0]) and not transport.job_exists(JOB, streams=[s0, s1])
+    transport.ensure_job(JOB, StreamOptions(), streams=layout.spec(3))
+    transport.ensure_job(JOB, StreamOptions(), streams=layout.spec(2))  # idempotent
+    assert transport.job_exists(JOB, streams=[s0, s1])
+    assert transport.stream_id(JOB, stream=s0) != transport.stream_id(JOB, stream=s1)
+    sent = [_msg(subjects.data_subject(JOB, "lookups", r, "t"), f"d{r}".encode(), f"d{r}") for r in range(4)]
+    sent += [_msg(subjects.end_subject(JOB, "snapshots", r), f"e{r}".encode(), f"e{r}") for r in range(4)]
+    assert transport.send_all(sent) == []
+    stray = _msg(subjects.end_subject(JOB, "lookups", 4), b"no stream", "stray")  # rank 4: group 2, not created
+    assert transport.send_all([stray]) == [stray]
+    got, more = transport.get_batch(JOB, subjects.rank_filter(JOB, "lookups", 2), 1, 100, 1 << 20, stream=s1)
+    assert [(m.seq, m.data) for m in got] == [(1, b"d2")] and not more
+    ends, _ = transport.get_batch(JOB, subjects.ends_filter(JOB, "snapshots"), 1, 100, 1 << 20, stream=s0)
+    assert [m.data for m in ends] == [b"e0", b"e1"]
+    ends, _ = transport.get_batch(JOB, subjects.ends_filter(JOB, "snapshots"), 1, 100, 1 << 20, stream=s1)
+    assert [(m.seq, m.data) for m in ends] == [(3, b"e2"), (4, b"e3")]
+    last = transport.last_message(JOB, subjects.end_subject(JOB, "snapshots", 3), stream=s1)
+    assert last is not None and last.data == b"e3"
+    assert transport.last_message(JOB, subjects.end_subject(JOB, "snapshots", 3), stream=s0) is None
+    with pytest.raises(StreamLayoutError):  # pd.<job>.> overlaps both group streams' subjects
+        transport.ensure_job(JOB, StreamOptions())
+    assert not transport.job_exists(JOB)

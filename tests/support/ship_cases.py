@@ -14,6 +14,7 @@ from torchrec.distributed.model_tracker.types import TrackingMode
 from persistent_delta import PersistentTrackerConfig, attach
 from persistent_delta.config import RetentionBound
 from persistent_delta.fleet import nats, subjects, wire
+from persistent_delta.fleet.streams import read_layout
 from persistent_delta.read.consumer import DeltaReader
 from harness import build_sharded_model, make_batches, table_shard_info, train_step
 
@@ -107,8 +108,9 @@ def stream_caught_up(root: str, url: str, job: str, channel: str) -> bool:
         local = r.end_offsets()
     conn = nats.Connection(url)
     try:
+        layout = read_layout(conn, job, None)  # the stream of each rank
         for rank, end in local.items():
-            last = conn.last_message(job, subjects.end_subject(job, channel, rank))
+            last = conn.last_message(job, subjects.end_subject(job, channel, rank), stream=layout.stream(rank))
             if last is None or wire.Marker.decode(last.data, last.seq, "test").end != end:
                 return False
         return True

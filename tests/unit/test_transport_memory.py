@@ -57,13 +57,13 @@ def test_a_shipper_and_a_remote_consumer_run_unchanged_over_the_memory_transport
     for rank in (0, 1):
         _write(root, rank, range(0, 7))
     _ship(root, broker)
-    sent = broker.jobs[JOB].next_seq
+    sent = broker.streams[f"PD_{JOB}"].next_seq
     _ship(root, broker)  # nothing new: a restarted shipper sends nothing
-    assert broker.jobs[JOB].next_seq == sent
+    assert broker.streams[f"PD_{JOB}"].next_seq == sent
     for rank in (0, 1):
         _write(root, rank, range(7, 12))
     _ship(root, broker)
-    assert any(int(s.msg.headers["PD-Part"].split("/")[2]) > 1 for s in broker.jobs[JOB].messages
+    assert any(int(s.msg.headers["PD-Part"].split("/")[2]) > 1 for s in broker.streams[f"PD_{JOB}"].messages
                if "PD-Part" in s.msg.headers), "records should have been chunked"
 
     with RemoteConsumer(None, JOB, "replica", wait=5, transport=broker.connect("replica")) as c:
