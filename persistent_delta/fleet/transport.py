@@ -123,7 +123,8 @@ class Transport(Protocol):
     then its marker), :meth:`last_message` (its last marker, after a restart), :meth:`kv_get`,
     :meth:`kv_put` and :meth:`kv_create` (the job's layout) on ``meta``, :attr:`max_payload`; :meth:`object_put` for a base. A
     remote consumer: :meth:`job_exists`, :meth:`get_batch`, :meth:`last_message`,
-    :meth:`watch`, :meth:`kv_entries` on ``meta``, :meth:`kv_get` / :meth:`kv_put` on
+    :meth:`stream_id`, :meth:`watch`, :meth:`kv_get` (the job's layout) and :meth:`kv_entries` on
+    ``meta``, :meth:`kv_get` / :meth:`kv_put` on
     ``offsets``, :meth:`kv_create` / :meth:`kv_update` / :meth:`kv_delete` on ``locks``,
     :meth:`object_get`. ``offsets --server``: :meth:`kv_entries`, :meth:`kv_get`,
     :meth:`kv_put`, :meth:`kv_delete`, :meth:`last_message`.
