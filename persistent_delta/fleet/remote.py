@@ -1019,6 +1019,8 @@ class RemoteConsumer:
             for stamp, t in r.marker.info.get("publishes", []):
                 rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))
             rd.passed_over += int(r.marker.info.get("passed_over", 0))
+            if r.marker.info.get("deferred") is not None:  # the newest range's count (as its shipper read the log)
+                rd.deferred = int(r.marker.info["deferred"])
         if meta is None:
             return rd
         mode = UpdateMode(meta.modes.get(self.channel, "none"))

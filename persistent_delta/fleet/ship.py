@@ -501,6 +501,8 @@ class Shipper:
         chunk = wire.chunk_size(self._conn.max_payload)
         info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
+        if d.deferred is not None:  # snapshots: rows capped publishes left pending, as the log stood at this read
+            info["deferred"] = int(d.deferred)
         # replicated tables: per row, the publish its value comes from (parts of their own)
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None])

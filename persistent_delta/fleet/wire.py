@@ -30,7 +30,9 @@ replicated table's stamps of that format a part after it, both record headers na
 format, numbered after the stamps and listed under ``"formats"`` (a reader older than formats
 refuses such a marker: its digests list more parts than it counts). A remote consumer keeps
 the format it asked for, by the same filter as a local read
-(:func:`persistent_delta.log.codec.serves`).
+(:func:`persistent_delta.log.codec.serves`). A snapshots marker also says how many rows the
+rank's capped publishes had left pending when the shipper read the range (``"deferred"``, the
+local read's count: :mod:`persistent_delta.log.deferred`); a reader older than it ignores it.
 
 Every message carries the header ``PD-Format`` (:data:`FORMAT_VERSION`); a reader refuses
 another one. Parts also carry ``PD-Epoch``, ``PD-Range`` (``start-end``) and ``PD-Part``
@@ -72,6 +74,7 @@ _MIN_CHUNK = 1024
 MAX_PARTS = 1 << 16
 MAX_PART_BYTES = 1 << 40
 MAX_BATCH_IDX = 1 << 62
+MAX_DEFERRED = 1 << 62  # rows a rank's capped publishes left pending (a marker's "deferred")
 
 
 def chunk_size(max_payload: int) -> int:
@@ -127,7 +130,7 @@ def encode_range(
         end: the range's end, ``[start, end)``.
         rows: fqn -> the range's unique rows of the table.
         chunk_bytes: the largest chunk (:func:`chunk_size` of the transport's max payload).
-        info: extra marker fields (``log_id``, ``log_end``, ``publishes``).
+        info: extra marker fields (``log_id``, ``log_end``, ``publishes``, ``deferred``).
         side: the managed-collision tables' side records (None: not shipped on this channel).
         stamps: the replicated tables' per-row publish stamps.
         ring: the shipper's keyring: every message is signed with its first key (None or an
@@ -310,9 +313,12 @@ class Marker:
             log_end = d.get("log_end")
             if log_end is not None:
                 _bounded_int(log_end, 0, MAX_BATCH_IDX, "log_end")
+            deferred = d.get("deferred")
+            if deferred is not None:
+                _bounded_int(deferred, 0, MAX_DEFERRED, "deferred")
             if headers is not None and (headers.get("PD-Epoch") != epoch or headers.get("PD-Range") != f"{start}-{end}"):
                 raise ValueError("its headers name another epoch or range than its body")
-            info = {k: v for k, v in d.items() if k in ("log_id", "log_end", "v", "job", "channel", "rank")}
+            info = {k: v for k, v in d.items() if k in ("log_id", "log_end", "v", "job", "channel", "rank", "deferred")}
             info["publishes"] = [[b, t] for b, t in publishes.items()]
             return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes,
                           formats)

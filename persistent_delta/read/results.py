@@ -102,7 +102,8 @@ class RankDelta:
     # a reader of every format (a shipper): format -> fqn -> rows of the other formats
     formats: Dict[str, Dict[str, TableDelta]] = field(default_factory=dict)
     # snapshots: rows capped publishes of this rank deferred and none has carried yet, as the
-    # log stood at this read (persistent_delta.log.deferred); None when not known (a remote read)
+    # log stood at this read (persistent_delta.log.deferred; remote: at the shipper's read of the
+    # newest range); None when not known
     deferred: Optional[int] = None
 
 
@@ -353,8 +354,10 @@ class DeltaPoll:
         """Snapshots: rows that capped publishes deferred and no publish has carried yet, summed
         over the ranks read, as their logs stood at this poll (``tracker.publish(...,
         max_rows=...)``). A replica that applied every publish up to the log's end equals the
-        trainer's tables as of the newest publish once this is 0. None when no rank's count is
-        known (lookups, or a remote poll)."""
+        trainer's tables as of the newest publish once this is 0. A remote poll reports each
+        rank's count as its shipper read the log when it shipped the poll's newest range of that
+        rank. None when no rank's count is known (lookups; a remote poll of ranges shipped by a
+        shipper older than the count)."""
         known = [d.deferred for d in self.ranks.values() if d.deferred is not None]
         return int(sum(known)) if known else None
 

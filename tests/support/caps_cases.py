@@ -105,6 +105,46 @@ def capped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
     return out
 
 
+def shipped_caps_case(rank: int, world_size: int, root: str, url: str, job: str) -> Dict[str, Any]:
+    """Train and publish with a cap of 8 rows, then without training until nothing is deferred;
+    after each publish a local snapshots poll and, through a shipper and ``url``'s nats-server,
+    a remote one. Returns each publish's (tracker's pending rows, local poll's deferred, remote
+    poll's deferred, remote poll's rows)."""
+    from persistent_delta.fleet.remote import RemoteConsumer
+    from persistent_delta.fleet.ship import Shipper
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    t = attach(dmp, _config(root))
+    local = DeltaConsumer(root, "replica", channel="snapshots")
+    out: Dict[str, Any] = {"publishes": []}
+    with Shipper(root, url, job, channels=["snapshots"], max_batches=4) as shipper:
+        shipper.run_once()  # creates the job's stream (nothing published yet)
+        remote = RemoteConsumer(url, job, "remote", channel="snapshots", wait=30)
+        try:
+            def publish(**caps: Any) -> None:
+                t.publish("serving", **caps)
+                t.flush()
+                want = local.poll()
+                local.commit()
+                while shipper.run_once():
+                    pass
+                got = remote.poll(timeout=10.0)
+                remote.commit()
+                out["publishes"].append((int(t.stats()["publish_deferred_rows"]), want.deferred, got.deferred,
+                                         got.num_rows))
+
+            for b in make_batches("ec", 2, 8, seed=3, world_size=world_size, rank=rank):
+                train_step(dmp, b)
+                publish(max_rows=8)
+            while out["publishes"][-1][0]:
+                publish(max_rows=8)
+        finally:
+            remote.close()
+    local.close()
+    t.close()
+    return out
+
+
 def killed_after_capped_publish(root: str) -> None:
     """(A script body, see ``__main__``.) Train, publish with a cap of 3 rows, flush, print the
     deferred rows, then SIGKILL this process."""

@@ -321,3 +321,13 @@ def test_a_malformed_stored_position_is_a_typed_error(tmp_path, stored):
                 c.committed()
         else:
             assert c.committed() == {}
+
+
+@pytest.mark.parametrize("deferred", [-1, 1 << 62, "3", 2.5, True])
+def test_a_markers_deferred_count_is_bounded(deferred):
+    """A marker's ``deferred`` (rows capped publishes left pending) is a bounded count: a forged
+    one is a typed error, a good one reaches the range's info."""
+    body = {"v": FORMAT_VERSION, "epoch": "e", "start": 0, "end": 4, "parts": [], "digests": [], "shipped": 0.0}
+    assert wire.Marker.decode(codec.pack(dict(body, deferred=7)), 0, "test").info["deferred"] == 7
+    with pytest.raises(StreamDataError, match="deferred"):
+        wire.Marker.decode(codec.pack(dict(body, deferred=deferred)), 0, "test")
