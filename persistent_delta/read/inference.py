@@ -614,13 +614,14 @@ class InferenceReplica:
         """Write converted rows at ``ids`` (global row ids) into the shards that hold them
         (caller holds the write lock)."""
         for shard in table.shards:
-            at, part = ids, rows
+            # the rows are converted on the host; a device model's tables take them there
+            at, part = ids.to(shard.values.device), rows.to(shard.values.device)
             if len(table.shards) > 1:
-                inside = (ids >= shard.row_offset) & (ids < shard.row_offset + shard.rows)
+                inside = (at >= shard.row_offset) & (at < shard.row_offset + shard.rows)
                 sel = inside.nonzero().squeeze(1)
                 if not sel.numel():
                     continue
-                at, part = ids.index_select(0, sel) - shard.row_offset, rows.index_select(0, sel)
+                at, part = at.index_select(0, sel) - shard.row_offset, part.index_select(0, sel)
             if shard.scale_bias is None:
                 shard.values.index_copy_(0, at, part.contiguous().view(torch.uint8))
             else:

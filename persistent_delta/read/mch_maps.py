@@ -71,9 +71,10 @@ class MchMap:
         self.sorted_raw: torch.Tensor = module._mch_sorted_raw_ids
         self.mapping: torch.Tensor = module._mch_remapped_ids_mapping
         self.size = int(self.sorted_raw.numel())
-        held = self.sorted_raw != EMPTY_RAW
+        sorted_raw, mapping = self.sorted_raw.cpu(), self.mapping.cpu()  # planned on the host
+        held = sorted_raw != EMPTY_RAW
         self.slot_raw = torch.full((self.size,), NO_RAW_ID, dtype=torch.int64)
-        self.slot_raw[self.mapping[held]] = self.sorted_raw[held]
+        self.slot_raw[mapping[held]] = sorted_raw[held]
 
     def planned(self, delta: ZchDelta) -> Optional[MapUpdate]:
         """The buffers after ``delta``'s reassignments (in order), or None when it has none.
@@ -113,7 +114,7 @@ class MchMap:
     def map(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(raw ids ascending, slots)`` the module holds (caller keeps writes out)."""
         held = self.sorted_raw != EMPTY_RAW
-        return self.sorted_raw[held].clone(), self.mapping[held].clone()
+        return self.sorted_raw[held].cpu(), self.mapping[held].cpu()
 
 
 def mch_maps(model: nn.Module, tables: Mapping[str, _Table]) -> Dict[str, MchMap]:
