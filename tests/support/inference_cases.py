@@ -61,41 +61,14 @@ def quantized(kind: str, tables: Mapping[str, torch.Tensor], weight_type: str) -
 def sharded_quantized(kind: str, tables: Mapping[str, torch.Tensor], weight_type: str, sharding: str,
                       world_size: int = 2) -> nn.Module:
     """TorchRec's CPU sharding of ``quantized(kind, tables, weight_type)``: every table
-    ``sharding`` ("table_wise" or "row_wise") over ``world_size`` shards, all in this process
-    (``shard_quant_model``'s local sharding), loaded with the quantized tables' weights.
-
-    Sets TorchRec's ``set_propogate_device(True)`` for good: without it the CPU sharding asserts
-    CUDA, and the sharded forward reads it too. Row-wise needs the sharder's
-    ``quant_state_dict_split_scale_bias`` (int8 only: TorchRec's sharded state fails on fp16's
-    absent scale)."""
-    import copy
-
-    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
-    from torchrec.distributed.global_settings import set_propogate_device
-    from torchrec.distributed.planner import ParameterConstraints
-    from torchrec.distributed.quant_embedding import QuantEmbeddingCollectionSharder
-    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
-    from torchrec.inference.modules import DEFAULT_FUSED_PARAMS, shard_quant_model
-    from torchrec.quant.embedding_modules import quant_prep_enable_quant_state_dict_split_scale_bias_for_types
+    ``sharding`` ("table_wise" or "row_wise") over ``world_size`` shards, all in this process,
+    loaded with the quantized tables' weights (:func:`benchmarks.inference_apply.shard_quantized`;
+    it sets TorchRec's ``set_propogate_device(True)`` for good)."""
+    from benchmarks.inference_apply import shard_quantized
 
     first = next(iter(tables.values()))
     model = Sparse(kind, first.shape[0], first.shape[1], len(tables)).set_weights(tables)
-    split = weight_type == "int8"
-    if split:  # the quantized state dict in the sharded model's keys: weight, weight_qscale, weight_qbias
-        quant_prep_enable_quant_state_dict_split_scale_bias_for_types(model, [EmbeddingCollection, EmbeddingBagCollection])
-    quant = quantize_inference_model(model, quantization_dtype=WEIGHT_TYPES[weight_type])
-    fused = dict(DEFAULT_FUSED_PARAMS, **{FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: split})
-    set_propogate_device(True)
-    constraints = {f"table_{t}": ParameterConstraints(sharding_types=[sharding], compute_kernels=["quant"])
-                   for t in range(len(tables))}
-    out, _ = shard_quant_model(copy.deepcopy(quant), world_size=world_size, compute_device="cpu",
-                               sharding_device="cpu", constraints=constraints,
-                               sharders=[QuantEmbeddingCollectionSharder(fused_params=fused),
-                                         QuantEmbeddingBagCollectionSharder(fused_params=fused)])
-    # the sharded model's FBGEMM modules start empty; TorchRec's own load fills them (its
-    # ``tbes`` buffers are per shard group, not the unsharded model's)
-    out.load_state_dict({k: v for k, v in quant.state_dict().items() if ".tbes." not in k}, strict=False)
-    return out
+    return shard_quantized(model, weight_type, sharding, world_size)
 
 
 def same_output(a: Any, b: Any) -> bool:
