@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -191,3 +192,70 @@ def test_the_permissions_block_of_a_job_over_two_streams_lets_each_side_do_its_p
             assert c.commit() == {r: BATCHES for r in range(RANKS)}
     finally:
         server.stop()
+
+
+def _append(root: str, ranks: int, batches: range) -> None:
+    for rank in range(ranks):
+        with LmdbDeltaStore(os.path.join(root, f"rank-{rank}"), updateMode=UpdateMode.LAST) as store:
+            for b in batches:
+                ids = (b * 8 + torch.arange(5 + b % 3)) * ranks + rank  # unique ids: no row merged away
+                store.append(b, "t", ids, torch.full((ids.numel(), DIM), float(b)))
+
+
+def _read_all(c: RemoteConsumer) -> Dict[int, List[int]]:
+    """rank -> the batch values of every row read until the stream's end."""
+    out: Dict[int, List[int]] = {}
+    deadline = time.monotonic() + 30
+    while c.position() != c.end_offsets():
+        assert time.monotonic() < deadline, f"stuck at {c.position()} of {c.end_offsets()}"
+        for rank, rd in c.poll(timeout=0.5).ranks.items():
+            for t in rd.tables.values():
+                out.setdefault(rank, []).extend(int(v) for v in t.rows.states[:, 0].tolist())
+    return {r: sorted(v) for r, v in out.items()}
+
+
+def test_one_group_stream_deleted_under_a_running_shipper_is_read_again_alone(tmp_path, nats_server):
+    """Another client deletes rank 1's group stream while the shipper runs: the shipper creates
+    it again and ships on; a consumer open all along and one reopened from its committed
+    positions read the new batches of both ranks, each once: rank 1 from its new stream's
+    start, rank 0 on in its own stream (its stored stream identity unchanged)."""
+    from ship_cases import wait_for as wait
+
+    root, job, url = str(tmp_path / "log"), "grp-del", nats_server.url
+    _append(root, 2, range(0, 10))
+    admin = nats.Connection(url)
+    want_new = {r: sorted(b for b in range(10, 20) for _ in range(5 + b % 3)) for r in (0, 1)}
+    try:
+        with Shipper(root, url, job, channels=[LOOKUPS], max_batches=4, ranks_per_stream=1) as s:
+            s.start()
+            wait(lambda: _exists_rank_end(admin, job, 10), 30, "the first batches")
+            with RemoteConsumer(url, job, "before", wait=10) as c:
+                _read_all(c)
+                c.commit()
+            live = RemoteConsumer(url, job, "live", wait=10)
+            _read_all(live)
+
+            async def delete() -> None:
+                await admin.js.delete_stream("PDG_grp-del_1")
+
+            admin.call("delete a group stream", delete)
+            _append(root, 2, range(10, 20))
+            wait(lambda: _exists_rank_end(admin, job, 20), 30, "the shipper to create the stream again")
+        with live:
+            assert _read_all(live) == want_new
+        with RemoteConsumer(url, job, "before", wait=10) as c:
+            assert c.position() == {0: 10, 1: 10}
+            assert _read_all(c) == want_new
+    finally:
+        admin.close()
+
+
+def _exists_rank_end(conn: Any, job: str, end: int) -> bool:
+    layout = Layout(job, 1)
+    for rank in (0, 1):
+        if not conn.job_exists(job, streams=[layout.stream(rank)]):
+            return False
+        last = conn.last_message(job, subjects.end_subject(job, LOOKUPS, rank), stream=layout.stream(rank))
+        if last is None or wire.Marker.decode(last.data, last.seq, "test").end != end:
+            return False
+    return True
