@@ -135,6 +135,7 @@ class _RankState:
     gap_complete: bool = False
     left: Set[str] = field(default_factory=set)  # epochs an explicit epoch start replaced: their markers are replays
     history: Tuple[CommitPoint, ...] = ()  # its last commits (the health window), stored with the position
+    deferred: Optional[int] = None  # snapshots: the newest delivered range's count of deferred rows
 
 
 def _check_ids(ids: torch.Tensor, shard: Optional[ShardInfo], where: str, seq: int) -> None:
@@ -1020,7 +1021,9 @@ class RemoteConsumer:
                 rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))
             rd.passed_over += int(r.marker.info.get("passed_over", 0))
             if r.marker.info.get("deferred") is not None:  # the newest range's count (as its shipper read the log)
-                rd.deferred = int(r.marker.info["deferred"])
+                rd.deferred = st.deferred = int(r.marker.info["deferred"])
+        if rd.deferred is None:  # nothing new: still what the last range delivered said
+            rd.deferred = st.deferred
         if meta is None:
             return rd
         mode = UpdateMode(meta.modes.get(self.channel, "none"))

@@ -355,8 +355,9 @@ class DeltaPoll:
         over the ranks read, as their logs stood at this poll (``tracker.publish(...,
         max_rows=...)``). A replica that applied every publish up to the log's end equals the
         trainer's tables as of the newest publish once this is 0. A remote poll reports each
-        rank's count as its shipper read the log when it shipped the poll's newest range of that
-        rank. None when no rank's count is known (lookups; a remote poll of ranges shipped by a
+        rank's count as its shipper read the log when it shipped the newest range of that rank
+        the consumer delivered (a poll with nothing new repeats it). None when no rank's count
+        is known (lookups; a remote consumer before its first range; ranges shipped by a
         shipper older than the count)."""
         known = [d.deferred for d in self.ranks.values() if d.deferred is not None]
         return int(sum(known)) if known else None

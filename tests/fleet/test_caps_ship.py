@@ -14,7 +14,7 @@ def test_a_remote_poll_reports_the_deferred_rows_after_every_publish(tmp_path, n
     (r,) = run_spawn(shipped_caps_case, 1, str(tmp_path / "log"), nats_server.url, "job-caps", timeout=240)
     pubs = r["publishes"]
     assert any(pending > 0 for pending, *_ in pubs), pubs  # the caps deferred rows: not vacuous
-    assert all(rows > 0 for *_, rows in pubs), pubs  # every publish reached the remote consumer
-    for pending, local, remote, _ in pubs:
-        assert local == pending and remote == pending, pubs
+    assert all(rows > 0 for *_, rows, _ in pubs), pubs  # every publish reached the remote consumer
+    for pending, local, remote, _, empty in pubs:
+        assert local == pending and remote == pending and empty == pending, pubs
     assert pubs[-1][0] == 0, pubs

@@ -106,10 +106,11 @@ def capped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]
 
 
 def shipped_caps_case(rank: int, world_size: int, root: str, url: str, job: str) -> Dict[str, Any]:
-    """Train and publish with a cap of 8 rows, then without training until nothing is deferred;
+    """Train and publish with a cap of 12 rows, then without training until nothing is deferred;
     after each publish a local snapshots poll and, through a shipper and ``url``'s nats-server,
-    a remote one. Returns each publish's (tracker's pending rows, local poll's deferred, remote
-    poll's deferred, remote poll's rows)."""
+    a remote one, then a remote poll with nothing new. Returns each publish's (tracker's pending
+    rows, local poll's deferred, remote poll's deferred, remote poll's rows, the empty remote
+    poll's deferred)."""
     from persistent_delta.fleet.remote import RemoteConsumer
     from persistent_delta.fleet.ship import Shipper
 
@@ -130,14 +131,16 @@ def shipped_caps_case(rank: int, world_size: int, root: str, url: str, job: str)
                     pass
                 got = remote.poll(timeout=10.0)
                 remote.commit()
+                again = remote.poll(timeout=0)  # nothing new: the count stands
+                assert again.num_rows == 0, again.ranges
                 out["publishes"].append((int(t.stats()["publish_deferred_rows"]), want.deferred, got.deferred,
-                                         got.num_rows))
+                                         got.num_rows, again.deferred))
 
             for b in make_batches("ec", 2, 8, seed=3, world_size=world_size, rank=rank):
                 train_step(dmp, b)
-                publish(max_rows=8)
+                publish(max_rows=12)
             while out["publishes"][-1][0]:
-                publish(max_rows=8)
+                publish(max_rows=12)
         finally:
             remote.close()
     local.close()
