@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from persistent_delta.cli.ship import connect_options
 from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.ops.positions import RankOffsets, describe
-from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, describe_remote
+from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, StreamRow, describe_remote
 
 
 def printable(text: object) -> str:
@@ -56,6 +56,7 @@ class View:
     ranks: List[RankOffsets] = field(default_factory=list)
     remote: List[RemoteConsumerRow] = field(default_factory=list)
     shippers: List[ShipperRow] = field(default_factory=list)
+    streams: List[StreamRow] = field(default_factory=list)
     writers: List[WriterRow] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)
 
@@ -97,7 +98,7 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
     if server and job:
         try:
             found = describe_remote(server, job, options, stall_after_s)
-            view.remote, view.shippers = found["consumers"], found["shippers"]
+            view.remote, view.shippers, view.streams = found["consumers"], found["shippers"], found["streams"]
         except Exception as exc:  # noqa: BLE001 - a server away is shown, and retried at the next refresh
             view.errors.append(f"{server}: {exc}")
     for url in metrics:
@@ -164,6 +165,11 @@ def draw(view: View) -> Any:
                                            _ago(view.when, x.commit_time), "yes" if x.active else "no")),
                        cell(x.health, _HEALTH_STYLE.get(x.health, "")))
         parts.append(rc)
+    if len(view.streams) > 1:  # a job over rank-group streams: which stream holds which ranks
+        st = table("STREAMS", "STREAM", "RANKS")
+        for z in view.streams:
+            st.add_row(cell(z.stream), cell(",".join(str(r) for r in z.ranks)))
+        parts.append(st)
     if view.shippers:
         s = table("SHIPPERS", "RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-ERROR")
         for y in view.shippers:

@@ -2,7 +2,9 @@
 a remote consumer gets exactly what the single-stream layout gives (the same polls, ranges and
 rows, with positions committed and resumed across a reopen), also after its shipper process was
 SIGKILLed mid-stream and restarted; a layout change of a running job is refused with
-``StreamLayoutError``; the offsets tool reads each rank's end from its own stream."""
+``StreamLayoutError``; the offsets tool reads each rank's end from its own stream; the NATS
+permissions block naming the group streams lets each side do its part; one group stream deleted
+under a running shipper is created again and read again alone."""
 
 from __future__ import annotations
 
@@ -119,6 +121,16 @@ def test_two_streams_give_a_remote_consumer_what_one_stream_gives(tmp_path, nats
     data = json.loads(buf.getvalue())
     assert [(s["stream"], s["ranks"]) for s in data["streams"]] == [("PDG_two_0", [0, 1]), ("PDG_two_1", [2, 3])]
     assert {(c["rank"], c["stream_end"], c["lag"]) for c in data["consumers"]} == {(r, BATCHES, 0) for r in range(RANKS)}
+    from rich.console import Console
+
+    from persistent_delta.cli.top import draw, snapshot
+
+    view = snapshot(None, url, "two")
+    assert [(st.stream, st.ranks) for st in view.streams] == [("PDG_two_0", [0, 1]), ("PDG_two_1", [2, 3])]
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(draw(view))
+    text = console.export_text()
+    assert "STREAMS" in text and "PDG_two_1" in text
 
 
 @pytest.mark.slow
