@@ -131,8 +131,19 @@ def _requests(kind: str) -> Any:
                                                lengths=torch.ones(ids.numel(), dtype=torch.long))
 
 
+@pytest.fixture
+def cpu_sharding():
+    """TorchRec's CPU sharding needs ``set_propogate_device(True)`` while the sharded models
+    live; the process's setting is restored after the test."""
+    from torchrec.distributed.global_settings import get_propogate_device, set_propogate_device
+
+    before = get_propogate_device()
+    yield
+    set_propogate_device(before)
+
+
 @pytest.mark.parametrize("kind", ["ec", pytest.param("ebc", marks=pytest.mark.slow)])
-def test_a_sharded_inference_model_follows_every_publish(ec_job, tmp_path_factory, kind):
+def test_a_sharded_inference_model_follows_every_publish(ec_job, tmp_path_factory, kind, cpu_sharding):
     """TorchRec's CPU sharding of the quantized model (``shard_quant_model``, all shards in this
     process): after every publish each sharded replica's FBGEMM weights equal TorchRec's own
     quantization of the trainer's tables, and its forward on every id equals the unsharded
@@ -166,7 +177,7 @@ def test_a_sharded_inference_model_follows_every_publish(ec_job, tmp_path_factor
     assert not any(same_output(r.forward(request), first[key]) for key, r in replicas.items())
 
 
-def test_a_column_wise_sharded_inference_model_is_refused():
+def test_a_column_wise_sharded_inference_model_is_refused(cpu_sharding):
     """TorchRec builds a column-wise sharded quantized model only for CUDA (here on the meta
     device): its shards split rows, whose int8 scale and bias are the whole row's. Refused, with
     what TorchRec's CPU sharding allows."""
