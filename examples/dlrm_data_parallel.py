@@ -18,9 +18,8 @@ copies identical).
 The integration, marked ``# [pd]`` on each line below (``tests/process/test_examples.py``
 checks the counts): **7 lines in the trainer**: 2 imports, ``attach`` (2), the base shard files
 (1: ``save_local_shards``), a publish every ``--publish-every`` steps (1), ``close`` (1); the
-data-parallel table needs none of its own. **13 lines in the replica**: 2 imports, ``load_base``
-(6, 5 of them waiting for the base files: ``load_base`` has no ``wait``), ``DeltaConsumer`` (1),
-the poll/apply/commit loop (4).
+data-parallel table needs none of its own. **7 lines in the replica**: 1 import, ``load_base``
+(1, waiting for the ranks' base files), ``DeltaConsumer`` (1), the poll/apply/commit loop (4).
 
 ``python examples/dlrm_data_parallel.py`` (from the repository root) trains, runs the replica
 in another process (``DeltaConsumer`` on the trainer's log, channel ``snapshots``), then
@@ -176,14 +175,8 @@ def replica(args: argparse.Namespace) -> int:
     """Another process on the trainer's host: the base shard files, then every publish applied,
     until the driver's ``STOP`` file; saves ``replica.pt``."""
     from persistent_delta import DeltaConsumer, apply_poll, load_base  # [pd]
-    from persistent_delta.errors import PersistentDeltaError  # [pd]
 
-    while True:  # [pd] the trainer writes the base files right after attach: until then, none
-        try:  # [pd]
-            tables = load_base(os.path.join(args.out, "base"))  # [pd] every table whole
-            break  # [pd]
-        except PersistentDeltaError:  # [pd]
-            time.sleep(0.2)  # [pd]
+    tables = load_base(os.path.join(args.out, "base"), wait=120)  # [pd] every table whole, once every rank wrote its file
     applied, dp_parts = 0, 0
     with DeltaConsumer(os.path.join(args.out, "log"), "replica", channel="snapshots", wait=120) as consumer:  # [pd]
         while True:  # [pd]

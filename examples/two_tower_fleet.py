@@ -19,9 +19,9 @@ The integration, marked ``# [pd]`` on each line below (``tests/process/test_exam
 checks the counts): **10 lines in the trainer**: 2 imports, ``attach`` (2), a base on the
 stream at the first start (4: a publish, then ``upload_base``), a publish every
 ``--publish-every`` steps (1), ``close`` (1); the checkpoint and its restore take none (the
-tracker's state rides in ``model.state_dict()``). **13 lines in the replica**: 2 imports,
-``RemoteConsumer`` (1), ``bootstrap`` (6, 5 of them waiting for the base: ``bootstrap()`` has no
-``wait``), the poll/apply/commit loop (4). The shipper is a command beside the trainer and no
+tracker's state rides in ``model.state_dict()``). **7 lines in the replica**: 1 import,
+``RemoteConsumer`` (1), ``bootstrap`` (1, waiting for the trainer's base), the poll/apply/commit
+loop (4). The shipper is a command beside the trainer and no
 code: ``persistent-delta ship LOG --server URL --job JOB --channels snapshots --key-file KEY``.
 
 ``python examples/two_tower_fleet.py`` (from the repository root) runs the whole job:
@@ -281,16 +281,10 @@ def replica(args: argparse.Namespace) -> int:
     """Another host's replica: a base from the stream, then every publish applied, until the
     driver's ``STOP`` file says the stream holds everything; saves ``replica.pt``."""
     from persistent_delta import RemoteConsumer, apply_poll  # [pd]
-    from persistent_delta.errors import NotALogError  # [pd]
 
     _forbid(os.path.join(args.out, "log"))
     with RemoteConsumer(args.server, JOB, "replica", channel="snapshots", key=args.key_file, wait=120) as consumer:  # [pd]
-        while True:  # [pd] the trainer uploads the base at its start: until then, no base
-            try:  # [pd]
-                tables = consumer.bootstrap()  # [pd] the full tables; positions just past the base
-                break  # [pd]
-            except NotALogError:  # [pd]
-                time.sleep(0.2)  # [pd]
+        tables = consumer.bootstrap(wait=120)  # [pd] the full tables, once the trainer uploaded them; positions just past the base
         applied = 0
         while True:  # [pd]
             stop = os.path.exists(os.path.join(args.out, "STOP"))

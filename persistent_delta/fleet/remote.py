@@ -532,7 +532,8 @@ class RemoteConsumer:
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
 
-    def bootstrap(self, progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, torch.Tensor]:
+    def bootstrap(self, progress: Optional[Callable[[int, int], None]] = None,
+                  wait: float = 0.0) -> Dict[str, torch.Tensor]:
         """A full base state from the stream, for a replica that joins late or after its
         position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
         from every rank's base (:func:`persistent_delta.fleet.ship.upload_base`), and
@@ -542,15 +543,35 @@ class RemoteConsumer:
         Args:
             progress: called with (ranks fetched, ranks) before the first rank's base and
                 after each (e.g. a tqdm bar's ``total``/``n``).
+            wait: seconds to wait for every rank's base, for a replica started alongside its
+                trainer (which uploads the bases at its start). 0 (the default) reads what
+                is there now; other refusals are raised at once.
 
         Raises:
-            NotALogError: a rank of the job has no base on the stream (or no table metadata).
+            NotALogError: a rank of the job has no base on the stream (or no table metadata),
+                after ``wait``.
             InvalidInputError: the ranks' bases were taken at different publishes.
             AuthenticationError: a base does not authenticate with the job's key.
             StreamDataError: a base does not match the job's table metadata (a table missing or
                 unknown, another shape or dtype, a stamp out of bounds). Nothing moves.
         """
         self._check()
+        if wait < 0:
+            raise InvalidInputError(f"wait must be >= 0 seconds, got {wait}")
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._bootstrap(progress)
+            except NotALogError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                try:
+                    self._refresh_meta()  # a rank's table metadata may come with its base
+                except TransportError:  # retried within wait, as at open
+                    pass
+
+    def _bootstrap(self, progress: Optional[Callable[[int, int], None]]) -> Dict[str, torch.Tensor]:
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
         bases: Dict[int, Dict[str, torch.Tensor]] = {}

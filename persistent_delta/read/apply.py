@@ -32,15 +32,16 @@ from typing import Dict, List, Mapping, Optional, Protocol, Tuple, Union, runtim
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
-from persistent_delta.errors import IncompletePollError, InvalidInputError
+from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError
 from persistent_delta.log.layout import PathLike
+from persistent_delta.log.schema import ShardInfo
 from persistent_delta.log.shard_files import full_rows, load_shards
 from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.threads import intra_op_threads
 
 
-def load_base(shard_dir: PathLike) -> Dict[str, torch.Tensor]:
+def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]:
     """A replica's starting tables from the trainer's shard files: every table whole, in
     global row ids, assembled from the ``rank-<r>.safetensors`` files that
     :func:`persistent_delta.trainer.save_shards.save_local_shards` wrote on every rank into
@@ -51,20 +52,47 @@ def load_base(shard_dir: PathLike) -> Dict[str, torch.Tensor]:
 
     Args:
         shard_dir: the directory every rank passed to ``save_local_shards``.
+        wait: seconds to wait for the files to appear, for a replica started alongside its
+            trainer: until ``shard_dir`` holds shard files and they cover every table they
+            name whole (the ranks write their files one by one, each atomically). 0 (the
+            default) reads what is there now.
 
     Returns:
         fqn -> the full table, shape ``(global_rows, global_cols)``, the shards' dtype.
 
     Raises:
-        NotALogError: ``shard_dir`` holds no shard files.
+        NotALogError: ``shard_dir`` holds no shard files (after ``wait``).
         InvalidInputError: a malformed file, or a row or column no rank file holds (a rank's
-            file is missing).
+            file is missing, after ``wait``).
     """
+    if wait < 0:
+        raise InvalidInputError(f"wait must be >= 0 seconds, got {wait}")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            found = load_shards(shard_dir)
+            if time.monotonic() >= deadline or all(_covers_whole(s) for s in found.values()):
+                break
+        except NotALogError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     tables: Dict[str, torch.Tensor] = {}
-    for fqn, shards in load_shards(shard_dir).items():
+    for fqn, shards in found.items():
         rows = shards[0][0].global_rows  # load_shards checked it is set on every shard
         tables[fqn] = full_rows(fqn, shards, torch.arange(int(rows or 0)))
     return tables
+
+
+def _covers_whole(shards: List[Tuple[ShardInfo, torch.Tensor]]) -> bool:
+    """Whether a table's shards hold as many cells as the table (a readiness test for
+    :func:`load_base`'s wait; overlapping copies of a replicated table count once each, and
+    :func:`full_rows` checks the cover itself)."""
+    info0 = shards[0][0]
+    if info0.global_rows is None or info0.global_cols is None:
+        return True  # full_rows says what is missing
+    held = sum(int(w.shape[0]) * int(w.shape[1]) for _, w in shards)
+    return held >= int(info0.global_rows) * int(info0.global_cols)
 
 
 @dataclass

@@ -1,10 +1,14 @@
 """A replica's starting tables from the trainer's shard files: ``load_base`` returns every
 table whole, in global row ids, bit-exact with the ranks' shards."""
 
+import os
+import threading
+
 import pytest
 import torch
 
 from harness import run_spawn
+from persistent_delta.errors import InvalidInputError
 from persistent_delta.read.apply import load_base
 from replica_cases import same_name_case, shard_files_case
 
@@ -20,7 +24,17 @@ def test_load_base_assembles_full_tables(tmp_path, sharding):
         for fqn, (w, r0, c0, rows, cols) in shards.items():
             full = expected.setdefault(fqn, torch.full((rows, cols), float("nan"), dtype=w.dtype))
             full[r0:r0 + w.shape[0], c0:c0 + w.shape[1]] = w
-    base = load_base(shard_dir)
+    # a replica started alongside its trainer: rank 1's file comes later; wait= waits for it
+    late = os.path.join(shard_dir, "rank-1.safetensors")
+    os.rename(late, late + ".later")
+    with pytest.raises(InvalidInputError):  # a row or a column no file holds
+        load_base(shard_dir)
+    arrive = threading.Timer(0.5, os.rename, (late + ".later", late))
+    arrive.start()
+    try:
+        base = load_base(shard_dir, wait=60)
+    finally:
+        arrive.join()
     assert sorted(base) == sorted(expected)
     for fqn, full in expected.items():
         assert not torch.isnan(full).any(), fqn  # the ranks' shards tile the table

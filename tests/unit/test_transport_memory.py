@@ -104,6 +104,31 @@ def test_a_base_uploaded_through_a_transport_bootstraps_a_replica(tmp_path):
             _assert_same(c.poll(), local.poll())
 
 
+def test_bootstrap_waits_for_a_base_uploaded_after_it_started(tmp_path):
+    """A replica started alongside its trainer: with no base yet, ``bootstrap()`` refuses at
+    once, and ``bootstrap(wait=)`` returns the base uploaded while it waits."""
+    from persistent_delta.errors import NotALogError
+
+    root = str(tmp_path / "log")
+    broker = MemoryBroker()
+    _write(root, 0, range(0, 4))
+    _ship(root, broker)
+    weights = torch.randn(2000, DIM)
+    conn = broker.connect()
+    with RemoteConsumer(None, JOB, "early", transport=broker.connect()) as c:
+        with pytest.raises(NotALogError, match="no base"):
+            c.bootstrap()
+        upload = threading.Timer(0.5, upload_base, (None, JOB, 0, 2, {"t": weights}), {"transport": conn})
+        upload.start()
+        try:
+            tables = c.bootstrap(wait=30)
+        finally:
+            upload.join()
+        assert torch.equal(tables["t"], weights)
+        assert c.position() == {0: 3}
+    conn.close()
+
+
 def test_a_fleet_object_needs_a_server_or_a_transport(tmp_path):
     with pytest.raises(InvalidInputError):
         Shipper(str(tmp_path), None, JOB)
