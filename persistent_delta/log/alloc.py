@@ -134,6 +134,14 @@ class ResultBuffers:
         self.allocated += 1
         return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
 
+    def resize(self, keep: int) -> None:
+        """Keep up to ``keep`` (>= 1) blocks from now on (fewer: the extra free ones go now)."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidInputError(f"keep must be a count >= 1, got {keep!r}")
+        self._keep = keep
+        while len(self._blocks) > keep:
+            self._drop_one()
+
     def _size(self, nbytes: int) -> int:
         return -(-int(nbytes * self.HEADROOM) // self._PAGE) * self._PAGE
 

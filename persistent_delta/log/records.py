@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.model_tracker.types import IndexedLookup, UniqueRows, UpdateMode
@@ -291,6 +291,7 @@ def read_unique(
     channel: str = LOOKUPS,
     memo: Optional[IdMemo] = None,
     extra_ids: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
+    alloc: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> Dict[str, UniqueRows]:
     """Unique rows per table over records with ``from_idx <= batch_idx < end_idx`` (half-open).
 
@@ -298,9 +299,30 @@ def read_unique(
     ``memo``: one poll's :class:`~persistent_delta.log.rows.IdMemo` over its ranks (by table).
     ``extra_ids`` (``UpdateMode.NONE`` only): more ids per table, counted with its records'
     (those of tables not read, as unlisted ones or fqns the log lacks, are ignored).
+    ``alloc(nbytes)``: where the states' memory comes from (a uint8 tensor of ``nbytes``; one
+    for all tables, whose states are views of it; default: each table's own ``torch.empty``).
+    A tracker passes :meth:`~persistent_delta.log.alloc.ResultBuffers.take`.
     """
     plans = plan_unique(r, mode, from_idx, end_idx, tables, listed_only, channel, memo, extra_ids)
-    return {fqn: p.finish() for fqn, p in plans.items()}
+    if alloc is None:
+        return {fqn: p.finish() for fqn, p in plans.items()}
+    sizes = {fqn: p.num_rows * p.row_bytes for fqn, p in plans.items()}
+    spans = {fqn: -(-n // _ALIGN) * _ALIGN for fqn, n in sizes.items()}
+    buf = alloc(sum(spans.values()))
+    out: Dict[str, UniqueRows] = {}
+    at = 0
+    for fqn, p in plans.items():
+        if not sizes[fqn]:
+            out[fqn] = p.finish()
+            continue
+        out[fqn] = p.finish(buf[at:at + sizes[fqn]].view(p.num_rows, p.row_bytes))
+        at += spans[fqn]
+    return out
+
+
+# Tables' rows start at multiples of this many bytes in a read_unique buffer (a cache line;
+# any dtype's alignment).
+_ALIGN = 64
 
 
 def read_lookups(r: ReadTxn, start_idx: int, end_idx: Optional[int]) -> Dict[str, List[IndexedLookup]]:

@@ -2,9 +2,19 @@
 hands to the writer.
 
 Owns: table discovery (TorchRec's own fqn rules), hook registration, and the hot-path split of
-a lookup into per-table records. Everything here runs on the training thread and does no copy
-on CPU: records keep references (or start non-blocking device-to-host copies) and the
-background writer does the rest (:mod:`persistent_delta.trainer.writer`).
+a lookup into per-table records. Everything here runs on the training thread: records keep
+references to ids and optimizer-state rows (or start non-blocking device-to-host copies) and
+the background writer does the rest (:mod:`persistent_delta.trainer.writer`).
+
+One copy on CPU, on purpose: EMBEDDING copies each lookup's output (the rows the model was
+given) into a block of :class:`LookupBlocks`, reused from step to step, instead of keeping a
+reference to it. The output is autograd's memory; kept until the writer has encoded it, it
+lives past the next step's forward, which then cannot reuse it: glibc's default thresholds hand
+the step fresh pages (mapped, or a heap top it trimmed) and the training thread page-faults
+them in, every step. Measured on the ``step_cpu`` workload (16.8 MB of rows a step): holding
+each output one step longer, with no library code, costs ~3,800 minor faults and ~14 ms of
+CPU a ~145 ms step; the copy into a reused block ~1.4 ms and no faults (benchmarks/README.md,
+"The step by CPU time").
 
 Hooks, as TorchRec's tracker: ``post_lookup_tracker_fn`` of ``ShardedEmbeddingCollection`` /
 ``ShardedEmbeddingBagCollection`` (ID_ONLY, EMBEDDING) or ``optim_state_tracker_fn`` of their
@@ -19,6 +29,7 @@ out (see :func:`register_hooks`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -30,6 +41,7 @@ from torchrec.distributed.model_tracker.types import TrackingMode, UniqueRows
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.log import codec
+from persistent_delta.log.alloc import ResultBuffers
 from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.trainer import torchrec_internals as trec
@@ -149,28 +161,77 @@ def unregister_hooks(hooked: Hooked, owner: object) -> None:
             setattr(module, attr, None)
 
 
+class LookupBlocks:
+    """Reused blocks for the EMBEDDING lookups' rows on CPU (see the module docstring).
+
+    A block is handed out again once no record views it any more (the writer has encoded and
+    dropped the step's records: :class:`~persistent_delta.log.alloc.ResultBuffers`' rule), so
+    in steady state every step copies into memory whose pages are already in place.
+
+    Memory: at most ``lookups per step x steps`` blocks stay referenced here, ``steps`` being
+    ``min(STEPS, max_pending_steps + 2)`` (the step being captured, the one the writer commits,
+    one queued); each block is 1.25-4x a lookup's rows. While the writer lags further behind, the
+    extra steps' blocks are not kept: each is unmapped once written, and within the writer's
+    ``max_pending_bytes`` like any captured record.
+    """
+
+    STEPS = 3
+
+    def __init__(self, max_pending_steps: int) -> None:
+        self._steps = max(1, min(self.STEPS, max_pending_steps + 2))
+        self._blocks = ResultBuffers(keep=self._steps)
+        self._lookups = 0  # lookups in the step being captured
+        self._per_step = 1  # the most lookups seen in one step
+
+    def copy(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of ``rows`` (contiguous, on CPU) in a reused block."""
+        self._lookups += 1
+        if self._lookups > self._per_step:
+            self._per_step = self._lookups
+            self._blocks.resize(self._per_step * self._steps)
+        out = self._blocks.take(rows.numel() * rows.element_size()).view(rows.dtype).view(rows.shape)
+        out.copy_(rows)
+        return out
+
+    def next_step(self) -> None:
+        self._lookups = 0
+
+    def stats(self) -> Tuple[int, int]:
+        """(blocks allocated, blocks reused) so far."""
+        return self._blocks.allocated, self._blocks.reused
+
+
 class Capture:
-    """The records of the batch being recorded, captured without copies on CPU.
+    """The records of the batch being recorded: references, device-to-host copies, or, for
+    EMBEDDING on CPU, one copy of each lookup's rows into a reused block (:class:`LookupBlocks`).
 
     Training thread only.
     """
 
-    def __init__(self, mode: TrackingMode, feature_to_fqn: Dict[str, str]) -> None:
+    def __init__(self, mode: TrackingMode, feature_to_fqn: Dict[str, str], max_pending_steps: int = 64) -> None:
         self._mode = mode
         self._feature_to_fqn = feature_to_fqn
         self._feature_index: Dict[int, Dict[str, int]] = {}
         self.pending: List[AppendRecord] = []
         self.events: List[Any] = []
+        self.blocks = LookupBlocks(max_pending_steps) if mode == TrackingMode.EMBEDDING else None
 
     def add(self, record: AppendRecord) -> None:
-        """Add a record captured by another hook (a managed-collision table's side records) to
-        the batch being recorded."""
+        """Add a record captured by another hook (a managed-collision table's side records and
+        re-initialised rows: :mod:`.zch_capture`) to the batch being recorded. Its tensors on a
+        device are copied to pinned host memory without blocking, as a lookup's are
+        (:meth:`_keep`: the writer waits for the copy's event); on CPU it is kept as it is."""
+        if record.ids.device.type != "cpu" or (record.states is not None and record.states.device.type != "cpu"):
+            record = dataclasses.replace(record, ids=self._keep(record.ids),
+                                         states=None if record.states is None else self._keep(record.states))
         self.pending.append(record)
 
     def take(self) -> Tuple[List[AppendRecord], List[Any]]:
         """The records and device events captured so far (and forget them)."""
         out = (self.pending, self.events)
         self.pending, self.events = [], []
+        if self.blocks is not None:
+            self.blocks.next_step()
         return out
 
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +270,10 @@ class Capture:
                 return
             if states.numel() % n != 0:
                 raise InvalidInputError(f"ids and embeddings size mismatch: {n} ids, {states.numel()} values")
-            for key, ids, emb in zip(keys, per_key, states.view(n, -1).split(lengths)):
+            rows = states.detach().view(n, -1)
+            if rows.device.type == "cpu" and self.blocks is not None:
+                rows = self.blocks.copy(rows)  # not autograd's memory: see the module docstring
+            for key, ids, emb in zip(keys, per_key, rows.split(lengths)):
                 self._add(batch_idx, key, ids, emb)
         else:
             if emb_module is None:

@@ -39,6 +39,7 @@ def consume(
     compact: bool,
     delete_on_read: bool,
     bound: Optional[RetentionBound] = None,
+    alloc: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> Dict[str, UniqueRows]:
     """TorchRec's ``get_unique(consumer)`` inside one write transaction: compact
     ``[largest position, end)`` (when ``compact``), read the consumer's rows from its position,
@@ -46,7 +47,7 @@ def consume(
 
     An in-transaction consumer below the log start (cleared, or expired) reads from the log
     start: its reset policy is "earliest" (TorchRec has no out-of-range error); expiry is
-    logged.
+    logged. ``alloc``: where the rows' memory comes from (:func:`~persistent_delta.log.records.read_unique`).
 
     The same rule in two transactions (a read now, the commit later, as ``publish()`` does):
     :func:`consume_read_ids` then :func:`consume_commit`.
@@ -57,7 +58,7 @@ def consume(
     entry = _lookups_consumer(w, name)
     if compact:
         _compact_for_read(w, mode, end)
-    rows = read_unique(w, mode, from_idx=position_rules.read_start(w, entry.offset))
+    rows = read_unique(w, mode, from_idx=position_rules.read_start(w, entry.offset), alloc=alloc)
     _commit_read(w, name, entry, end, delete_on_read, bound)
     return rows
 

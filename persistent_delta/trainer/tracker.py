@@ -36,6 +36,7 @@ from persistent_delta.trainer.capture import Capture, Discovery, check_mode, rea
 from persistent_delta.trainer.capture import unregister_hooks
 from persistent_delta.config import PersistentTrackerConfig, RetentionBound
 from persistent_delta.errors import InvalidInputError, LogClosedError
+from persistent_delta.log.alloc import ResultBuffers
 from persistent_delta.log.layout import rank_dir
 from persistent_delta.lifecycle import close_at_exit, warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
@@ -100,13 +101,16 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # writer committed the previous publish, which publish() waits for before capturing)
         self._publish_buffers: Dict[str, bytearray] = {}
         self._format_buffers: Dict[Tuple[str, str], bytearray] = {}  # the same, of converted records (writer)
+        # get_unique(): the rows' memory, reused once the caller dropped an earlier result (a
+        # fresh result of the window's size page-faults in every read)
+        self._results = ResultBuffers()
         self.rank = config.rank if config.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.path = rank_dir(config.path, self.rank)
         self._log = DeltaLog(self.path, options=config.log_options())
         self._claims = ConsumerClaims(self.path)  # one active user per consumer name: us, for ours
         world = dist.get_world_size() if dist.is_initialized() else (1 if config.rank is None else None)
         want = TrackerMeta(self._mode.value, self._update_mode.value, sorted(self._tables), self.rank, world)
-        self._capture = Capture(self._mode, self.feature_to_fqn)
+        self._capture = Capture(self._mode, self.feature_to_fqn, writer_options.max_pending_steps)
         self.zch = ZchCapture(  # this rank's managed-collision tables (raw ids, slot reassignments)
             model, {f: (t.table_name, t.row_offset, t.local_rows) for f, t in self._tables.items()},
             self._capture.add, self._recording_batch_idx, config)
@@ -271,7 +275,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._first_step()
         self._commit_recorded()
         end, mode = self.curr_batch_idx + 1, self._update_mode
-        rows = self._log.write(lambda w: consume.consume(w, name, end, mode, **self._read_rule))
+        rows = self._log.write(lambda w: consume.consume(w, name, end, mode, alloc=self._results.take, **self._read_rule))
         rows = read_states(self._mode, self._tables, rows)
         if fractions is not None:
             rows = {fqn: topk.top(self._mode, self._tables.get(fqn), r, fractions.get(fqn, 1.0), bool(sorted_by_indices))

@@ -23,7 +23,10 @@ What runs where (TorchRec 1.8.0, fbgemm-gpu-cpu 1.8.0):
 
 Capture stays on the hot path's terms: the hooks keep references to the lookup's tensors (raw
 ids, slot ids) and compute only the admitted flag of the ids looked up in the default slot; the
-writer thread encodes. Every hook is an instance attribute removed by :meth:`ZchCapture.unhook`.
+writer thread encodes. On a GPU the records go through the same non-blocking copy to pinned host
+memory as a lookup's, with a CUDA event the writer waits for
+(:meth:`~persistent_delta.trainer.capture.Capture.add`). Every hook is an instance attribute
+removed by :meth:`ZchCapture.unhook`.
 """
 
 from __future__ import annotations
@@ -296,7 +299,8 @@ class ZchCapture:
             n = slots.numel()
             t = next((x for x in self.tables.values() if x.name == key), None)
             if t is not None and n:
-                self._record(t, codec.KIND_RAW_IDS, slots, raw_ids_states(raw[offset:offset + n], torch.ones(n)))
+                self._record(t, codec.KIND_RAW_IDS, slots,
+                             raw_ids_states(raw[offset:offset + n], torch.ones(n, device=raw.device)))
             offset += n
 
     # ------------------------------------------------------------------ maps, restore

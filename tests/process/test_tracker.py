@@ -15,6 +15,7 @@ from tracker_cases import (
     publish_restore_case,
     restart_first_half,
     restart_second_half,
+    reused_memory_case,
     topk_case,
 )
 
@@ -160,3 +161,15 @@ def test_publish_of_a_negative_id_raises_the_writers_typed_error(tmp_path):
     (r,) = run_spawn(negative_id_publish_case, 1, str(tmp_path / "log"))
     assert r["queued"] > 0, "the steps were committed already: the test would prove nothing"
     assert r["publish"].startswith("WriterError: InvalidInputError") and "non-negative" in r["publish"], r
+
+
+def test_embedding_capture_and_reads_reuse_their_memory(tmp_path):
+    """EMBEDDING keeps a copy of each lookup's rows in a reused block, not autograd's output
+    (kept until the writer encodes it, that would outlive the next step's forward); get_unique
+    reuses a dropped result's memory and never a kept one's (benchmarks/README.md, "The step
+    by CPU time": both were page faults on the training thread every step)."""
+    (r,) = run_spawn(reused_memory_case, 1, str(tmp_path / "log"))
+    assert r["records"] > 0 and r["aliased"] == 0 and r["copies_equal"], r
+    allocated, reused = r["blocks"]
+    assert reused >= 2 and allocated <= 3, r
+    assert r["reused_after_drop"] and r["results_reused"] == 1 and r["kept_intact"] and not r["kept_shared"], r

@@ -785,3 +785,58 @@ def publish_formats_case(rank: int, world_size: int, root: str, sharding: str, d
             shards = {fqn: (lt.weights().detach().clone(), info[fqn]) for fqn, lt in t.local_tables.items()}
     t.close()
     return {"shards": shards}
+
+
+# ----------------------------------------------------------------- memory the tracker reuses
+
+
+def reused_memory_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """EMBEDDING on CPU: what the capture keeps of a lookup is a copy of the rows the model was
+    given, never autograd's output itself (kept until the writer encodes it, that memory would
+    live past the next step's forward); the copies' blocks are reused from step to step.
+    ``get_unique`` gives its rows in memory handed out again once the caller dropped an earlier
+    result, and never while a result is kept. Returns what the test checks."""
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD")
+    batches = make_batches("ec", 8, 8, seed=3, world_size=world_size, rank=rank)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, consumers=["c"], path=root))
+    outputs: List[torch.Tensor] = []
+    module = next(iter(t.tracked_modules.values()))
+    hook = module.post_lookup_tracker_fn
+
+    def seen(kjt: Any, states: torch.Tensor, *rest: Any) -> None:
+        outputs.append(states)
+        hook(kjt, states, *rest)
+
+    module.post_lookup_tracker_fn = seen
+    out: Dict[str, Any] = {}
+    train_step(dmp, batches[0])  # the batch's records stay captured until the next step
+    pending = [r for r in t._capture.pending if r.states is not None and r.states.numel()]
+    given = {o.untyped_storage().data_ptr() for o in outputs}
+    out["records"] = len(pending)
+    out["aliased"] = sum(r.states.untyped_storage().data_ptr() in given for r in pending)
+    rows = torch.cat([o.detach().reshape(-1, pending[0].states.shape[1]) for o in outputs])
+    out["copies_equal"] = torch.equal(torch.cat([r.states for r in pending]), rows)
+    for b in batches[1:5]:
+        train_step(dmp, b)
+        t.flush()
+    blocks = getattr(t._capture, "blocks", None)
+    out["blocks"] = blocks.stats() if blocks is not None else (0, 0)  # (allocated, reused)
+    module.post_lookup_tracker_fn = hook
+
+    first = t.get_unique("c")
+    ptr = next(r.states.untyped_storage().data_ptr() for r in first.values() if r.states.numel())
+    del first
+    train_step(dmp, batches[5])
+    second = t.get_unique("c")  # the first result was dropped: its memory again
+    out["reused_after_drop"] = next(r.states.untyped_storage().data_ptr() for r in second.values()
+                                    if r.states.numel()) == ptr
+    results = getattr(t, "_results", None)
+    out["results_reused"] = results.reused if results is not None else 0  # (the same address may be chance)
+    kept = {fqn: r.states.clone() for fqn, r in second.items()}
+    train_step(dmp, batches[6])
+    third = t.get_unique("c")  # the second is still held: other memory
+    out["kept_intact"] = all(torch.equal(second[fqn].states, s) for fqn, s in kept.items())
+    out["kept_shared"] = any(r.states.numel() and r.states.untyped_storage().data_ptr() == ptr
+                             for r in third.values())
+    t.close()
+    return out
