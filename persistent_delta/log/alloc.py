@@ -17,7 +17,11 @@ those buffers in the heap.
 The setting is process-wide: the process keeps up to 512 MiB of freed heap memory for reuse
 instead of returning it, and blocks below 32 MiB come from the heap instead of their own
 mappings. It also changes what everything else in the process allocates (torch tensors
-included), so it is **opt-in**: ``LogOptions(tune_malloc=True)``,
+included), so it is **opt-in**. A tracker's own per-step memory needs none of it (EMBEDDING's
+captured rows and ``get_unique``'s results are reused :class:`ResultBuffers` blocks); in a
+training process it then mostly changes how often the model's own tensors are faulted in,
+which glibc's defaults decide from the process's allocation history (benchmarks/README.md, "The
+step by CPU time, round 2"). To opt in: ``LogOptions(tune_malloc=True)``,
 ``PersistentTrackerConfig(tune_malloc=True)`` or ``PERSISTENT_DELTA_TUNE_MALLOC=1``. It is
 applied once per process, when a log is opened (for writing or reading), and skipped when the process
 already sets glibc's ``MALLOC_*_`` tunables in its environment, or off glibc (another

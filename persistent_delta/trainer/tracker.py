@@ -8,7 +8,8 @@ position means and what retention and compaction may do:
 :mod:`.restore`; top-k: :mod:`.topk`; ZCH raw ids: :mod:`.zch_capture`.
 
 ``DMP.forward`` calls ``step()`` before the lookups, so batch ``b``'s records carry ``b``. The
-hot path (``record_lookup``) keeps references; ``step()`` hands the finished batch, with the
+hot path (``record_lookup``) keeps references (EMBEDDING on CPU: a copy of the rows in a reused
+block, :class:`~.capture.LookupBlocks`); ``step()`` hands the finished batch, with the
 new batch index, to the background writer as a :class:`~.operations.StepWrite`. Every read
 (``get_unique``, ``publish``) commits what was recorded, then runs TorchRec's consume rule (a
 publish is queued to the writer as a :class:`~.operations.PublishWrite` once its values are
