@@ -23,6 +23,7 @@ from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.records import AppendRecord, log_start, read_unique
 from persistent_delta.log.rows import unique_ids
 from persistent_delta.log.schema import LOOKUPS, ConsumerEntry
+from persistent_delta.trainer.unread import Accumulated, UnreadIds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +65,8 @@ def consume(
 
 
 def consume_read_ids(
-    r: ReadTxn, name: str, pending: Sequence[AppendRecord] = ()
+    r: ReadTxn, name: str, pending: Sequence[AppendRecord] = (),
+    accumulated: Optional[Accumulated] = None, accumulator: Optional[UnreadIds] = None,
 ) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
     """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
     read), in ``r``, nothing written: for a reader that takes the rows' current values instead
@@ -76,11 +78,24 @@ def consume_read_ids(
     earlier one), so that the read need not wait for them. A pending record may also be in the
     log already (a commit in flight): its ids count once.
 
+    ``accumulated`` (taken from ``accumulator``, :mod:`persistent_delta.trainer.unread`): the
+    ids the writer committed since the consumer's previous publish. They answer instead of the log's
+    records when they equal them: the accumulation started at the consumer's position, the
+    consumer is not expired, nothing at or after that position was deleted, and a read there
+    starts there (no filtered window or compacted record reaches back before it). Otherwise the
+    log is read. Tables with no unread id may then be left out (the log's read lists them
+    empty).
+
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
     entry = _lookups_consumer(r, name)
     start = position_rules.read_start(r, entry.offset)
+    if (accumulated is not None and accumulator is not None and accumulated.base == entry.offset == start
+            and not entry.expired and log_start(r) <= start):
+        return entry, accumulator.unread(accumulated, pending)
+    if accumulator is not None:
+        accumulator.log_reads += 1
     extra: Dict[str, List[torch.Tensor]] = {}
     for rec in pending:
         if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= start and rec.ids.numel():

@@ -12,10 +12,12 @@ deleted once every snapshots consumer has committed past them.
 
 A publish runs in two parts:
 
-* :func:`capture`, in the training thread: reads the ids of the consumer's rows (a read
-  transaction, nothing written), adding those of the steps handed to the writer and not yet
-  committed (``pending``; the tracker waits for the writer instead only when its queue holds
-  a log operation or device copies), and gathers their values straight into encoded snapshot
+* :func:`capture`, in the training thread: takes the ids of the consumer's rows -- those the
+  writer marked for it as it committed them since its previous publish
+  (:mod:`persistent_delta.trainer.unread`), or, at its first publish in this process or after
+  anything else moved it, the log's (a read transaction, nothing written) -- adding those of
+  the steps handed to the writer and not yet committed (``pending``; the tracker waits for the
+  writer instead only when its queue holds a log operation or device copies), and gathers their values straight into encoded snapshot
   records (one copy of the row bytes, into buffers the tracker reuses from publish to publish;
   the checksum is left to the writer). The values are those of the moment of the call;
   training may change the tables as soon as it returns.
@@ -59,7 +61,8 @@ from persistent_delta.log.records import AppendRecord, check_row_ids, log_start
 from persistent_delta.log.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
 from persistent_delta.log.zch_records import reinitialised, slot_moves
 from persistent_delta.trainer import caps, consume
-from persistent_delta.trainer.sharding import LocalTable
+from persistent_delta.trainer.sharding import LocalTable, shard_weights
+from persistent_delta.trainer.unread import Accumulated, UnreadIds
 
 
 @dataclass
@@ -112,7 +115,8 @@ def capture(
     r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
     buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
     format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None,
-    cap: Optional[caps.PublishCap] = None,
+    cap: Optional[caps.PublishCap] = None, accumulated: Optional[Accumulated] = None,
+    accumulator: Optional[UnreadIds] = None,
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot
     records (tables of ``tables`` only; empty tables are left out).
@@ -134,6 +138,10 @@ def capture(
     same buffers again before this capture's :func:`write_publish` has run (the tracker waits for its
     writer first); their memory is the largest publish so far, per table.
 
+    ``accumulated`` (taken from ``accumulator``): the ids the writer accumulated for ``name``
+    since its previous publish (:mod:`persistent_delta.trainer.unread`), read instead of the
+    log's records when they equal them (:func:`persistent_delta.trainer.consume.consume_read_ids`).
+
     ``cap``: what this publish may carry (:mod:`persistent_delta.trainer.caps`); the rows an
     earlier capped publish deferred are due first, and the rows that do not fit are deferred
     (``Captured.deferred``, stored by :func:`write_publish`). Only the rows carried are gathered.
@@ -144,7 +152,7 @@ def capture(
             unknown format; int8 asked for a table whose values are not float32 or float16.
         CorruptRecordError: the stored deferred rows are damaged.
     """
-    entry, unread = consume.consume_read_ids(r, name, pending)
+    entry, unread = consume.consume_read_ids(r, name, pending, accumulated, accumulator)
     # managed-collision tables: the slot reassignments since the consumer's last read travel with
     # the publish, and every slot an eviction re-initialised is carried (in any tracking mode)
     moves = slot_moves(r, max(entry.offset, log_start(r)), end,
@@ -162,11 +170,12 @@ def capture(
     if due.ids or cap is not None:
         unread, out.deferred = caps.select(due, unread, tables, cap)
     halves = set()
+    views = shard_weights(tables, [fqn for fqn, ids in unread.items() if ids.numel() and fqn in tables])
     for fqn, ids in unread.items():
         if ids.numel() == 0 or fqn not in tables:
             continue
         check_row_ids(fqn, int(ids[0]))  # (ascending: the smallest) before gathering rows by them
-        weights = tables[fqn].weights()
+        weights = views[fqn]
         if tables[fqn].local_cols != tables[fqn].global_cols:
             halves.add(fqn)
         for f in out.formats:  # refused here, in the caller's thread, not later by the writer

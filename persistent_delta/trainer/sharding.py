@@ -24,7 +24,7 @@ the dense optimizer: it has weights but no fused optimizer state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -91,6 +91,22 @@ class LocalTable:
             return None
         s: torch.Tensor = states[self.index][0]
         return s
+
+
+def shard_weights(tables: Dict[str, LocalTable], fqns: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """:meth:`LocalTable.weights` of each of ``fqns`` (tables of ``tables``), splitting each
+    TBE's weights once: a split builds a view of every table in the TBE, and a publish reads
+    several tables of one TBE."""
+    split: Dict[int, List[torch.Tensor]] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for fqn in fqns:
+        t = tables[fqn]
+        tbe = t.tbe
+        views = split.get(id(tbe))
+        if views is None:
+            views = split[id(tbe)] = tbe.split_embedding_weights()
+        out[fqn] = views[t.index]
+    return out
 
 
 def has_fused_state(stype: str, emb_module: nn.Module) -> bool:

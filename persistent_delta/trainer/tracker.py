@@ -54,6 +54,7 @@ from persistent_delta.log.schema import (
 )
 from persistent_delta.trainer.sharding import LocalTable, local_tables
 from persistent_delta.trainer.torchrec_internals import dmp_wrapped_module
+from persistent_delta.trainer.unread import UnreadIds
 from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
 from persistent_delta.trainer.writer import BackgroundWriter, commit_operations
 from persistent_delta.trainer.window import WindowFilter
@@ -141,9 +142,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # window filter already stores each row once per window).
         self._read_rule: Dict[str, Any] = dict(
             compact=not self._window.enabled, delete_on_read=config.delete_on_read, bound=self._retention)
+        # publish(): per publishing consumer, the ids committed since its last publish (:mod:`.unread`)
+        self._unread = UnreadIds({fqn: t.local_rows for fqn, t in self._tables.items()})
         self._writer: Optional[BackgroundWriter] = None
         if config.async_writes:
-            self._writer = BackgroundWriter(self._log, self._update_mode, writer_options, self._window)
+            self._writer = BackgroundWriter(self._log, self._update_mode, writer_options, self._window,
+                                            committed=self._unread.add)
         self._closed = False
         self._hooked = register_hooks(
             self.tracked_modules, self._mode, self.record_lookup, self.trigger_compaction if self._auto_compact else None
@@ -205,6 +209,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._writer.submit(op)
         else:
             commit_operations(self._log, self._update_mode, [op], self._window)
+            if isinstance(op, StepWrite):
+                self._unread.add(op.records)
 
     def record_lookup(self, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module] = None,
                       raw_ids: Optional[torch.Tensor] = None) -> None:
@@ -275,6 +281,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._pending_restore is not None:
             self._first_step()
         self._commit_recorded()
+        self._unread.drop(name)  # (it moves the consumer: a publish of it reads the log next)
         end, mode = self.curr_batch_idx + 1, self._update_mode
         rows = self._log.write(lambda w: consume.consume(w, name, end, mode, alloc=self._results.take, **self._read_rule))
         rows = read_states(self._mode, self._tables, rows)
@@ -294,6 +301,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         records such as :mod:`.raw_ids`. ``delete_on_read`` defaults to the tracker's."""
         name = check_consumer_name(consumer)
         self._commit_recorded()
+        self._unread.drop(name)
         end, rule = self.curr_batch_idx + 1, self._read_rule
         dor = rule["delete_on_read"] if delete_on_read is None else delete_on_read
         return self._log.write(lambda w: consume.consume_exact(
@@ -305,6 +313,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         name = None if consumer is None else check_consumer_name(consumer)
         self._commit_recorded()
         self._window.reset()  # deleted rows must be recorded again
+        self._unread.drop()
         self._log.write(lambda w: position_rules.clear(w, name))
 
     def compact(self, start_idx: int, end_idx: int) -> None:
@@ -358,12 +367,17 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self._hand_off(self._take_step())
         pending = self._unsettled()
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
+        # the ids committed since the consumer's last publish (taken after the pending records:
+        # a record leaves those only once the accumulator has it), and a new accumulation from end
+        accumulated = self._unread.take(name, end)
         try:
             captured = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
                                                                 self._publish_buffers, pending, formats,
-                                                                self._format_buffers, cap))
-        except InvalidInputError:
-            if pending:
+                                                                self._format_buffers, cap, accumulated,
+                                                                self._unread))
+        except BaseException as exc:
+            self._unread.drop(name)  # the consumer stays where it was
+            if isinstance(exc, InvalidInputError) and pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
             raise
         self._hand_off(PublishWrite(captured, **self._read_rule))
@@ -397,6 +411,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """
         self._pending_restore = self._unrestored = None
         self._commit_recorded()
+        self._unread.drop()  # a restore writes re-delivered rows to the log itself
         log_id = self._log.read(lambda r: r.meta("log_id"))
         ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path)
         # A kill can leave ranks one step apart: all continue from the same batch index.
@@ -450,6 +465,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             drop_deferred(w, name)  # its deferred rows go with it
 
         self._log.write(unregister)
+        self._unread.drop(name)
         self._publish_deferred.pop(name, None)
         self._claims.release(name)
         if name in self._consumers:
@@ -479,9 +495,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def stats(self) -> Dict[str, float]:
         """Writer statistics (queue depth/bytes, commits, bytes written, longest wait, ...), and
         ``publish_deferred_rows``: the rows this process's latest capped publishes deferred and no
-        publish has carried yet (all consumers; see :meth:`publish`)."""
+        publish has carried yet (all consumers; see :meth:`publish`); ``publish_log_reads``: the
+        publishes that read their consumer's unread ids from the log, as a consumer's first
+        publish in this process does (the others take them from :mod:`.unread`)."""
         out: Dict[str, float] = self._writer.stats() if self._writer is not None else {}
         out["publish_deferred_rows"] = sum(self._publish_deferred.values())
+        out["publish_log_reads"] = self._unread.log_reads
         return out
 
     def resume(self) -> None:

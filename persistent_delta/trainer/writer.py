@@ -118,6 +118,10 @@ class BackgroundWriter:
 
     Thread-safety: ``submit``, ``barrier``, ``stats`` and ``close`` may be called from any
     thread of the process that owns the log.
+
+    ``committed``: called on the writer thread with the step records of each commit, after it
+    committed and before its operations leave the queue (``pending_records`` stops listing
+    them): a publish's accumulator of unread ids (:mod:`persistent_delta.trainer.unread`).
     """
 
     def __init__(
@@ -126,8 +130,10 @@ class BackgroundWriter:
         mode: UpdateMode,
         options: Optional[WriterOptions] = None,
         window: Optional[WindowFilter] = None,
+        committed: Optional[Callable[[List[AppendRecord]], None]] = None,
     ) -> None:
         self._log = log
+        self._committed = committed  # told each commit's step records before they leave the queue
         self._mode = mode
         self._window = window
         self._opts = options or WriterOptions()
@@ -351,6 +357,8 @@ class BackgroundWriter:
     def _commit(self, taken: List[_Queued]) -> None:
         t0 = time.perf_counter()
         n_records, nbytes = commit_operations(self._log, self._mode, [t.op for t in taken], self._window)
+        if self._committed is not None:
+            self._committed([r for t in taken if isinstance(t.op, StepWrite) for r in t.op.records])
         dt = time.perf_counter() - t0
         done = time.monotonic()
         published = [done - t.submitted for t in taken if isinstance(t.op, PublishWrite)]

@@ -3,6 +3,7 @@
 import pytest
 
 from harness import feature_names, run_spawn
+from unread_cases import publish_vs_log_case
 from tracker_cases import (
     snapshot_bound_case,
     compaction_and_settings_case,
@@ -173,3 +174,15 @@ def test_embedding_capture_and_reads_reuse_their_memory(tmp_path):
     allocated, reused = r["blocks"]
     assert reused >= 2 and allocated <= 3, r
     assert r["reused_after_drop"] and r["results_reused"] == 1 and r["kept_intact"] and not r["kept_shared"], r
+
+
+def test_a_publish_carries_exactly_what_the_log_holds_for_its_consumer(tmp_path):
+    """A publish takes its consumer's unread ids from the writer's accumulation instead of the
+    log: they equal a twin consumer's get_unique at every publish (row- and column-wise
+    tables), across steps still queued, retention, a restart, a later consumer and a restore;
+    the log is read only at a consumer's first publish in a process and after anything else
+    moved it or wrote to the log."""
+    for r in run_spawn(publish_vs_log_case, 2, str(tmp_path / "log"), "ID_ONLY"):
+        assert r["publishes"] == 18 and r["rows"] > 0, r
+        assert r["differ"] == [], r["differ"][:2]
+        assert r["log_reads"] == [2, 4, 7], r["log_reads"]
