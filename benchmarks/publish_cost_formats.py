@@ -85,6 +85,7 @@ class BytesFloor:
         os.makedirs(self.path, exist_ok=True)
         self.env = lmdb.open(self.path, map_size=1 << 36, sync=False, metasync=False, subdir=True)
         self.bufs: List[Any] = [None] * len(weights)
+        self.conv_bufs: List[Any] = [None] * len(weights)  # the background thread's (float formats)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"floor-{fmt}")
         self.pending: Any = None
         self.stamp = 0
@@ -110,12 +111,11 @@ class BytesFloor:
     def _store(self, stamp: int, rows: List[Any]) -> None:
         import crc32c
 
-        from persistent_delta.log import codec
 
         total = 0
         with self.env.begin(write=True) as txn:
             for t, (tid, r) in enumerate(rows):
-                conv = codec.convert_rows(r, self.fmt) if self.fmt != "native" else r
+                conv = self._convert(t, r)
                 for part in (tid, conv):
                     value = memoryview(part.contiguous().view(-1).view(torch_uint8()).numpy())
                     crc32c.crc32c(value)  # computed for its cost, as the library checksums every record
@@ -124,6 +124,25 @@ class BytesFloor:
                     if stamp:
                         txn.delete(struct.pack(">IQB", t, stamp - 1, part is tid))
         self.nbytes = total
+
+    def _convert(self, t: int, rows: Any) -> Any:
+        """``rows`` in the floor's format: a float format cast into a reused buffer (one pass,
+        as the library casts into its record), int8 FBGEMM's row-wise quantization."""
+        import torch
+
+        from persistent_delta.log import codec
+
+        if self.fmt == "native":
+            return rows
+        if self.fmt == "int8":
+            return codec.quantize_int8(rows)
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.fmt]
+        buf = self.conv_bufs[t]
+        if buf is None or buf.numel() < rows.numel():
+            buf = self.conv_bufs[t] = torch.empty(int(rows.numel() * 1.25) + 1, dtype=dtype)
+        out = buf[:rows.numel()].view(rows.shape)
+        out.copy_(rows)
+        return out
 
     def flush(self) -> None:
         if self.pending is not None:
