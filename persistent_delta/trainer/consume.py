@@ -67,6 +67,7 @@ def consume(
 def consume_read_ids(
     r: ReadTxn, name: str, pending: Sequence[AppendRecord] = (),
     accumulated: Optional[Accumulated] = None, accumulator: Optional[UnreadIds] = None,
+    consumers: Optional[Dict[str, ConsumerEntry]] = None,
 ) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
     """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
     read), in ``r``, nothing written: for a reader that takes the rows' current values instead
@@ -84,12 +85,12 @@ def consume_read_ids(
     consumer is not expired, nothing at or after that position was deleted, and a read there
     starts there (no filtered window or compacted record reaches back before it). Otherwise the
     log is read. Tables with no unread id may then be left out (the log's read lists them
-    empty).
+    empty). ``consumers``: ``r.consumers()``, when the caller read them already.
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
     """
-    entry = _lookups_consumer(r, name)
+    entry = _lookups_consumer(r, name, consumers=consumers)
     start = position_rules.read_start(r, entry.offset)
     if (accumulated is not None and accumulator is not None and accumulated.base == entry.offset == start
             and not entry.expired and log_start(r) <= start):
@@ -168,8 +169,9 @@ def consume_exact(
     return out
 
 
-def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True) -> ConsumerEntry:
-    consumers = position_rules.lookups_consumers(r.consumers())
+def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True,
+                      consumers: Optional[Dict[str, ConsumerEntry]] = None) -> ConsumerEntry:
+    consumers = position_rules.lookups_consumers(r.consumers() if consumers is None else consumers)
     entry = consumers.get(name)
     if entry is None:
         raise UnknownConsumerError(

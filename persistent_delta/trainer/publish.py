@@ -102,12 +102,15 @@ class Captured:
 BUFFER_HEADROOM = 1.25  # a new reusable buffer is this much larger than the record that needed it
 
 
-def publish_formats(r: ReadTxn, asked: Iterable[str] = ()) -> Tuple[str, ...]:
+def publish_formats(r: ReadTxn, asked: Iterable[str] = (),
+                    consumers: Optional[Dict[str, ConsumerEntry]] = None) -> Tuple[str, ...]:
     """The row formats a publish writes: those of the snapshots consumers registered in the
     log, and ``asked`` (checked names); ``("native",)`` when there are none. In
-    :data:`~persistent_delta.log.codec.ROW_FORMATS` order."""
+    :data:`~persistent_delta.log.codec.ROW_FORMATS` order. ``consumers``: ``r.consumers()``,
+    when the caller read them already."""
     want = {codec.check_format(f) for f in asked}
-    want.update(e.format for e in r.consumers().values() if e.channel == SNAPSHOTS and e.format != codec.ANY_FORMAT)
+    entries = (r.consumers() if consumers is None else consumers).values()
+    want.update(e.format for e in entries if e.channel == SNAPSHOTS and e.format != codec.ANY_FORMAT)
     return tuple(f for f in codec.ROW_FORMATS if f in want) or (codec.NATIVE,)
 
 
@@ -152,7 +155,8 @@ def capture(
             unknown format; int8 asked for a table whose values are not float32 or float16.
         CorruptRecordError: the stored deferred rows are damaged.
     """
-    entry, unread = consume.consume_read_ids(r, name, pending, accumulated, accumulator)
+    consumers = r.consumers()  # (parsed once: the consume rule and the formats both read them)
+    entry, unread = consume.consume_read_ids(r, name, pending, accumulated, accumulator, consumers)
     # managed-collision tables: the slot reassignments since the consumer's last read travel with
     # the publish, and every slot an eviction re-initialised is carried (in any tracking mode)
     moves = slot_moves(r, max(entry.offset, log_start(r)), end,
@@ -165,7 +169,7 @@ def capture(
                 unread[fqn] = torch.unique(again if have is None else torch.cat([have.to(torch.int64), again]))
     due = read_deferred(r, name, {fqn: t.local_rows for fqn, t in tables.items()})
     out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time,
-                   formats=publish_formats(r, formats), format_buffers=format_buffers, due_seq=due.seq,
+                   formats=publish_formats(r, formats, consumers), format_buffers=format_buffers, due_seq=due.seq,
                    had_due=bool(due.ids), moves={f: m for f, m in moves.items() if f in tables})
     if due.ids or cap is not None:
         unread, out.deferred = caps.select(due, unread, tables, cap)

@@ -364,7 +364,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             # A publish was stamped with this batch index already, and a snapshots consumer may
             # have read past it: this one takes the next index (a batch without lookups).
             self.curr_batch_idx = self._last_stamp + 1
-        self._hand_off(self._take_step())
+        step: Optional[StepWrite] = self._take_step()
+        if step is not None and (step.records or step.events):
+            self._hand_off(step)
+            step = None  # (an empty one goes with the publish: one transaction, not two)
         pending = self._unsettled()
         end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
         # the ids committed since the consumer's last publish (taken after the pending records:
@@ -377,9 +380,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                                                                 self._unread))
         except BaseException as exc:
             self._unread.drop(name)  # the consumer stays where it was
+            if step is not None:
+                self._hand_off(step)
             if isinstance(exc, InvalidInputError) and pending:
                 self._settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
             raise
+        if step is not None:
+            self._hand_off(step)
         self._hand_off(PublishWrite(captured, **self._read_rule))
         self._last_stamp = stamp
         self._publish_deferred[name] = captured.deferred_rows

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DENSE_ROWS", "Accumulated", "UnreadIds"]
 
 DENSE_ROWS = 1 << 22  # shards up to this many rows accumulate in a bitmap (one byte a row)
+_CLEAR_BY_ID = 32  # a bitmap is cleared id by id when it holds fewer ids than 1/32 of its rows
 _MERGE_AT = 1 << 16  # a list of ids is merged once its unmerged ids exceed this and what it merged
 
 
@@ -185,9 +186,11 @@ class UnreadIds:
             if ids is not None:
                 out[fqn] = ids
             if t.bitmap is not None:
-                if ids is not None:
+                if ids is not None and ids.numel() * _CLEAR_BY_ID < t.bitmap.size:
                     inside = ids[(ids >= 0) & (ids < t.bitmap.size)] if t.parts else ids
                     t.bitmap[inside.numpy()] = False
+                elif ids is not None:
+                    t.bitmap.fill(False)  # (a memset: cheaper than a scatter of many ids)
                 with self._lock:
                     self._spare.setdefault(fqn, []).append(t.bitmap)
         acc.tables = {}
