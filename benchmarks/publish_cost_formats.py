@@ -1,7 +1,7 @@
 """The cost of ``publish()`` by CPU time, per row format (issue 32 item 6).
 
     python -m benchmarks.publish_cost_formats [--rounds 12] [--every 10] [--formats native,float16,bfloat16,int8]
-                                              [--out benchmarks/results/publish_cost_formats.jsonl]
+                                              [--threads 1] [--out benchmarks/results/publish_cost_formats.jsonl]
 
 Why CPU time: on this 2-core machine shared with other jobs, wall-clock throughput ratios
 cannot resolve a few percent (the bytes alone with no library code cost 1.005-1.054 of a
@@ -9,9 +9,12 @@ step's time, and A/A spans 0.975-1.044: benchmarks/README.md). The CPU a thread 
 uses is much less sensitive to the neighbours. Two parts are measured:
 
 * **the training thread**: ``time.thread_time()`` around ``tracker.publish(...)`` (the
-  capture: the consumer's unread ids from the log, the gather of their rows into the record
-  buffers), against **the bare gather** of the same rows into reused buffers (``index_select``
-  of each table's rows, ids precomputed: no library code). Target: <= 1.5x.
+  capture: the consumer's unread ids, the gather of their rows into the record buffers),
+  against **the bare gather** of the same rows into reused buffers (``index_select`` of each
+  table's rows, ids precomputed: no library code). Target: <= 1.5x. At one torch intra-op
+  thread (``--threads 1``, the default, as ``step_cpu``): with a pool, ``thread_time`` counts
+  only the calling thread's share of a parallel gather, plus its spinning while a pool worker
+  waits for a core the writer or a neighbour holds, so the ratio measured the scheduler.
 * **the whole process**: ``time.process_time()`` from the ``publish()`` call until the writer
   committed it (the training thread, then the writer thread's conversion, checksum, LMDB puts
   and retention; waited for with the writer's barrier, not ``flush()``, whose fsync would
@@ -31,7 +34,8 @@ does; without it every publish stays on disk and each commit writes to new pages
 writer's CPU; ``native`` is float32 here), plus an A/A twin of ``native`` (the noise). Each round trains every model ``--every`` steps (untimed), flushes
 (untimed), then times one publish of each variant and each floor, in a shuffled order. The
 first round is a warm-up, dropped. The training thread's part is also split: the consumer's
-unread ids read from the log (``consume_read_ids``, timed by wrapping it) and the rest. Prints one JSON line per format and a summary; ``--out``
+unread ids (``consume_read_ids``, timed by wrapping it: the writer's accumulation of them, or
+the log at a consumer's first publish) and the rest. Prints one JSON line per format and a summary; ``--out``
 appends them to a results file.
 """
 
@@ -182,11 +186,11 @@ def _record_bytes(tracker: Any, fmt: str, rows: Dict[str, int]) -> int:
     return sum(n * (8 + per) for n in rows.values())
 
 
-_IDS_S: List[float] = []  # thread CPU of each consume_read_ids call (the publish's id read)
+_IDS_S: List[float] = []  # thread CPU of each consume_read_ids call (the publish's unread ids)
 
 
 def _time_id_reads() -> None:
-    """Wrap the publish's read of the consumer's unread ids to time it (thread CPU)."""
+    """Wrap the publish's taking of the consumer's unread ids to time it (thread CPU)."""
     from persistent_delta.trainer import publish
 
     orig = publish.consume.consume_read_ids
@@ -324,7 +328,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--every", type=int, default=10, help="steps between publishes")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--out", help="append the JSON lines to this file")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.split(",") if f]
     if "native" not in formats:
         formats.insert(0, "native")
