@@ -344,9 +344,10 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Option
     One part: one ``index_select``. Several parts holding at most ``_CONCAT_BYTES`` together:
     concatenated (a sequential copy that stays in the CPU cache), then one ``index_select``.
     Larger: per part, its picked rows in position order are gathered into a cache-sized buffer
-    and copied from there to their places in the result, so each picked row is read from its
-    part once, never the rows left out, and the only allocation of the result's size is the
-    result. A bitmap over the positions orders them, not a sort."""
+    and copied from there to their places in the result (a part picked whole is copied there
+    directly), so each picked row is read from its part once, never the rows left out, and the
+    only allocation of the result's size is the result. A bitmap over the positions orders
+    them, not a sort."""
     if len(parts) == 1:
         return _take(parts[0], picked, out)
     if sum(p.nbytes for p in parts) <= _CONCAT_BYTES:
@@ -373,6 +374,11 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Option
     out_cells, buf_cells = _row_cells(out, row_bytes), _row_cells(buf, row_bytes)
     for i, p in enumerate(parts):
         a, b = bounds[i], bounds[i + 1]
+        if b - a == sizes[i]:
+            # every row of the part is picked (records of a filtered window hold each id once):
+            # in part order, straight to their places
+            out_cells[dest[a:b]] = _row_cells(p, row_bytes)
+            continue
         rows = torch.from_numpy(by_pos[a:b] - starts[i])
         for c in range(0, b - a, chunk):
             k = min(chunk, b - a - c)

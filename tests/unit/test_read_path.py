@@ -135,6 +135,18 @@ def test_gather_rows_is_cat_then_index(monkeypatch, n_parts, rows_per_part, dim,
     assert got.data_ptr() == wide[:, 2:].data_ptr()
     assert torch.equal(wide[:, 2:2 + dim], torch.cat(parts)[picked])
     assert not wide[:, :2].any() and not wide[:, 2 + dim:].any()  # nothing beside the slice written
+    # parts picked whole (a filtered window's records: each id once), in any order, beside a part picked in part
+    starts = [0]
+    for p in parts:
+        starts.append(starts[-1] + p.shape[0])
+    whole = [torch.arange(starts[i], starts[i + 1]) for i in range(0, n_parts, 2)]
+    some = [torch.arange(starts[i], starts[i + 1])[::2] for i in range(1, n_parts, 2)]
+    mixed = torch.cat(whole + some)
+    mixed = mixed[torch.randperm(mixed.numel())]
+    assert torch.equal(gather_rows(parts, mixed), torch.cat(parts)[mixed])
+    assert torch.equal(gather_rows(b, mixed), torch.cat(b)[mixed])
+    every = torch.randperm(total)
+    assert torch.equal(gather_rows(parts, every, wide.new_zeros(total, dim + 5)[:, 1:1 + dim]), torch.cat(parts)[every])
 
 
 def test_ordered_runs():
