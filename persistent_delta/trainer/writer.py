@@ -5,8 +5,8 @@ failure), and the dispatch from each operation's type to what it writes.
 
 Design note
 -----------
-The training thread only *captures* (keeps references to, or starts device-to-host copies of)
-what a batch looked up, and hands each step's records to :meth:`BackgroundWriter.submit` as one
+The training thread only *captures* what a batch looked up (keeps references to the ids, copies
+EMBEDDING rows into reused blocks on CPU, or starts device-to-host copies), and hands each step's records to :meth:`BackgroundWriter.submit` as one
 :class:`~persistent_delta.trainer.operations.StepWrite`; a publish and ``auto_compact`` hand it a
 :class:`~persistent_delta.trainer.operations.PublishWrite` or
 :class:`~persistent_delta.trainer.operations.Compaction`. A single writer thread lets small steps
