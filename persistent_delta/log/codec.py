@@ -321,7 +321,8 @@ _ZEROS = bytes(8)
 def encode_record(
     ids: torch.Tensor, states: Optional[torch.Tensor], kind: int = KIND_LOOKUP, window_start: Optional[int] = None,
     covers_end: Optional[int] = None, publish_time: Optional[float] = None, fmt: str = NATIVE,
-) -> bytearray:
+    into: Optional[bytearray] = None,
+) -> Encoded:
     """Encode one record value (unsealed: see :func:`seal_record`). ``ids`` is 1-D;
     ``states`` (optional) has ``len(ids)`` rows.
 
@@ -330,11 +331,12 @@ def encode_record(
     ``covers_end``: a compacted record stamped ``b`` holds the batches ``[b, covers_end)``; a
     reader starting inside that range must start at ``b``. ``publish_time``: the wall-clock
     time (seconds since the epoch) of the publish that wrote a snapshot record. ``fmt``: the
-    row format ``states`` are in (header ``"f"``; native: none).
+    row format ``states`` are in (header ``"f"``; native: none). ``into``: a buffer to encode
+    into when it is large enough (as :func:`encode_gathered`'s).
     """
     return _encode(ids, None if states is None else (states.dtype, list(states.shape)),
                    None if states is None else lambda out: out.copy_(states.detach().reshape(out.shape)),
-                   kind, window_start, covers_end, publish_time, fmt=fmt)
+                   kind, window_start, covers_end, publish_time, into=into, fmt=fmt)
 
 
 Encoded = Union[bytearray, memoryview]  # an encoded record: its own buffer, or a writable view of a reused one
@@ -343,6 +345,7 @@ Encoded = Union[bytearray, memoryview]  # an encoded record: its own buffer, or 
 def encode_gathered(
     ids: torch.Tensor, source: torch.Tensor, rows: torch.Tensor, kind: int = KIND_SNAPSHOT,
     publish_time: Optional[float] = None, checksum: bool = True, into: Optional[bytearray] = None,
+    window_start: Optional[int] = None,
 ) -> Encoded:
     """Encode a record whose states are ``source[rows]`` (rows of a 2-D tensor), gathered
     straight into the record's buffer: one copy of the row bytes, none through a temporary.
@@ -350,12 +353,14 @@ def encode_gathered(
     compute it later, before the record is stored). ``into``: a buffer to encode into when it
     is large enough (the result is then a view of its start, valid until it is reused): a
     caller encoding records of similar sizes again and again (``publish``) skips allocating,
-    zeroing and page-faulting a fresh buffer each time."""
+    zeroing and page-faulting a fresh buffer each time. ``window_start``: as
+    :func:`encode_record`'s (the writer's window filter keeps some rows of a captured block)."""
     if source.dim() != 2:
         raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
     rows = rows.long()
     return _encode(ids, (source.dtype, [int(rows.numel()), int(source.shape[1])]),
-                   lambda out: _gather_into(source.detach(), rows, out), kind, None, None, publish_time, checksum, into)
+                   lambda out: _gather_into(source.detach(), rows, out), kind, window_start, None, publish_time,
+                   checksum, into)
 
 
 def _gather_into(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -51,6 +51,15 @@ class AppendRecord:
     kind: int = codec.KIND_LOOKUP
     window_start: Optional[int] = None  # set by the writer's window filter (see codec)
     unique: bool = False  # no id twice (set by the window filter; lets the writer skip its dedup)
+    rows: Optional[torch.Tensor] = None  # set: the record's states are states[rows] of a 2-D block (gathered on encode)
+
+
+def materialized(rec: AppendRecord) -> AppendRecord:
+    """``rec`` with its states gathered (``states[rows]``) when it holds them as rows of a block."""
+    if rec.rows is None or rec.states is None:
+        return rec
+    return AppendRecord(rec.batch_idx, rec.fqn, rec.ids, rec.states.index_select(0, rec.rows), rec.kind,
+                        rec.window_start, rec.unique)
 
 
 def is_row_id(smallest: int) -> bool:
@@ -93,23 +102,72 @@ def validate_record(rec: AppendRecord, mode: UpdateMode) -> None:
         return
     if not isinstance(states, torch.Tensor):
         raise InvalidInputError(f"states must be a torch.Tensor or None, got {type(states).__name__}")
-    if states.dim() == 0 or states.shape[0] != ids.numel():
+    if rec.rows is not None:
+        if states.dim() != 2 or rec.rows.dim() != 1 or rec.rows.numel() != ids.numel():
+            raise InvalidInputError(
+                f"rows of {rec.fqn!r} must pick one row of a 2-D states block per id: {ids.numel()} ids, "
+                f"{rec.rows.numel()} rows, states shape {tuple(states.shape)}"
+            )
+    elif states.dim() == 0 or states.shape[0] != ids.numel():
         raise InvalidInputError(
             f"states of {rec.fqn!r} must have one row per id: {ids.numel()} ids, states shape {tuple(states.shape)}"
         )
     codec.dtype_name(states.dtype)
 
 
-def encode_records(records: Sequence[AppendRecord], mode: UpdateMode) -> List[Tuple[AppendRecord, bytearray]]:
-    """Validate and encode ``records`` (done outside the write transaction)."""
-    out = []
-    for rec in records:
+def encode_records(
+    records: Sequence[AppendRecord], mode: UpdateMode, buffers: Optional[EncodeBuffers] = None,
+) -> List[Tuple[AppendRecord, codec.Encoded]]:
+    """Validate and encode ``records``. A record holding its states as ``rows`` of a block is
+    gathered straight into its encoded value (one copy). ``buffers``: encode into reused
+    buffers (the values are then valid until the next call with the same ``buffers``)."""
+    out: List[Tuple[AppendRecord, codec.Encoded]] = []
+    for i, rec in enumerate(records):
         validate_record(rec, mode)
-        out.append((rec, codec.encode_record(rec.ids, rec.states, rec.kind, rec.window_start)))
+        into = None if buffers is None else buffers.get(i)
+        value: codec.Encoded
+        if rec.rows is not None and rec.states is not None:
+            value = codec.encode_gathered(rec.ids, rec.states, rec.rows, rec.kind, into=into,
+                                          window_start=rec.window_start)
+        else:
+            value = codec.encode_record(rec.ids, rec.states, rec.kind, rec.window_start, into=into)
+        if buffers is not None and isinstance(value, bytearray):
+            buffers.keep(i, value)
+        out.append((rec, value))
     return out
 
 
-def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, bytearray]], channel: str = LOOKUPS) -> int:
+class EncodeBuffers:
+    """Buffers that :func:`encode_records` encodes into, by record position, reused call after
+    call (a writer encoding every step's records skips allocating, zeroing and page-faulting a
+    fresh buffer per record). A record larger than its slot's buffer gets a fresh one, which
+    replaces it. Memory: at most ``max_bytes`` kept, in at most ``max_slots`` buffers.
+    Not thread-safe: one writer's."""
+
+    def __init__(self, max_bytes: int = 64 << 20, max_slots: int = 64) -> None:
+        self._bufs: List[Optional[bytearray]] = []
+        self._max_bytes, self._max_slots = max_bytes, max_slots
+        self.nbytes = 0
+
+    def get(self, i: int) -> Optional[bytearray]:
+        """Slot ``i``'s buffer (None: none yet)."""
+        return self._bufs[i] if i < len(self._bufs) else None
+
+    def keep(self, i: int, buf: bytearray) -> None:
+        """Make ``buf`` slot ``i``'s buffer, unless that passes the limits."""
+        if i >= self._max_slots:
+            return
+        old = self.get(i)
+        grown = self.nbytes - (0 if old is None else len(old)) + len(buf)
+        if grown > self._max_bytes:
+            return
+        while len(self._bufs) <= i:
+            self._bufs.append(None)
+        self._bufs[i] = buf
+        self.nbytes = grown
+
+
+def write_records(w: WriteTxn, encoded: Sequence[Tuple[AppendRecord, codec.Encoded]], channel: str = LOOKUPS) -> int:
     """Append encoded records inside a write transaction; returns bytes written.
 
     Refuses (before writing anything) a lookups batch_idx lower than its table's last one.

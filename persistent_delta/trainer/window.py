@@ -90,10 +90,13 @@ class WindowFilter:
             return pos, cand
         return pos[first], cand[first]
 
-    def filter(self, w: WriteTxn, records: List[AppendRecord]) -> Tuple[List[AppendRecord], Callable[[], None]]:
+    def filter(self, w: WriteTxn, records: List[AppendRecord],
+               lazy: bool = False) -> Tuple[List[AppendRecord], Callable[[], None]]:
         """Filter ``records`` inside the write transaction ``w``. The window is updated at once;
         returns the records to write and an ``undo`` to call if the transaction does not commit
-        (it restores the window exactly)."""
+        (it restores the window exactly). ``lazy``: a record that keeps some rows of 2-D states
+        holds them as ``rows`` of its block (gathered when encoded, see
+        :func:`persistent_delta.log.records.encode_records`) instead of a gathered copy."""
         if not self.enabled:
             return records, lambda: None
         consumers = w.consumers()
@@ -133,9 +136,12 @@ class WindowFilter:
                 # (a record whose rows were all recorded already is still written, empty:
                 # it carries the window start that readers positioned after it need)
                 dropped += n - keep.numel()
-                states = None if r.states is None else r.states.index_select(0, keep)
                 kept = ids if r.ids.dtype == torch.int64 else ids.to(r.ids.dtype)
-                r = AppendRecord(r.batch_idx, r.fqn, kept, states, r.kind, start, unique=True)
+                if lazy and r.states is not None and r.states.dim() == 2:
+                    r = AppendRecord(r.batch_idx, r.fqn, kept, r.states, r.kind, start, unique=True, rows=keep)
+                else:
+                    states = None if r.states is None else r.states.index_select(0, keep)
+                    r = AppendRecord(r.batch_idx, r.fqn, kept, states, r.kind, start, unique=True)
             if ids_np.size:
                 bitmap.numpy()[ids_np] = True
                 marked.append((r.fqn, ids))

@@ -43,7 +43,7 @@ from persistent_delta.errors import InvalidInputError, LogClosedError, LogFullEr
 from persistent_delta.log import position_rules
 from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.log.deltalog import DeltaLog, WriteTxn
-from persistent_delta.log.records import AppendRecord, encode_records, write_records
+from persistent_delta.log.records import AppendRecord, EncodeBuffers, encode_records, materialized, write_records
 from persistent_delta.log.rows import compute_unique_rows, unique_ids
 from persistent_delta.log.schema import META_CURR_BATCH
 from persistent_delta.threads import default_kept, set_for_this_thread
@@ -94,6 +94,8 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
         groups.setdefault((r.fqn, r.batch_idx), []).append(r)
     out: List[AppendRecord] = []
     for (fqn, b), recs in groups.items():
+        if len(recs) > 1 or not recs[0].unique:
+            recs = [materialized(r) for r in recs]  # rows kept as rows of a block: gathered to merge
         starts = [r.window_start for r in recs if r.window_start is not None]
         w = min(starts) if starts else None  # the merged record needs the window start of any part
         if all(r.unique for r in recs):
@@ -136,6 +138,7 @@ class BackgroundWriter:
         self._committed = committed  # told each commit's step records before they leave the queue
         self._mode = mode
         self._window = window
+        self._buffers = EncodeBuffers()  # the writer thread's: each commit encodes into these
         self._opts = options or WriterOptions()
         self._cv = threading.Condition()
         self._queue: Deque[_Queued] = collections.deque()
@@ -356,7 +359,8 @@ class BackgroundWriter:
 
     def _commit(self, taken: List[_Queued]) -> None:
         t0 = time.perf_counter()
-        n_records, nbytes = commit_operations(self._log, self._mode, [t.op for t in taken], self._window)
+        n_records, nbytes = commit_operations(self._log, self._mode, [t.op for t in taken], self._window,
+                                              self._buffers)
         if self._committed is not None:
             self._committed([r for t in taken if isinstance(t.op, StepWrite) for r in t.op.records])
         dt = time.perf_counter() - t0
@@ -373,7 +377,8 @@ class BackgroundWriter:
 
 
 def commit_operations(
-    log: DeltaLog, mode: UpdateMode, ops: List[Operation], window: Optional[WindowFilter] = None
+    log: DeltaLog, mode: UpdateMode, ops: List[Operation], window: Optional[WindowFilter] = None,
+    buffers: Optional[EncodeBuffers] = None,
 ) -> Tuple[int, int]:
     """Commit ``ops`` in one write transaction; returns (records, bytes) appended.
 
@@ -382,6 +387,8 @@ def commit_operations(
     per-(table, batch) dedup that follows only sorts what is new -- dedups, encodes and appends
     every :class:`StepWrite`'s records, persists the latest batch index among them, then runs
     each :class:`PublishWrite` and :class:`Compaction` in order (:func:`write_log_operation`).
+    The rows the filter keeps of a captured block are gathered straight into their encoded
+    record (one copy); ``buffers``: the caller's reused encode buffers (one thread's).
 
     Raises:
         InvalidInputError: a record cannot be stored (e.g. a negative id); nothing is written.
@@ -406,11 +413,11 @@ def commit_operations(
         kept = [r for r in records if r.kind not in SIDE_KINDS]
         side = [r for r in records if r.kind in SIDE_KINDS] if len(kept) < len(records) else []
         if window is not None and kept:
-            kept, revert = window.filter(w, kept)
+            kept, revert = window.filter(w, kept, lazy=True)
             undo.append(revert)
         if dedup:
             kept = dedup_records(kept, mode)
-        encoded = encode_records(kept + side, mode)
+        encoded = encode_records(kept + side, mode, buffers)
         n = write_records(w, encoded) if encoded else 0
         if batch_idx is not None:
             w.set_meta(META_CURR_BATCH, batch_idx)

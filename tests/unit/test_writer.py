@@ -446,3 +446,46 @@ def test_a_read_with_nothing_new_inside_a_window_reads_nothing(tmp_path):
     more = fetch.fetch_ranks({0: log}, {0: 9}, {0: 10})[0]
     assert (more.start_idx, more.end_idx) == (begin, 10)  # the read reaches back to the window start
     log.close()
+
+
+def test_rows_gathered_into_reused_encode_buffers_store_the_same_bytes(tmp_path):
+    """The writer keeps the window filter's rows as rows of the captured block and gathers them
+    straight into reused encode buffers (one copy); the stored log is byte for byte the one the
+    filter-gather-then-encode path writes, also when two records of one (table, batch) merge and
+    records grow and shrink between commits."""
+    from persistent_delta.log.records import EncodeBuffers, encode_records, write_records
+    from persistent_delta.log.schema import META_CURR_BATCH
+    from persistent_delta.trainer.writer import dedup_records
+
+    mode = UpdateMode.FIRST
+    g = torch.Generator().manual_seed(3)
+    steps = []
+    for b in range(1, 9):
+        recs = []
+        for fqn in ("t", "u"):
+            for _ in range(2 if (b % 3 == 0 and fqn == "t") else 1):  # two records of ("t", b): merged
+                n = int(torch.randint(5, 60 if b % 2 else 12, (1,), generator=g))
+                ids = torch.randint(0, 80, (n,), generator=g)
+                recs.append(AppendRecord(b, fqn, ids, torch.randn(n, 3, generator=g)))
+        steps.append(StepWrite(records=recs, curr_batch_idx=b))
+
+    new = log_with_consumer(str(tmp_path / "new"), mode)
+    window, buffers = WindowFilter(mode), EncodeBuffers(max_bytes=4096, max_slots=3)
+    for i in range(0, len(steps), 2):  # two steps a commit
+        commit_operations(new, mode, steps[i:i + 2], window, buffers)
+    assert 0 < buffers.nbytes <= 4096
+
+    old = log_with_consumer(str(tmp_path / "old"), mode)
+    window = WindowFilter(mode)
+    for i in range(0, len(steps), 2):
+        def write_group(w, ops=steps[i:i + 2]):
+            kept, _ = window.filter(w, [r for op in ops for r in op.records])  # gathered copies
+            write_records(w, encode_records(dedup_records(kept, mode), mode))
+            w.set_meta(META_CURR_BATCH, ops[-1].curr_batch_idx)
+        old.write(write_group)
+    assert window.rows_dropped > 0
+
+    def stored(log):
+        return log.read(lambda r: [(bytes(k), bytes(v)) for k, v in r.iter_raw()])
+
+    assert stored(new) == stored(old) and len(stored(new)) >= 16
