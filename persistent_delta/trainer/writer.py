@@ -16,11 +16,13 @@ someone waits for it), then, for every run of queued operations (:func:`commit_o
 1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
    deduplicates each (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are
-   unchanged), encodes, appends, persists the tracker's batch index, then writes each publish
-   and runs each compaction, in submission order.
+   unchanged), encodes (the kept rows of a captured block gathered straight into the record,
+   in buffers reused from commit to commit), appends, persists the tracker's batch index, then
+   writes each publish and runs each compaction, in submission order.
 
 Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
-``max_pending_steps`` are queued (backpressure); nothing is ever dropped. If a commit fails
+``max_pending_steps`` are queued (backpressure); nothing is ever dropped. The writer also keeps
+its encode buffers (at most 64 MiB: :class:`~persistent_delta.log.records.EncodeBuffers`). If a commit fails
 (disk full, ...), the failed operations stay at the head of the queue, the writer stops, and the
 next ``submit``/``barrier`` raises :class:`WriterError`; :meth:`BackgroundWriter.resume` retries
 them (``PersistentDeltaTracker.resume`` for a tracker).
