@@ -6,7 +6,7 @@ CPU dry run (``--device cpu``: the same harness on gloo ranks, ``make gpu-check-
 What the CUDA path adds to the CPU one, and which check runs it:
 
 * pinned device-to-host copies (``trainer.capture``: each record is copied non-blocking into
-  pinned host memory and the writer waits on a CUDA event before reading it): ``streams``
+  pinned host memory and the writer waits on a CUDA event before reading it): ``copies`` and ``streams``
   inspects the writer's queue (pinned tensors, one event per record) and delays the copies
   behind a sleeping stream so that a writer reading before its event would store garbage;
   ``differential`` and ``sigkill_restart`` run the whole path;
@@ -46,6 +46,10 @@ pass, 1 when one fails, 2 when the CUDA stack is missing):
    never move back, and the batch index continues.
 6. ``step_overhead``: ``benchmarks.step_overhead`` runs on the device and reports its ratios
    (a run, not a target: the figures go to benchmarks/README.md).
+7. ``copies``: the device-to-host copies alone: models sharded on CPU carry both trackers,
+   lookups are made on the device by plain torch and handed to ``record_lookup``; runs where
+   only torch has CUDA kernels (``--checks copies`` needs no ``fbgemm-gpu`` CUDA build). It
+   passed on an H200 (docs/gpu-check.md).
 
 Prerequisites for ``--device cuda`` (docs/gpu-check.md): an NVIDIA GPU; torch 2.13.0 built with
 CUDA; ``fbgemm-gpu==1.8.0`` (the CUDA build) in place of ``fbgemm-gpu-cpu``; ``torchrec==1.8.0``
@@ -74,8 +78,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("ID_ONLY", "EMBEDDING", "MOMENTUM_LAST", "MOMENTUM_DIFF", "ROWWISE_ADAGRAD")
 STATE_MODES = ("MOMENTUM_LAST", "MOMENTUM_DIFF", "ROWWISE_ADAGRAD")
-CHECKS = ("differential", "streams", "publish_apply", "topk_restore", "sigkill_restart", "step_overhead")
+CHECKS = ("differential", "streams", "publish_apply", "topk_restore", "sigkill_restart", "step_overhead", "copies")
 RANK_CHECKS = ("differential", "streams", "publish_apply", "topk_restore")
+# checks whose models stay on CPU (gloo, one rank): on a GPU they need torch's CUDA build only,
+# not fbgemm-gpu's CUDA kernels, so they also run where only fbgemm-gpu-cpu is installed
+HOST_MODEL_CHECKS = ("copies",)
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 PREREQUISITES = """prerequisites for --device cuda (docs/gpu-check.md):
   - an NVIDIA GPU (one rank per GPU: NCCL refuses two ranks on one device)
@@ -113,8 +120,9 @@ SIZES = {
 # ----------------------------------------------------------------------------- prerequisites
 
 
-def missing_cuda_stack() -> List[str]:
-    """What the CUDA path needs and this environment lacks (empty: all there)."""
+def missing_cuda_stack(tbe_kernels: bool = True) -> List[str]:
+    """What the CUDA path needs and this environment lacks (empty: all there). ``tbe_kernels``
+    False: only what :data:`HOST_MODEL_CHECKS` need (torch with CUDA, a GPU, torchrec)."""
     from importlib import metadata
 
     missing: List[str] = []
@@ -127,14 +135,14 @@ def missing_cuda_stack() -> List[str]:
     elif not torch.cuda.is_available():
         missing.append("torch.cuda.is_available() is False: no GPU visible (driver, CUDA_VISIBLE_DEVICES?)")
     dists = {d.metadata["Name"].lower().replace("_", "-") for d in metadata.distributions() if d.metadata["Name"]}
-    if "fbgemm-gpu" not in dists:
+    if tbe_kernels and "fbgemm-gpu" not in dists:
         have = "fbgemm-gpu-cpu is" if "fbgemm-gpu-cpu" in dists else "no fbgemm-gpu is"
         missing.append(f"fbgemm-gpu==1.8.0 (the CUDA build) is not installed ({have})")
     try:
         import torchrec  # noqa: F401
     except ImportError as exc:
         missing.append(f"torchrec does not import ({exc}): pip install --no-deps torchrec==1.8.0")
-    if not missing:
+    if not missing and tbe_kernels:
         try:
             import fbgemm_gpu  # noqa: F401
 
@@ -361,9 +369,18 @@ def streams(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycle
                                                path=os.path.join(root, "streams"), linger_steps=1000, linger_s=600.0))
     queued: List[Tuple[int, int, int]] = []  # (records, pinned tensors, events) of what the writer held
     n = 0
+    capture_lookup = ours._capture.lookup
+
+    def delayed_lookup(*args: Any) -> None:
+        """The stream sleeps right before each lookup's copies are queued: the forward's own host
+        syncs (the KJT's lengths, the input dist) come before it, so the copies land late unless
+        a later sync in the step waits the sleep out."""
+        _delay(device, delay_cycles)
+        capture_lookup(*args)
+
+    ours._capture.lookup = delayed_lookup  # type: ignore[method-assign]  (the check's instrument)
     with _stream(device):
         for step, batch in enumerate(batches):
-            _delay(device, delay_cycles)  # this step's device-to-host copies queue behind the sleep
             train_step(ref_dmp, batch)
             train_step(dmp, batch)
             if step % 3 == 2:
@@ -372,7 +389,8 @@ def streams(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycle
                 tensors = [t for r, _ in recs for t in (r.ids, r.states) if t is not None]
                 queued.append((len(recs), sum(bool(t.is_pinned()) for t in tensors if t.device.type == "cpu"),
                                sum(len(getattr(op, "events", [])) for op in ops)))
-                n += _compare(ref.get_unique("c"), ours.get_unique("c"), "EMBEDDING", None, f"streams step {step}")
+                got = ours.get_unique("c")  # first: TorchRec's read waits for the stream
+                n += _compare(ref.get_unique("c"), got, "EMBEDDING", None, f"streams step {step}")
     ours.close()
     records = sum(q[0] for q in queued)
     pinned, events = sum(q[1] for q in queued), sum(q[2] for q in queued)
@@ -383,6 +401,95 @@ def streams(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycle
     if device != "cuda" and events:
         raise AssertionError(f"CPU records carried {events} device events")
     return {"rows": n, "queued_records": records, "pinned_tensors": pinned, "events": events}
+
+
+def copies(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycles: int) -> Dict[str, Any]:
+    """Check 7 on this rank: the device-to-host copies with lookups made on the device by plain
+    torch, so that it runs where only torch has CUDA kernels (fbgemm-gpu-cpu's TBEs on CPU).
+
+    Two CPU-sharded models carry the trackers (TorchRec's and ours, identical tables); each step
+    a side stream sleeps, then an ``nn.Embedding`` on the device (one per table, the DMP's
+    initial weights, updated in place after every lookup) looks up the batch's ids, and both
+    trackers' ``record_lookup`` get the device KJT and rows, as TorchRec's post-lookup hook
+    hands them on a GPU. Ours copies them non-blocking into pinned host memory and the writer
+    waits on each step's event; every ``get_unique`` (ID_ONLY and EMBEDDING) must equal
+    TorchRec's tracker's, which keeps the device tensors. On CPU (the dry run) the same runs
+    with host tensors: no copy, no event."""
+    import torch
+    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from benchmarks._model import _local_weights, make_batches
+    from persistent_delta import PersistentTrackerConfig, attach
+
+    w = _workload(s)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    batches = make_batches(w, s.steps, seed=17, rank=rank, device=device)
+    out: Dict[str, Any] = {}
+    for mode_name in ("ID_ONLY", "EMBEDDING"):
+        mode = TrackingMode[mode_name]
+        ref_dmp, dmp = _model(w, "cpu", "rowwise_adagrad"), _model(w, "cpu", "rowwise_adagrad")
+        features = dmp._bench_features
+        tables = [_local_weights(dmp)[k] for k in sorted(_local_weights(dmp))]
+        if world > 1 or any(t.shape[0] != w.rows for t in tables):
+            raise AssertionError("copies runs on one rank (its lookups use global ids as the shard's local ids)")
+        embs = [torch.nn.Embedding.from_pretrained(t.detach().clone(), freeze=True).to(dev) for t in tables]
+        ref = ref_dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=mode, consumers=["c"],
+                                                                     delete_on_read=True))
+        ours = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, consumers=["c"], linger_steps=1000,
+                                                   linger_s=600.0, path=os.path.join(root, f"copies-{mode_name}")))
+        queued: List[Tuple[int, int, int]] = []
+        n = 0
+        hook_s = [0.0, 0.0]  # the training thread's time in record_lookup: TorchRec's, ours
+        warm = min(3, len(batches) // 2)
+        with _stream(device):
+            for step, b in enumerate(batches):
+                ref.step()
+                ours.step()
+                # the KJT's lengths are read on the host (a sync) before the sleep: nothing after
+                # it waits for the stream until ours reads, so its copies land late
+                kjt = KeyedJaggedTensor.from_lengths_sync(keys=features, values=b.values, lengths=b.lengths)
+                per = kjt.values().split(kjt.length_per_key())
+                _delay(device, delay_cycles)  # the lookup, and the copies after it, run late
+                rows = torch.cat([e(ids) for e, ids in zip(embs, per)])
+                t0 = time.perf_counter()
+                ref.record_lookup(kjt, rows)
+                t1 = time.perf_counter()
+                ours.record_lookup(kjt, rows)
+                if step >= warm:  # the first steps allocate (pinned blocks, the writer's buffers)
+                    hook_s[0] += t1 - t0
+                    hook_s[1] += time.perf_counter() - t1
+                with torch.no_grad():  # the tables move on: a late or early read would see other rows
+                    for e, ids in zip(embs, per):
+                        e.weight.index_add_(0, ids, torch.full((ids.numel(), w.dim), 1e-3, device=dev))
+                del rows
+                if step % 3 == 2:
+                    ops = ours._writer.queued() if ours._writer is not None else []  # (inspection only)
+                    recs = [r for op in ops for r in getattr(op, "records", [])]
+                    tensors = [t for r in recs for t in (r.ids, r.states) if t is not None]
+                    queued.append((len(recs), sum(bool(t.is_pinned()) for t in tensors if t.device.type == "cpu"),
+                                   sum(len(getattr(op, "events", [])) for op in ops)))
+                    got = ours.get_unique("c")  # first: TorchRec's read waits for the stream
+                    n += _compare(ref.get_unique("c"), got, mode_name, None, f"copies {mode_name} step {step}")
+        ours.close()
+        records = sum(q[0] for q in queued)
+        pinned, events = sum(q[1] for q in queued), sum(q[2] for q in queued)
+        tensors_per_record = 1 if mode_name == "ID_ONLY" else 2
+        if records == 0 or n == 0:
+            raise AssertionError(f"{mode_name}: nothing compared ({records} queued records, {n} rows)")
+        if device == "cuda" and (pinned != tensors_per_record * records or events == 0):
+            raise AssertionError(f"{mode_name}: {records} queued records: {pinned} pinned tensors "
+                                 f"(want {tensors_per_record * records}), {events} events")
+        if device != "cuda" and events:
+            raise AssertionError(f"{mode_name}: CPU records carried {events} device events")
+        out[mode_name] = {"rows": n, "queued_records": records, "pinned_tensors": pinned, "events": events,
+                          "record_lookup_us": {"torchrec": round(hook_s[0] / (len(batches) - warm) * 1e6, 1),
+                                               "persistent": round(hook_s[1] / (len(batches) - warm) * 1e6, 1)},
+                          "bytes_per_step": int(sum(b.values.numel() for b in batches) / len(batches)
+                                                * (8 + (4 * w.dim if mode_name == "EMBEDDING" else 0)))}
+        del ref, ours, ref_dmp, dmp
+        gc.collect()
+    return out
 
 
 def publish_apply(rank: int, world: int, device: str, root: str, s: Sizes) -> Dict[str, Any]:
@@ -480,9 +587,9 @@ def topk_restore(rank: int, world: int, device: str, root: str, s: Sizes) -> Dic
 
 
 def _rank_entry(rank: int, world: int, device: str, port: int, root: str, s: Sizes, checks: List[str],
-                delay_cycles: int, results: Any) -> None:
-    """One rank: join the group (NCCL on its own GPU, or gloo), run the rank checks, put each
-    result on ``results`` as soon as it is known (a later hang keeps the earlier ones)."""
+                delay_cycles: int, results: Any, backend: str) -> None:
+    """One rank: join the group (``backend``: NCCL on its own GPU, or gloo), run the rank checks,
+    put each result on ``results`` as soon as it is known (a later hang keeps the earlier ones)."""
     import torch
     import torch.distributed as dist
 
@@ -493,13 +600,14 @@ def _rank_entry(rank: int, world: int, device: str, port: int, root: str, s: Siz
     else:
         torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # fbgemm's CPU row-wise Adagrad slows down on denormals
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     runs: Dict[str, Callable[[], Any]] = {
         "differential": lambda: differential(rank, world, device, root, s),
         "streams": lambda: streams(rank, world, device, root, s, delay_cycles),
         "publish_apply": lambda: publish_apply(rank, world, device, root, s),
         "topk_restore": lambda: topk_restore(rank, world, device, root, s),
+        "copies": lambda: copies(rank, world, device, root, s, delay_cycles),
     }
     try:
         for name in checks:
@@ -521,10 +629,10 @@ def _rank_entry(rank: int, world: int, device: str, port: int, root: str, s: Siz
 
 
 def run_ranks(device: str, world: int, root: str, s: Sizes, checks: List[str], delay_cycles: int,
-              timeout: float) -> Dict[str, List[Tuple[bool, float, Any]]]:
-    """Spawn ``world`` ranks running ``checks``; returns check -> per-rank (ok, seconds, result
-    or traceback). A rank still running after ``timeout`` seconds is killed; checks it had not
-    reported fail with that."""
+              timeout: float, backend: Optional[str] = None) -> Dict[str, List[Tuple[bool, float, Any]]]:
+    """Spawn ``world`` ranks running ``checks`` in a ``backend`` group (default: NCCL on a GPU,
+    gloo on CPU); returns check -> per-rank (ok, seconds, result or traceback). A rank still
+    running after ``timeout`` seconds is killed; checks it had not reported fail with that."""
     import multiprocessing as mp
 
     from persistent_delta.testing import free_port
@@ -532,7 +640,9 @@ def run_ranks(device: str, world: int, root: str, s: Sizes, checks: List[str], d
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, device, port, root, s, checks, delay_cycles, results))
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    procs = [ctx.Process(target=_rank_entry,
+                         args=(r, world, device, port, root, s, checks, delay_cycles, results, backend))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -785,7 +895,7 @@ def _timed(name: str, fn: Callable[[], Any]) -> Result:
         return Result(name, False, time.monotonic() - t0, _failure(exc))
 
 
-def _environment(device: str, world: int) -> Dict[str, Any]:
+def _environment(device: str, world: int, backend: str) -> Dict[str, Any]:
     from importlib import metadata
 
     import torch
@@ -798,7 +908,7 @@ def _environment(device: str, world: int) -> Dict[str, Any]:
                 continue
         return None
 
-    env: Dict[str, Any] = {"device": device, "world_size": world, "backend": "nccl" if device == "cuda" else "gloo",
+    env: Dict[str, Any] = {"device": device, "world_size": world, "backend": backend,
                            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "fbgemm_gpu": version("fbgemm-gpu"), "fbgemm_gpu_cpu": version("fbgemm-gpu-cpu"),
                            "torchrec": version("torchrec")}
@@ -810,8 +920,13 @@ def _environment(device: str, world: int) -> Dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the selected checks; print PASS/FAIL lines and the JSON summary; the exit code."""
     t_start = time.monotonic()
+    checks = [c.strip() for c in args.checks.split(",")] if args.checks else list(CHECKS)
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        print(f"gpu_check: unknown checks {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return EXIT_REFUSED
     if args.device == "cuda":
-        missing = missing_cuda_stack()
+        missing = missing_cuda_stack(tbe_kernels=not set(checks) <= set(HOST_MODEL_CHECKS))
         if missing:
             print("gpu_check: refused: the CUDA path needs what this environment lacks:", file=sys.stderr)
             for m in missing:
@@ -822,16 +937,15 @@ def run(args: argparse.Namespace) -> int:
 
     size = "quick" if args.quick else args.device
     s = SIZES[size]
+    if args.steps:
+        import dataclasses
+
+        s = dataclasses.replace(s, steps=args.steps)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     world = args.ranks or (min(gpus, 8) if args.device == "cuda" else (1 if args.quick else 2))
     if args.device == "cuda" and world > gpus:
         print(f"gpu_check: refused: --ranks {world} needs {world} GPUs (one rank per GPU: NCCL refuses two ranks on "
               f"one device); {gpus} visible", file=sys.stderr)
-        return EXIT_REFUSED
-    checks = [c.strip() for c in args.checks.split(",")] if args.checks else list(CHECKS)
-    unknown = [c for c in checks if c not in CHECKS]
-    if unknown:
-        print(f"gpu_check: unknown checks {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
         return EXIT_REFUSED
     root = tempfile.mkdtemp(prefix="pd-gpu-check-", dir=args.workdir)
     results: List[Result] = []
@@ -862,12 +976,17 @@ def run(args: argparse.Namespace) -> int:
             elif ok and name in ("streams", "topk_restore"):
                 detail = per[name][0][2]
             report(Result(name, ok, secs, detail))
+    if "copies" in checks:  # one rank in a gloo group: its models are on CPU, its lookups on the device
+        per = run_ranks(args.device, 1, root, s, ["copies"], args.delay_cycles, args.rank_timeout, backend="gloo")
+        ok, secs, detail = per["copies"][0]
+        report(Result("copies", ok, secs, detail))
     if "sigkill_restart" in checks:
         report(_timed("sigkill_restart", lambda: sigkill_restart(args.device, root, s, size)))
     if "step_overhead" in checks:
         report(_timed("step_overhead", lambda: step_overhead(args.device, s, args.bench_timeout)))
     ok = all(r.ok for r in results)
-    summary = {"ok": ok, **_environment(args.device, world), "size": size, "wall_s": round(time.monotonic() - t_start, 1),
+    summary = {"ok": ok, **_environment(args.device, world if rank_checks else 1,
+                                                 "nccl" if args.device == "cuda" and rank_checks else "gloo"), "size": size, "steps": s.steps, "wall_s": round(time.monotonic() - t_start, 1),
                "workdir": root if args.keep else None,
                "checks": [asdict(r) if r.ok else {**asdict(r), "detail": str(r.detail)[:4000]} for r in results]}
     print(json.dumps(summary, default=str), flush=True)
@@ -892,6 +1011,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int, default=None,
                     help="ranks of the rank checks (default: one per visible GPU, at most 8; cpu: 2, --quick: 1)")
     ap.add_argument("--checks", default=None, help=f"comma-separated subset of: {', '.join(CHECKS)} (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps of each rank check (default: the size's)")
     ap.add_argument("--delay-cycles", type=int, default=50_000_000,
                     help="GPU cycles each streams-check step's copies are held back (torch.cuda._sleep)")
     ap.add_argument("--rank-timeout", type=float, default=360.0, help="seconds for the rank checks together")

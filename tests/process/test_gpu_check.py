@@ -29,7 +29,7 @@ def test_the_dry_run_passes_every_check(tmp_path):
     checks = {c["name"]: c for c in summary["checks"]}
     assert summary["ok"] and summary["device"] == "cpu" and summary["backend"] == "gloo"
     assert set(checks) == {"differential", "streams", "publish_apply", "topk_restore", "sigkill_restart",
-                           "step_overhead"}
+                           "step_overhead", "copies"}
     assert [ln.split()[0] for ln in lines[:-1] if ln.split()[:1] in (["PASS"], ["FAIL"])] == ["PASS"] * len(checks)
     rows = checks["differential"]["detail"]["rows_compared"]
     assert all(rows[m] > 0 for m in ("ID_ONLY", "EMBEDDING", "MOMENTUM_LAST", "MOMENTUM_DIFF", "ROWWISE_ADAGRAD"))
@@ -37,6 +37,9 @@ def test_the_dry_run_passes_every_check(tmp_path):
     streams = checks["streams"]["detail"]
     assert streams["rows"] > 0 and streams["queued_records"] > 0 and streams["events"] == 0  # CPU: no copies
     assert checks["publish_apply"]["detail"]["rows_applied"] > 0
+    for mode in ("ID_ONLY", "EMBEDDING"):  # CPU lookups: kept as they are, no pinned copy, no event
+        copies = checks["copies"]["detail"][mode]
+        assert copies["rows"] > 0 and copies["queued_records"] > 0 and copies["events"] == 0, copies
     assert all(n > 0 for n in checks["topk_restore"]["detail"]["redelivered"].values())
     assert len(checks["sigkill_restart"]["detail"]["trials"]) == 2
     assert checks["step_overhead"]["detail"]
