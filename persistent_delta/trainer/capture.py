@@ -220,10 +220,10 @@ class Capture:
         """Add a record captured by another hook (a managed-collision table's side records and
         re-initialised rows: :mod:`.zch_capture`) to the batch being recorded. Its tensors on a
         device are copied to pinned host memory without blocking, as a lookup's are
-        (:meth:`_keep`: the writer waits for the copy's event); on CPU it is kept as it is."""
+        (:meth:`_keep_all`: the writer waits for the copy's event); on CPU it is kept as it is."""
         if record.ids.device.type != "cpu" or (record.states is not None and record.states.device.type != "cpu"):
-            record = dataclasses.replace(record, ids=self._keep(record.ids),
-                                         states=None if record.states is None else self._keep(record.states))
+            kept = self._keep_all(record.ids, *([] if record.states is None else [record.states]))
+            record = dataclasses.replace(record, ids=kept[0], states=kept[1] if len(kept) > 1 else None)
         self.pending.append(record)
 
     def take(self) -> Tuple[List[AppendRecord], List[Any]]:
@@ -234,23 +234,36 @@ class Capture:
             self.blocks.next_step()
         return out
 
-    def _keep(self, t: torch.Tensor) -> torch.Tensor:
-        """A detached reference on CPU; on a device, a non-blocking copy into pinned host
-        memory, waited for by the writer (the stream is not stalled)."""
-        t = t.detach()
-        if t.device.type == "cpu":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        if t.device.type == "cuda":
+    def _keep_all(self, *ts: torch.Tensor) -> List[torch.Tensor]:
+        """Each of ``ts`` as a record keeps it: a detached reference on CPU; on a device, a
+        non-blocking copy into pinned host memory, with one event after the last copy, waited
+        for by the writer (the stream is not stalled). A lookup's ids and rows are kept whole,
+        one copy each, and split on the host."""
+        out = [t.detach() for t in ts]
+        device = next((t.device for t in out if t.device.type != "cpu"), None)
+        if device is None:
+            return out
+        for i, t in enumerate(out):
+            if t.device.type != "cpu":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                out[i] = host
+        if device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
             self.events.append(ev)
-        return host
+        return out
+
+    def _append(self, batch_idx: int, feature: str, ids: torch.Tensor, states: Optional[torch.Tensor]) -> None:
+        """A record of kept tensors (:meth:`_keep_all`)."""
+        self.pending.append(AppendRecord(batch_idx, self._feature_to_fqn[feature], ids, states))
 
     def _add(self, batch_idx: int, feature: str, ids: torch.Tensor, states: Optional[torch.Tensor]) -> None:
-        fqn = self._feature_to_fqn[feature]
-        self.pending.append(AppendRecord(batch_idx, fqn, self._keep(ids), None if states is None else self._keep(states)))
+        if states is None:
+            (ids,) = self._keep_all(ids)
+        else:
+            ids, states = self._keep_all(ids, states)
+        self._append(batch_idx, feature, ids, states)
 
     def lookup(self, batch_idx: int, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module]) -> None:
         """Split one lookup into one record per feature (the writer merges a table's records
@@ -260,10 +273,10 @@ class Capture:
             return
         values = kjt.values()
         lengths = kjt.length_per_key()
-        per_key = values.split(lengths)
         if self._mode == TrackingMode.ID_ONLY:
-            for key, ids in zip(keys, per_key):
-                self._add(batch_idx, key, ids, None)
+            (kept,) = self._keep_all(values)  # on a device: one copy of the lookup's ids, split on the host
+            for key, ids in zip(keys, kept.split(lengths)):
+                self._append(batch_idx, key, ids, None)
         elif self._mode == TrackingMode.EMBEDDING:
             n = values.numel()
             if n == 0:
@@ -273,8 +286,9 @@ class Capture:
             rows = states.detach().view(n, -1)
             if rows.device.type == "cpu" and self.blocks is not None:
                 rows = self.blocks.copy(rows)  # not autograd's memory: see the module docstring
-            for key, ids, emb in zip(keys, per_key, rows.split(lengths)):
-                self._add(batch_idx, key, ids, emb)
+            kept_ids, kept_rows = self._keep_all(values, rows)  # on a device: two copies, one event
+            for key, ids, emb in zip(keys, kept_ids.split(lengths), kept_rows.split(lengths)):
+                self._append(batch_idx, key, ids, emb)
         else:
             if emb_module is None:
                 raise InvalidInputError(f"tracking mode {self._mode.name} needs the embedding module")
@@ -282,7 +296,7 @@ class Capture:
             if index is None:
                 index = self._feature_index[id(emb_module)] = feature_index(emb_module)
             opt_states = trec.optimizer_states(emb_module)
-            for key, ids in zip(keys, per_key):
+            for key, ids in zip(keys, values.split(lengths)):
                 rows = opt_states[index[key]][0][ids]
                 if self._mode == TrackingMode.MOMENTUM_LAST:
                     rows = rows.norm(dim=1) if rows.dim() > 1 else rows.abs()
