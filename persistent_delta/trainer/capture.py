@@ -11,9 +11,10 @@ given) into a block of :class:`LookupBlocks`, reused from step to step, instead 
 reference to it. The output is autograd's memory; kept until the writer has encoded it, it
 lives past the next step's forward, which then cannot reuse it: glibc's default thresholds hand
 the step fresh pages (mapped, or a heap top it trimmed) and the training thread page-faults
-them in, every step, which costs far more than the copy (benchmarks/README.md, "The step by
-CPU time"). The copy is made by a thread of the tracker's own (:class:`HostCopies`), within
-the step, so it is not the training thread's work either.
+them in, every step. Measured on the ``step_cpu`` workload (16.8 MB of rows a step): holding
+each output one step longer, with no library code, costs ~3,800 minor faults and ~14 ms of
+CPU a ~145 ms step; the copy into a reused block ~1.4 ms and no faults (benchmarks/README.md,
+"The step by CPU time").
 
 Hooks, as TorchRec's tracker: ``post_lookup_tracker_fn`` of ``ShardedEmbeddingCollection`` /
 ``ShardedEmbeddingBagCollection`` (ID_ONLY, EMBEDDING) or ``optim_state_tracker_fn`` of their
@@ -28,11 +29,9 @@ out (see :func:`register_hooks`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import threading
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -43,9 +42,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from persistent_delta.log import codec
 from persistent_delta.log.alloc import ResultBuffers
-from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError, WriterError
+from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.log.records import AppendRecord
-from persistent_delta.threads import default_kept, set_for_this_thread
 from persistent_delta.trainer import torchrec_internals as trec
 from persistent_delta.trainer.sharding import LocalTable, feature_index, has_fused_state
 
@@ -185,17 +183,13 @@ class LookupBlocks:
         self._lookups = 0  # lookups in the step being captured
         self._per_step = 1  # the most lookups seen in one step
 
-    def take(self, rows: torch.Tensor) -> torch.Tensor:
-        """A reused block shaped as ``rows`` (contiguous, on CPU), for a copy of them."""
+    def copy(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of ``rows`` (contiguous, on CPU) in a reused block."""
         self._lookups += 1
         if self._lookups > self._per_step:
             self._per_step = self._lookups
             self._blocks.resize(self._per_step * self._steps)
-        return self._blocks.take(rows.numel() * rows.element_size()).view(rows.dtype).view(rows.shape)
-
-    def copy(self, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of ``rows`` (contiguous, on CPU) in a reused block."""
-        out = self.take(rows)
+        out = self._blocks.take(rows.numel() * rows.element_size()).view(rows.dtype).view(rows.shape)
         out.copy_(rows)
         return out
 
@@ -207,94 +201,9 @@ class LookupBlocks:
         return self._blocks.allocated, self._blocks.reused
 
 
-class HostCopyDone:
-    """One :class:`HostCopies` copy: ``synchronize()`` waits until it is done (the writer calls
-    it, as it does a CUDA event's, before reading the record).
-
-    Raises (from ``synchronize``):
-        WriterError: the copy failed (``__cause__`` says why).
-    """
-
-    host = True  # a copy between host buffers, not a device's: a reader may wait for it alone
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-
-    def synchronize(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise WriterError(f"copying a lookup's rows failed: {self._error}") from self._error
-
-    def finish(self, error: Optional[BaseException] = None) -> None:
-        """Mark it done (the copy thread), with the error it failed with, if any."""
-        self._error = error
-        self._done.set()
-
-
-class HostCopies:
-    """A thread of the tracker's own that copies EMBEDDING lookups' rows (CPU) into their
-    reused blocks (:class:`LookupBlocks`), so that the copy is not the training thread's work.
-
-    The lookup output stays referenced by the queued job until its copy is done, in practice
-    within the step that made it; a record's block is read by the writer only after its
-    :class:`HostCopyDone` (it waits on it as on a CUDA event). The copy takes what the lookup
-    output holds when the thread gets to it: a model that changes its embeddings' output in
-    place after the lookup gives the changed rows (TorchRec's tracker, which keeps a reference to
-    the output, gives them too). One intra-op thread (a copy is bound by memory bandwidth).
-    """
-
-    def __init__(self) -> None:
-        self._jobs: Deque[Tuple[torch.Tensor, torch.Tensor, HostCopyDone]] = collections.deque()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread: Optional[threading.Thread] = None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> HostCopyDone:
-        """Queue ``dst.copy_(src)``; returns its completion."""
-        done = HostCopyDone()
-        with self._cv:
-            if self._stop:
-                raise InvalidInputError("the tracker's copy thread is closed")
-            if self._thread is None:
-                with default_kept():
-                    self._thread = threading.Thread(target=self._run, name="persistent-delta-copies", daemon=True)
-                    self._thread.start()
-            self._jobs.append((dst, src, done))
-            self._cv.notify()
-        return done
-
-    def _run(self) -> None:
-        set_for_this_thread(1)
-        while True:
-            with self._cv:
-                while not self._jobs and not self._stop:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                dst, src, done = self._jobs.popleft()
-            try:
-                dst.copy_(src)
-            except BaseException as exc:  # noqa: BLE001 - handed to the writer that waits on it
-                done.finish(exc)
-            else:
-                done.finish()
-            del dst, src, done  # the lookup output is released here, not at the next job
-
-    def close(self) -> None:
-        """Finish the queued copies and stop the thread. Idempotent."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-
-
 class Capture:
     """The records of the batch being recorded: references, device-to-host copies, or, for
-    EMBEDDING on CPU, one copy of each lookup's rows into a reused block (:class:`LookupBlocks`),
-    made by a thread of its own (:class:`HostCopies`); :meth:`close` stops it.
+    EMBEDDING on CPU, one copy of each lookup's rows into a reused block (:class:`LookupBlocks`).
 
     Training thread only.
     """
@@ -306,12 +215,6 @@ class Capture:
         self.pending: List[AppendRecord] = []
         self.events: List[Any] = []
         self.blocks = LookupBlocks(max_pending_steps) if mode == TrackingMode.EMBEDDING else None
-        self.copies = HostCopies() if mode == TrackingMode.EMBEDDING else None
-
-    def close(self) -> None:
-        """Stop the copy thread (after the copies queued so far). Idempotent."""
-        if self.copies is not None:
-            self.copies.close()
 
     def add(self, record: AppendRecord) -> None:
         """Add a record captured by another hook (a managed-collision table's side records and
@@ -381,10 +284,8 @@ class Capture:
             if states.numel() % n != 0:
                 raise InvalidInputError(f"ids and embeddings size mismatch: {n} ids, {states.numel()} values")
             rows = states.detach().view(n, -1)
-            if rows.device.type == "cpu" and self.blocks is not None and self.copies is not None:
-                block = self.blocks.take(rows)  # not autograd's memory: see the module docstring
-                self.events.append(self.copies.copy(block, rows))  # the copy thread fills it
-                rows = block
+            if rows.device.type == "cpu" and self.blocks is not None:
+                rows = self.blocks.copy(rows)  # not autograd's memory: see the module docstring
             kept_ids, kept_rows = self._keep_all(values, rows)  # on a device: two copies, one event
             for key, ids, emb in zip(keys, kept_ids.split(lengths), kept_rows.split(lengths)):
                 self._append(batch_idx, key, ids, emb)

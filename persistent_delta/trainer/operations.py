@@ -28,10 +28,8 @@ class StepWrite:
             ``events``).
         curr_batch_idx: the tracker's batch index, persisted in the same transaction (None: left
             as it is).
-        events: ``torch.cuda.Event`` s of the device-to-host copies the records wait for, or
-            :class:`~persistent_delta.trainer.capture.HostCopyDone` s of the capture's copy
-            thread (anything with ``synchronize()``); the writer waits for them before its
-            transaction.
+        events: ``torch.cuda.Event`` s (anything with ``synchronize()``) of the device-to-host
+            copies the records wait for; the writer waits for them before its transaction.
         dedup: merge records sharing (fqn, batch_idx) before writing (FIRST/LAST rule).
     """
 

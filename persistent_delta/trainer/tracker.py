@@ -538,7 +538,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._closed = True
             if self._writer is not None:
                 self._writer.close(drain=False)
-            self._capture.close()
             unregister_hooks(self._hooked, self)
             for handle in self._state_hooks:
                 handle.remove()

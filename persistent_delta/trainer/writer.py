@@ -13,8 +13,7 @@ EMBEDDING rows into reused blocks on CPU, or starts device-to-host copies), and 
 gather (up to ``linger_steps`` operations, ``linger_bytes`` or ``linger_s`` seconds, unless
 someone waits for it), then, for every run of queued operations (:func:`commit_operations`):
 
-1. waits for pending copies of the records (CUDA events of device-to-host copies, the capture
-   copy thread's :class:`~persistent_delta.trainer.capture.HostCopyDone`);
+1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
    deduplicates each (table, batch_idx) with the update mode's FIRST/LAST rule (so answers are
    unchanged), encodes (the kept rows of a captured block gathered straight into the record,
@@ -243,8 +242,7 @@ class BackgroundWriter:
         waiting for them (a publish's capture: what it submits next commits after these).
         None when one of those operations is not a :class:`StepWrite` (a publish or a
         compaction may move a consumer or merge records) or has device copies in flight: wait
-        with :meth:`barrier` then. Copies between host buffers in flight (a ``host`` event,
-        :class:`~persistent_delta.trainer.capture.HostCopyDone`) are waited for here. The records are the caller's to read only.
+        with :meth:`barrier` then. The records are the caller's to read only.
 
         Raises:
             WriterError: a commit failed.
@@ -252,14 +250,10 @@ class BackgroundWriter:
         with self._cv:
             self._raise_if_failed()
             ops = [t.op for t in self._inflight + list(self._queue)]
-            steps = [op for op in ops if isinstance(op, StepWrite)
-                     and all(getattr(ev, "host", False) for ev in op.events)]
+            steps = [op for op in ops if isinstance(op, StepWrite) and not op.events]
             if len(steps) < len(ops):
                 return None
-        for op in steps:  # copies between host buffers (the capture's copy thread): wait for them alone
-            for ev in op.events:
-                ev.synchronize()
-        return [r for op in steps for r in op.records]
+            return [r for op in steps for r in op.records]
 
     def queued(self) -> List[Operation]:
         """The operations submitted and not yet committed, in the order they will be written
