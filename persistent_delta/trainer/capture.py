@@ -222,8 +222,8 @@ class Capture:
         device are copied to pinned host memory without blocking, as a lookup's are
         (:meth:`_keep_all`: the writer waits for the copy's event); on CPU it is kept as it is."""
         if record.ids.device.type != "cpu" or (record.states is not None and record.states.device.type != "cpu"):
-            kept = self._keep_all(record.ids, *([] if record.states is None else [record.states]))
-            record = dataclasses.replace(record, ids=kept[0], states=kept[1] if len(kept) > 1 else None)
+            ids, states = self._keep_all(record.ids, record.states)
+            record = dataclasses.replace(record, ids=ids, states=states)
         self.pending.append(record)
 
     def take(self) -> Tuple[List[AppendRecord], List[Any]]:
@@ -234,17 +234,17 @@ class Capture:
             self.blocks.next_step()
         return out
 
-    def _keep_all(self, *ts: torch.Tensor) -> List[torch.Tensor]:
-        """Each of ``ts`` as a record keeps it: a detached reference on CPU; on a device, a
-        non-blocking copy into pinned host memory, with one event after the last copy, waited
-        for by the writer (the stream is not stalled). A lookup's ids and rows are kept whole,
-        one copy each, and split on the host."""
-        out = [t.detach() for t in ts]
-        device = next((t.device for t in out if t.device.type != "cpu"), None)
+    def _keep_all(self, *ts: Optional[torch.Tensor]) -> List[Any]:
+        """Each of ``ts`` as a record keeps it (None stays None): a detached reference on CPU; on
+        a device, a non-blocking copy into pinned host memory, with one event after the last
+        copy, waited for by the writer (the stream is not stalled). A lookup's ids and rows are
+        kept whole, one copy each, and split on the host."""
+        out = [None if t is None else t.detach() for t in ts]
+        device = next((t.device for t in out if t is not None and t.device.type != "cpu"), None)
         if device is None:
             return out
         for i, t in enumerate(out):
-            if t.device.type != "cpu":
+            if t is not None and t.device.type != "cpu":
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 out[i] = host
@@ -259,11 +259,8 @@ class Capture:
         self.pending.append(AppendRecord(batch_idx, self._feature_to_fqn[feature], ids, states))
 
     def _add(self, batch_idx: int, feature: str, ids: torch.Tensor, states: Optional[torch.Tensor]) -> None:
-        if states is None:
-            (ids,) = self._keep_all(ids)
-        else:
-            ids, states = self._keep_all(ids, states)
-        self._append(batch_idx, feature, ids, states)
+        kept_ids, kept_states = self._keep_all(ids, states)
+        self._append(batch_idx, feature, kept_ids, kept_states)
 
     def lookup(self, batch_idx: int, kjt: KeyedJaggedTensor, states: torch.Tensor, emb_module: Optional[nn.Module]) -> None:
         """Split one lookup into one record per feature (the writer merges a table's records
