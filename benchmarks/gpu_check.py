@@ -6,8 +6,8 @@ CPU dry run (``--device cpu``: the same harness on gloo ranks, ``make gpu-check-
 What the CUDA path adds to the CPU one, and which check runs it:
 
 * pinned device-to-host copies (``trainer.capture``: each record is copied non-blocking into
-  pinned host memory and the writer waits on a CUDA event before reading it): ``copies`` and ``streams``
-  inspects the writer's queue (pinned tensors, one event per record) and delays the copies
+  pinned host memory and the writer waits on a CUDA event before reading it): ``copies`` and
+  ``streams`` inspect the writer's queue (pinned tensors and their events) and delay the copies
   behind a sleeping stream so that a writer reading before its event would store garbage;
   ``differential`` and ``sigkill_restart`` run the whole path;
 * the fused optimizer states of fbgemm-gpu's CUDA TBEs (``momentum1_dev``; TorchRec's own
@@ -350,6 +350,30 @@ def _differential_mode(device: str, root: str, w: Any, batches: List[Any], mode_
     return {mode_name: n, **({f"{mode_name} (stock)": n_stock} if stock is not None else {})}
 
 
+def _queued_copies(tracker: Any) -> Tuple[int, int, int]:
+    """(records, pinned host tensors, events) the tracker's writer holds queued (inspection only)."""
+    ops = tracker._writer.queued() if tracker._writer is not None else []
+    recs = [r for op in ops for r in getattr(op, "records", [])]
+    tensors = [t for r in recs for t in (r.ids, r.states) if t is not None]
+    return (len(recs), sum(bool(t.is_pinned()) for t in tensors if t.device.type == "cpu"),
+            sum(len(getattr(op, "events", [])) for op in ops))
+
+
+def _check_queued(queued: List[Tuple[int, int, int]], device: str, tensors_per_record: int, where: str) -> Dict[str, int]:
+    """The inspections of :func:`_queued_copies` held steps, and on a GPU their tensors were
+    pinned host copies with events (on CPU: the tensors themselves, no event)."""
+    records = sum(q[0] for q in queued)
+    pinned, events = sum(q[1] for q in queued), sum(q[2] for q in queued)
+    if records == 0:
+        raise AssertionError(f"{where}: the writer's queue held no step: the linger did not hold them (nothing inspected)")
+    if device == "cuda" and (pinned != tensors_per_record * records or events == 0):
+        raise AssertionError(f"{where}: {records} queued records: {pinned} pinned tensors "
+                             f"(want {tensors_per_record * records}), {events} events")
+    if device != "cuda" and events:
+        raise AssertionError(f"{where}: CPU records carried {events} device events")
+    return {"queued_records": records, "pinned_tensors": pinned, "events": events}
+
+
 def streams(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycles: int) -> Dict[str, Any]:
     """Check 2 on this rank: EMBEDDING mode trained and read on a side stream, each step's
     copies delayed behind a sleep on it. While steps wait in the writer's queue (a long linger)
@@ -384,23 +408,11 @@ def streams(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycle
             train_step(ref_dmp, batch)
             train_step(dmp, batch)
             if step % 3 == 2:
-                ops = ours._writer.queued() if ours._writer is not None else []  # (inspection only)
-                recs = [(r, op) for op in ops for r in getattr(op, "records", [])]
-                tensors = [t for r, _ in recs for t in (r.ids, r.states) if t is not None]
-                queued.append((len(recs), sum(bool(t.is_pinned()) for t in tensors if t.device.type == "cpu"),
-                               sum(len(getattr(op, "events", [])) for op in ops)))
+                queued.append(_queued_copies(ours))
                 got = ours.get_unique("c")  # first: TorchRec's read waits for the stream
                 n += _compare(ref.get_unique("c"), got, "EMBEDDING", None, f"streams step {step}")
     ours.close()
-    records = sum(q[0] for q in queued)
-    pinned, events = sum(q[1] for q in queued), sum(q[2] for q in queued)
-    if records == 0:
-        raise AssertionError("the writer's queue held no step: the linger did not hold them (nothing inspected)")
-    if device == "cuda" and (pinned != 2 * records or events == 0):
-        raise AssertionError(f"{records} queued records: {pinned} pinned tensors (want {2 * records}), {events} events")
-    if device != "cuda" and events:
-        raise AssertionError(f"CPU records carried {events} device events")
-    return {"rows": n, "queued_records": records, "pinned_tensors": pinned, "events": events}
+    return {"rows": n, **_check_queued(queued, device, 2, "streams")}
 
 
 def copies(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycles: int) -> Dict[str, Any]:
@@ -464,29 +476,19 @@ def copies(rank: int, world: int, device: str, root: str, s: Sizes, delay_cycles
                         e.weight.index_add_(0, ids, torch.full((ids.numel(), w.dim), 1e-3, device=dev))
                 del rows
                 if step % 3 == 2:
-                    ops = ours._writer.queued() if ours._writer is not None else []  # (inspection only)
-                    recs = [r for op in ops for r in getattr(op, "records", [])]
-                    tensors = [t for r in recs for t in (r.ids, r.states) if t is not None]
-                    queued.append((len(recs), sum(bool(t.is_pinned()) for t in tensors if t.device.type == "cpu"),
-                                   sum(len(getattr(op, "events", [])) for op in ops)))
+                    queued.append(_queued_copies(ours))
                     got = ours.get_unique("c")  # first: TorchRec's read waits for the stream
                     n += _compare(ref.get_unique("c"), got, mode_name, None, f"copies {mode_name} step {step}")
         ours.close()
-        records = sum(q[0] for q in queued)
-        pinned, events = sum(q[1] for q in queued), sum(q[2] for q in queued)
-        tensors_per_record = 1 if mode_name == "ID_ONLY" else 2
-        if records == 0 or n == 0:
-            raise AssertionError(f"{mode_name}: nothing compared ({records} queued records, {n} rows)")
-        if device == "cuda" and (pinned != tensors_per_record * records or events == 0):
-            raise AssertionError(f"{mode_name}: {records} queued records: {pinned} pinned tensors "
-                                 f"(want {tensors_per_record * records}), {events} events")
-        if device != "cuda" and events:
-            raise AssertionError(f"{mode_name}: CPU records carried {events} device events")
-        out[mode_name] = {"rows": n, "queued_records": records, "pinned_tensors": pinned, "events": events,
+        if n == 0:
+            raise AssertionError(f"copies {mode_name}: no row compared")
+        out[mode_name] = {"rows": n, **_check_queued(queued, device, 1 if mode_name == "ID_ONLY" else 2,
+                                                     f"copies {mode_name}"),
                           "record_lookup_us": {"torchrec": round(hook_s[0] / (len(batches) - warm) * 1e6, 1),
                                                "persistent": round(hook_s[1] / (len(batches) - warm) * 1e6, 1)},
                           "bytes_per_step": int(sum(b.values.numel() for b in batches) / len(batches)
-                                                * (8 + (4 * w.dim if mode_name == "EMBEDDING" else 0)))}
+                                                * (batches[0].values.element_size()
+                                                   + (embs[0].weight.element_size() * w.dim if mode_name == "EMBEDDING" else 0)))}
         del ref, ours, ref_dmp, dmp
         gc.collect()
     return out
@@ -985,8 +987,9 @@ def run(args: argparse.Namespace) -> int:
     if "step_overhead" in checks:
         report(_timed("step_overhead", lambda: step_overhead(args.device, s, args.bench_timeout)))
     ok = all(r.ok for r in results)
-    summary = {"ok": ok, **_environment(args.device, world if rank_checks else 1,
-                                                 "nccl" if args.device == "cuda" and rank_checks else "gloo"), "size": size, "steps": s.steps, "wall_s": round(time.monotonic() - t_start, 1),
+    backend = "nccl" if args.device == "cuda" and rank_checks else "gloo"  # copies alone: one gloo rank
+    summary = {"ok": ok, **_environment(args.device, world if rank_checks else 1, backend), "size": size,
+               "steps": s.steps, "wall_s": round(time.monotonic() - t_start, 1),
                "workdir": root if args.keep else None,
                "checks": [asdict(r) if r.ok else {**asdict(r), "detail": str(r.detail)[:4000]} for r in results]}
     print(json.dumps(summary, default=str), flush=True)
@@ -1013,7 +1016,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--checks", default=None, help=f"comma-separated subset of: {', '.join(CHECKS)} (default: all)")
     ap.add_argument("--steps", type=int, default=None, help="training steps of each rank check (default: the size's)")
     ap.add_argument("--delay-cycles", type=int, default=50_000_000,
-                    help="GPU cycles each streams-check step's copies are held back (torch.cuda._sleep)")
+                    help="GPU cycles each step's copies are held back in the streams and copies checks "
+                         "(torch.cuda._sleep)")
     ap.add_argument("--rank-timeout", type=float, default=360.0, help="seconds for the rank checks together")
     ap.add_argument("--bench-timeout", type=float, default=240.0, help="seconds for the step benchmark")
     ap.add_argument("--workdir", default=None, help="where the logs go (default: the temp dir); removed after")
