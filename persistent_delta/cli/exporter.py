@@ -48,7 +48,7 @@ def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = Non
             signal.signal(sig, lambda *_: event.set())
     srv = serve_metrics(root=args.root, server=args.server or None, job=job, port=args.port, addr=args.addr,
                         options=connect_options(args) if args.server else None, tables=args.tables,
-                        stall_after_s=args.stall_after)
+                        stall_after_s=args.stall_after, key=args.key_file, insecure=args.insecure)
     try:
         # stderr: a supervisor (and a test) learns the port when --port 0 picked one
         print(f"exporter: serving http://{srv.addr}:{srv.port}/metrics", file=sys.stderr, flush=True)

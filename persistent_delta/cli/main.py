@@ -234,7 +234,7 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
             if target is None or target.kind == "shift":
                 raise PersistentDeltaError("remote --reset needs --to-earliest, --to-latest or --to-batch N")
             changes = change_remote(args.server, args.job, args.reset, "reset", target.kind, target.value,
-                                    execute=args.execute, options=opts)
+                                    execute=args.execute, options=opts, key=args.key_file, insecure=args.insecure)
         else:
             changes = change_remote(args.server, args.job, args.delete, "delete", execute=args.execute, options=opts)
         title = "APPLIED" if args.execute else "DRY RUN: nothing changed; add --execute to apply"
@@ -243,13 +243,15 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
                       tables=[Table(title, ["RANK", "CONSUMER", "CHANNEL", "ACTION", "OLD", "NEW"], rows)])
     if args.register:
         raise PersistentDeltaError("--register is for local logs (remote consumers register themselves)")
-    found = describe_remote(args.server, args.job, opts)
+    found = describe_remote(args.server, args.job, opts, key=args.key_file, insecure=args.insecure)
     crow = [[c.rank, c.consumer, c.channel, c.offset if c.offset is not None else "earliest", c.stream_end, c.lag,
              _when(c.commit_time), "yes" if c.active else "no", c.health] for c in found["consumers"]]
     srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
              f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
     strow = [[st.stream, ",".join(str(r) for r in st.ranks) or "-", st.layout] for st in found["streams"]]
-    return Output(data=_jsonable(found), tables=[
+    notes = [f"{found['rejected_markers']} range marker(s) on the stream did not authenticate or decode and were "
+             f"skipped (not shown as any rank's end); the last: {found['last_rejected']}"] if found["rejected_markers"] else []
+    return Output(data=_jsonable(found), notes=notes, tables=[
         Table("STREAMS", ["STREAM", "RANKS", "LAYOUT"], strow),
         Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE",
                                    "HEALTH"], crow),

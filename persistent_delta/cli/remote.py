@@ -16,11 +16,11 @@ from typing import Any, Dict, List, Optional
 from persistent_delta.log import codec
 from persistent_delta.fleet import subjects
 from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownConsumerError
+from persistent_delta.fleet.auth import KeySpec
 from persistent_delta.fleet.remote import lock_key, offsets_key
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, open_transport
-from persistent_delta.fleet.wire import Marker
-from persistent_delta.fleet.streams import read_layout
-from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, describe_remote, remote_offsets, stream_ends
+from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, describe_remote, remote_offsets,
+                                                   stream_ends_of)
 
 
 @dataclass
@@ -35,14 +35,20 @@ class RemoteChange:
 
 def change_remote(server: ServerSpec, job: str, name: str, action: str, target: Optional[str] = None,
                   batch: Optional[int] = None, channel: Optional[str] = None, execute: bool = False,
-                  options: Optional[ConnectOptions] = None) -> List[RemoteChange]:
+                  options: Optional[ConnectOptions] = None, key: KeySpec = None,
+                  insecure: bool = False) -> List[RemoteChange]:
     """Reset (``target``: ``earliest``, ``latest`` or ``batch``) or delete a remote
-    consumer's stored positions; a dry run unless ``execute``.
+    consumer's stored positions; a dry run unless ``execute``. ``latest`` is each rank's latest
+    genuine range (read under the job's stream key ``key``, default
+    ``PERSISTENT_DELTA_STREAM_KEY_FILE``; ``insecure``: without one), as a consumer starting at
+    ``reset="latest"`` finds it: a marker another client published never becomes a position.
 
     Raises:
         UnknownConsumerError: nothing stored for ``name`` (and ``channel``).
         LogLockedError: a process holds the consumer now.
+        StreamKeyError: ``latest`` without a key and not ``insecure``.
     """
+    ends = stream_ends_of(key, insecure, f"resetting {name!r} of job {job} to latest") if target == "latest" else None
     conn = open_transport(server, options)
     try:
         if conn.kv_get(job, subjects.LOCKS, lock_key(name)) is not None:
@@ -51,19 +57,18 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
         if not found:
             raise UnknownConsumerError(f"no remote consumer {name!r} in job {job!r}")
         changes: List[RemoteChange] = []
-        layout = read_layout(conn, job, None)
         for d in found:
             ch = str(d["channel"])
             ranks = {int(r): v for r, v in d.get("ranks", {}).items()}
             new_ranks: Dict[str, Dict[str, Any]] = {}
             if action == "reset":
-                ends = stream_ends(conn, job, ch, sorted(ranks), layout)
+                latest = {} if ends is None else ends.latest(conn, job, ch, sorted(ranks))
                 for r, v in sorted(ranks.items()):
                     nv: Dict[str, Any]
                     if target == "latest":
-                        last = conn.last_message(job, subjects.end_subject(job, ch, r), stream=layout.stream(r))
-                        m = None if last is None else Marker.decode(last.data, last.seq, f"job {job}")
-                        nv = {"pos": ends[r], "seq": 1 if m is None else m.seq + 1, "epoch": None if m is None else m.epoch}
+                        m = latest[r]  # (where a consumer at reset="latest" starts: RemoteConsumer._to_latest)
+                        nv = {"pos": 0 if m is None else m.end, "seq": 1 if m is None else m.seq + 1,
+                              "epoch": None if m is None else m.epoch}
                     elif target == "earliest":
                         nv = {"pos": None, "seq": 1, "epoch": None}
                     elif target == "batch" and batch is not None:

@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from persistent_delta.cli.ship import connect_options
 from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.ops.positions import RankOffsets, describe
-from persistent_delta.ops.remote_positions import RemoteConsumerRow, ShipperRow, StreamRow, describe_remote
+from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, StreamEnds, StreamRow, describe_remote,
+                                                   stream_ends_of)
 
 
 def printable(text: object) -> str:
@@ -78,7 +79,8 @@ def _writers(url: str) -> List[WriterRow]:
 
 
 def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[str] = None,
-             options: Any = None, metrics: Sequence[str] = (), stall_after_s: Optional[float] = None) -> View:
+             options: Any = None, metrics: Sequence[str] = (), stall_after_s: Optional[float] = None,
+             ends: Optional[StreamEnds] = None) -> View:
     """Read one :class:`View`; a source that fails adds an error line instead.
 
     Args:
@@ -88,6 +90,8 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
         options: NATS connection options.
         metrics: trainers' metrics endpoints (``http://host:port/metrics``).
         stall_after_s: the health rule's least silence.
+        ends: with ``server``, the stream's markers read under the job's key and kept between
+            refreshes (default: a new one under ``PERSISTENT_DELTA_STREAM_KEY_FILE``'s key).
     """
     view = View(when=time.time())
     if root:
@@ -97,8 +101,11 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
             view.errors.append(f"{root}: {exc}")
     if server and job:
         try:
-            found = describe_remote(server, job, options, stall_after_s)
+            found = describe_remote(server, job, options, stall_after_s, ends=ends)
             view.remote, view.shippers, view.streams = found["consumers"], found["shippers"], found["streams"]
+            if found["rejected_markers"]:
+                view.errors.append(f"{found['rejected_markers']} range marker(s) on the stream did not authenticate "
+                                   f"or decode (skipped); the last: {found['last_rejected']}")
         except Exception as exc:  # noqa: BLE001 - a server away is shown, and retried at the next refresh
             view.errors.append(f"{server}: {exc}")
     for url in metrics:
@@ -191,6 +198,8 @@ def run_top(args: argparse.Namespace, stop: Optional[threading.Event] = None) ->
 
     Raises:
         PersistentDeltaError: neither a root nor ``--server --job``, or ``rich`` is missing.
+        StreamKeyError: ``--server`` without a stream key (``--key-file``,
+            ``PERSISTENT_DELTA_STREAM_KEY_FILE``) and without ``--insecure``.
     """
     if not args.root and not (args.server and args.job):
         raise PersistentDeltaError("top needs ROOT (a log root) and/or --server URL --job NAME")
@@ -204,9 +213,10 @@ def run_top(args: argparse.Namespace, stop: Optional[threading.Event] = None) ->
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: event.set())
     options = connect_options(args) if args.server else None
+    ends = stream_ends_of(args.key_file, args.insecure, f"top of job {args.job}") if args.server else None
 
     def read() -> View:
-        return snapshot(args.root, args.server, args.job, options, args.metrics or (), args.stall_after)
+        return snapshot(args.root, args.server, args.job, options, args.metrics or (), args.stall_after, ends)
 
     drawn = 0
     with Live(draw(read()), console=Console(), refresh_per_second=4, screen=False, auto_refresh=False) as live:

@@ -37,12 +37,13 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from persistent_delta.fleet.auth import KeySpec
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec
 from persistent_delta.log.layout import DATA_FILE, PathLike
 from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS
 from persistent_delta.ops.health import Health
 from persistent_delta.ops.positions import describe
-from persistent_delta.ops.remote_positions import describe_remote
+from persistent_delta.ops.remote_positions import describe_remote, stream_ends_of
 
 logger = logging.getLogger(__name__)
 
@@ -225,18 +226,28 @@ class StreamCollector(Collector):
         job: the job (its stream and buckets; also the ``job`` label).
         options: connection options (credentials, TLS).
         stall_after_s: the health rule's least silence (see :mod:`persistent_delta.ops.health`).
+        key: the job's stream key (default ``PERSISTENT_DELTA_STREAM_KEY_FILE``): each rank's end
+            is its latest range marker that authenticates
+            (:class:`~persistent_delta.ops.remote_positions.StreamEnds`, kept between scrapes).
+        insecure: without a key, read unverified.
+
+    Raises:
+        StreamKeyError: no key and not ``insecure``.
     """
 
     def __init__(self, server: ServerSpec, job: str, options: Optional[ConnectOptions] = None,
-                 stall_after_s: Optional[float] = None) -> None:
+                 stall_after_s: Optional[float] = None, key: KeySpec = None, insecure: bool = False) -> None:
         self.server = server
         self.job = job
         self.options = options
         self.stall_after_s = stall_after_s
+        self.ends = stream_ends_of(key, insecure, f"the metrics of job {job}'s stream")
 
     def collect(self) -> Iterable[Metric]:
         fams = _Families()
-        found = describe_remote(self.server, self.job, self.options, self.stall_after_s)
+        found = describe_remote(self.server, self.job, self.options, self.stall_after_s, ends=self.ends)
+        fams.add("counter", "stream_markers_rejected", "Range markers on the stream that did not authenticate or "
+                 "decode (skipped; never a rank's end).", [("job", self.job)], float(found["rejected_markers"]))
         for c in found["consumers"]:
             labels = [("job", self.job), ("rank", str(c.rank)), ("consumer", c.consumer), ("channel", c.channel)]
             if c.offset is not None:
@@ -311,6 +322,8 @@ def build_registry(
     options: Optional[ConnectOptions] = None,
     tables: bool = False,
     stall_after_s: Optional[float] = None,
+    key: KeySpec = None,
+    insecure: bool = False,
 ) -> CollectorRegistry:
     """A registry with a collector for each source given (see :func:`serve_metrics`)."""
     reg = CollectorRegistry(auto_describe=False)
@@ -321,7 +334,7 @@ def build_registry(
     if root is not None:
         reg.register(_Guarded(LogCollector(root, job, tables, stall_after_s), "log"))
     if server is not None:
-        reg.register(_Guarded(StreamCollector(server, job, options, stall_after_s), "stream"))
+        reg.register(_Guarded(StreamCollector(server, job, options, stall_after_s, key, insecure), "stream"))
     return reg
 
 
@@ -336,6 +349,8 @@ def serve_metrics(
     options: Optional[ConnectOptions] = None,
     tables: bool = False,
     stall_after_s: Optional[float] = None,
+    key: KeySpec = None,
+    insecure: bool = False,
 ) -> MetricsServer:
     """Serve the metrics of the sources given over HTTP, from a daemon thread (opt-in: nothing
     is collected until Prometheus scrapes, and then only read).
@@ -355,14 +370,18 @@ def serve_metrics(
         options: NATS connection options.
         tables: per-table series too.
         stall_after_s: the health rule's least silence.
+        key: with ``server``, the job's stream key (default ``PERSISTENT_DELTA_STREAM_KEY_FILE``):
+            the stream's ends shown are its authenticated range markers'.
+        insecure: with ``server``, read the stream without a key (nothing verified).
 
     Returns:
         The running :class:`MetricsServer`.
 
     Raises:
         OSError: the port is taken.
+        StreamKeyError: ``server`` without a key and not ``insecure``.
     """
-    reg = build_registry(tracker, shipper, root, server, job, options, tables, stall_after_s)
+    reg = build_registry(tracker, shipper, root, server, job, options, tables, stall_after_s, key, insecure)
     httpd, thread = start_http_server(port, addr=addr, registry=reg)
     return MetricsServer(reg, addr, int(httpd.server_port), httpd, thread)
 

@@ -1,20 +1,26 @@
 """What every remote consumer and shipper of a job's stream has done, read from the stream.
 
 Owns: the describe computation for a job's stream (remote consumers' positions from the
-``offsets`` bucket, the stream's end per rank from its end markers, their health from the commit
-history stored with each position, shippers' statistics from the ``meta`` bucket, the job's
-streams and the ranks each holds) shared by ``persistent-delta offsets --server``, the exporter
-and ``top``. A rank's end is read from the stream that holds it (the job's layout:
-:mod:`persistent_delta.fleet.streams`).
+``offsets`` bucket, the stream's end per rank from its latest genuine range marker, their health
+from the commit history stored with each position, shippers' statistics from the ``meta``
+bucket, the job's streams and the ranks each holds) shared by ``persistent-delta offsets
+--server``, the exporter and ``top``. A rank's end is read from the stream that holds it (the
+job's layout, authenticated: :mod:`persistent_delta.fleet.streams`), under the job's stream key
+like any reader of the stream (:class:`StreamEnds`): a marker another client of the server
+published is counted and skipped, never shown as the end.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from persistent_delta.errors import PersistentDeltaError, TransportError
 from persistent_delta.fleet import subjects
+from persistent_delta.fleet.auth import KeySpec, Keyring, resolve_keyring
+from persistent_delta.fleet.ranges import MarkerScan, scan_markers
 from persistent_delta.fleet.remote import lock_key, stored_history
 from persistent_delta.fleet.streams import Layout, read_layout
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
@@ -67,16 +73,89 @@ class StreamRow:
     layout: str
 
 
-def stream_ends(conn: Transport, job: str, channel: str, ranks: Sequence[int],
-                layout: Optional[Layout] = None) -> Dict[int, int]:
-    """rank -> the stream's end (one past the last complete batch shipped) of ``channel``; 0 when
-    none. Each rank's end is read from its stream (``layout``: default, the job's recorded one)."""
-    layout = layout or read_layout(conn, job, None)
-    out = {}
-    for r in ranks:
-        last = conn.last_message(job, subjects.end_subject(job, channel, r), stream=layout.stream(r))
-        out[r] = 0 if last is None else Marker.decode(last.data, last.seq, f"job {job}").end
-    return out
+class StreamEnds:
+    """Each rank's latest genuine range marker, per job and channel, as the tools show it.
+
+    Read forward by :func:`persistent_delta.fleet.ranges.scan_markers` under the job's keyring,
+    as a remote consumer reads them: the stream's last message is not trusted (another client
+    of the server may have published it, and a genuine old marker re-published later
+    authenticates). The scans are kept between calls, so a tool that refreshes (``top``, the
+    exporter at each scrape) reads only the markers that are new; a stream deleted and created
+    again is read from its start. A marker that does not authenticate or decode is skipped and
+    counted in :attr:`rejected` (the last one's error in :attr:`last_rejected`). Safe to call
+    from several threads (an exporter's scrapes).
+
+    Args:
+        ring: the job's keyring (:func:`persistent_delta.fleet.auth.resolve_keyring`; an
+            insecure one verifies nothing).
+    """
+
+    def __init__(self, ring: Keyring) -> None:
+        self.ring = ring
+        self.rejected = 0
+        self.last_rejected = ""
+        self._scans: Dict[Tuple[str, str, str, int], MarkerScan] = {}  # (job, stream, channel, rank)
+        self._stream_ids: Dict[Tuple[str, str], str] = {}  # (job, stream) -> its identity when last read
+        self._lock = threading.Lock()
+
+    def _reject(self, exc: PersistentDeltaError) -> None:
+        self.rejected += 1
+        self.last_rejected = str(exc)[:500]
+
+    def _present(self, conn: Transport, job: str, stream: str) -> bool:
+        """Whether ``stream`` exists; a stream created again since the last call drops its scans."""
+        try:
+            sid = conn.stream_id(job, stream=stream)
+        except TransportError:
+            if conn.job_exists(job, streams=(stream,)):
+                raise
+            return False  # no stream (yet, or deleted): nothing shipped in it
+        if self._stream_ids.get((job, stream)) != sid:
+            self._stream_ids[(job, stream)] = sid
+            for k in [k for k in self._scans if k[:2] == (job, stream)]:
+                del self._scans[k]
+        return True
+
+    def latest(self, conn: Transport, job: str, channel: str, ranks: Sequence[int],
+               layout: Optional[Layout] = None) -> Dict[int, Optional[Marker]]:
+        """rank -> its latest genuine range marker of ``channel`` (None: none), each read from
+        the stream that holds it (``layout``: default, the job's recorded one, authenticated).
+
+        Raises:
+            TransportError: the server cannot be reached.
+            FormatMismatchError: an authenticated marker of another format version.
+        """
+        with self._lock:
+            layout = layout or read_layout(conn, job, self.ring)
+            present: Dict[str, bool] = {}
+            out: Dict[int, Optional[Marker]] = {}
+            for r in ranks:
+                stream = layout.stream(r)
+                if stream not in present:
+                    present[stream] = self._present(conn, job, stream)
+                if not present[stream]:
+                    out[r] = None
+                    continue
+                scan = self._scans.setdefault((job, stream, channel, r), MarkerScan())
+                out[r] = scan_markers(conn, self.ring, job, channel, r, scan, self._reject, stream=stream).latest
+            return out
+
+    def ends(self, conn: Transport, job: str, channel: str, ranks: Sequence[int],
+             layout: Optional[Layout] = None) -> Dict[int, int]:
+        """rank -> the stream's end of ``channel`` (one past the last batch of its latest genuine
+        range; 0 when none): :meth:`latest`'s."""
+        return {r: 0 if m is None else m.end for r, m in self.latest(conn, job, channel, ranks, layout).items()}
+
+
+def stream_ends_of(key: KeySpec, insecure: bool, who: str) -> StreamEnds:
+    """A :class:`StreamEnds` under the keyring of ``key`` (a key file, a key, several), else
+    ``PERSISTENT_DELTA_STREAM_KEY_FILE``'s; without one, only with ``insecure`` (nothing is
+    verified).
+
+    Raises:
+        StreamKeyError: no key and not ``insecure``; a key file unreadable or malformed.
+    """
+    return StreamEnds(resolve_keyring(key, insecure, who))
 
 
 def remote_offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
@@ -90,9 +169,12 @@ def remote_offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
 
 
 def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptions] = None,
-                    stall_after_s: Optional[float] = None) -> Dict[str, List[Any]]:
+                    stall_after_s: Optional[float] = None, key: KeySpec = None, insecure: bool = False,
+                    ends: Optional[StreamEnds] = None) -> Dict[str, Any]:
     """Every remote consumer (per rank: offset, the stream's end, lag in batches, last commit,
-    whether a process holds it now, health) and every shipper (statistics) of ``job``.
+    whether a process holds it now, health), every shipper (statistics) and every stream of
+    ``job``, and how many range markers were refused (``"rejected_markers"``: they did not
+    authenticate or decode; ``"last_rejected"``: why the last one was).
 
     Args:
         server: the NATS server(s).
@@ -100,17 +182,28 @@ def describe_remote(server: ServerSpec, job: str, options: Optional[ConnectOptio
         options: connection options.
         stall_after_s: the health rule's least silence before ``stalled`` (default:
             :func:`persistent_delta.config.stall_after_s`).
+        key: the job's stream key (a key file, a key, or several during a rotation); default
+            ``PERSISTENT_DELTA_STREAM_KEY_FILE``.
+        insecure: read without a key when none is found (nothing read is verified).
+        ends: the markers' scans kept by a caller that refreshes (``key`` and ``insecure`` are
+            then unused).
+
+    Raises:
+        StreamKeyError: no key and not ``insecure``.
+        TransportError: the server cannot be reached.
     """
+    ends = ends or stream_ends_of(key, insecure, f"reading job {job}'s stream")
     conn = open_transport(server, options)
     try:
-        return describe_stream(conn, job, stall_after_s)
+        return describe_stream(conn, job, ends, stall_after_s)
     finally:
         conn.close()
 
 
-def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = None) -> Dict[str, List[Any]]:
-    """:func:`describe_remote` over an open transport (left open)."""
-    layout = read_layout(conn, job, None)  # display only: the consumers verify it
+def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: Optional[float] = None
+                    ) -> Dict[str, Any]:
+    """:func:`describe_remote` over an open transport (left open), the ends read by ``ends``."""
+    layout = read_layout(conn, job, ends.ring)
     locks = set(conn.kv_entries(job, subjects.LOCKS))
     consumers: List[RemoteConsumerRow] = []
     now = time.time()
@@ -120,14 +213,14 @@ def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = 
                  if str(r).isdigit() and isinstance(v, dict)}
         when = d.get("time")
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
-        ends = stream_ends(conn, job, str(d.get("channel")), sorted(ranks), layout)
+        end = ends.ends(conn, job, str(d.get("channel")), sorted(ranks), layout)
         for r, v in sorted(ranks.items()):
             raw = v.get("pos")
             pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
-            state = health(stored_history(v), pos or 0, ends[r], now, when or 0.0,
+            state = health(stored_history(v), pos or 0, end[r], now, when or 0.0,
                            stall_after_s=stall_after_s)
-            consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, ends[r],
-                                               None if pos is None else max(0, ends[r] - pos), when,
+            consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, end[r],
+                                               None if pos is None else max(0, end[r] - pos), when,
                                                lock_key(str(d.get("name"))) in locks, state.value))
     shippers: List[ShipperRow] = []
     for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
@@ -143,7 +236,9 @@ def describe_stream(conn: Transport, job: str, stall_after_s: Optional[float] = 
     known = [int(k[len(subjects.TABLES_KEYS):]) for k in conn.kv_entries(job, subjects.META, subjects.TABLES_KEYS)
              if k[len(subjects.TABLES_KEYS):].isdigit()]
     streams = [StreamRow(name, ranks, layout.describe()) for name, ranks in layout.streams(known).items()]
-    return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel)), "streams": streams}
+    return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel)), "streams": streams,
+            "rejected_markers": ends.rejected, "last_rejected": ends.last_rejected}
 
 
-__all__ = ["RemoteConsumerRow", "ShipperRow", "StreamRow", "describe_remote", "describe_stream", "remote_offsets", "stream_ends"]
+__all__ = ["RemoteConsumerRow", "ShipperRow", "StreamEnds", "StreamRow", "describe_remote", "describe_stream",
+           "remote_offsets", "stream_ends_of"]

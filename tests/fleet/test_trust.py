@@ -147,6 +147,59 @@ def test_no_key_no_data(tmp_path, nats_server, monkeypatch):
     assert "no shipper has stored table metadata" in str(info.value)
 
 
+def test_the_operators_tools_show_only_authenticated_ends(tmp_path, nats_server, monkeypatch, capsys):
+    """Another client publishes a marker claiming the rank was shipped to batch 1000: ``offsets
+    --server``, the exporter and ``top`` still show the genuine end (the last message on the
+    marker subject is not trusted), count the forged marker, and ``--reset --to-latest`` stores
+    the genuine end, never the forged one. Without a key they are refused unless ``--insecure``."""
+    from persistent_delta.cli.main import main
+    from persistent_delta.cli.top import snapshot
+    from persistent_delta.ops.remote_positions import describe_remote, stream_ends_of
+
+    root, job = str(tmp_path / "log"), "trust-ops"
+    _write(root, 0, 10)
+    with Shipper(root, nats_server.url, job, channels=["lookups"], max_batches=4) as s:
+        s.run(idle_exit_s=0.3)
+    with RemoteConsumer(nats_server.url, job, "replica", reset="earliest", wait=10) as c:
+        c.poll(max_batches=4)
+        c.commit()
+    forger = Connection(nats_server.url)
+    _forge_marker(forger, job, "made-up", 0, 1000, "forged-ops")
+    forger.close()
+
+    found = describe_remote(nats_server.url, job)
+    (row,) = found["consumers"]
+    assert (row.offset, row.stream_end, row.lag) == (4, 10, 6)
+    assert found["rejected_markers"] == 1 and "no authenticator" in found["last_rejected"]
+    assert main(["offsets", "--server", nats_server.url, "--job", job]) == 0
+    out = capsys.readouterr().out
+    assert "1 range marker(s) on the stream did not authenticate" in out and "1000" not in out
+    view = snapshot(None, nats_server.url, job, ends=stream_ends_of(None, False, "test"))
+    assert [r.stream_end for r in view.remote] == [10] and any("did not authenticate" in e for e in view.errors)
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from persistent_delta.ops.metrics import build_registry
+
+    text = generate_latest(build_registry(server=nats_server.url, job=job)).decode()
+    assert f'persistent_delta_remote_consumer_lag_batches{{channel="lookups",consumer="replica",job="{job}",rank="0"}} 6.0' in text
+    assert f'persistent_delta_stream_markers_rejected_total{{job="{job}"}} 1.0' in text
+
+    assert main(["offsets", "--server", nats_server.url, "--job", job, "--reset", "replica", "--to-latest",
+                 "--execute"]) == 0
+    capsys.readouterr()
+    with RemoteConsumer(nats_server.url, job, "replica", wait=10) as c:
+        assert c.committed() == {0: 10} and c.end_offsets() == {0: 10}
+        assert c.poll(timeout=0.5).empty  # at the genuine end: nothing skipped, nothing forged ahead
+
+    monkeypatch.delenv("PERSISTENT_DELTA_STREAM_KEY_FILE")
+    with pytest.raises(StreamKeyError, match="insecure"):
+        describe_remote(nats_server.url, job)
+    assert main(["offsets", "--server", nats_server.url, "--job", job]) != 0
+    assert "--insecure" in capsys.readouterr().err
+    assert main(["offsets", "--server", nats_server.url, "--job", job, "--insecure", "--format", "json"]) == 0
+
+
 def _stored_stats(conn: Connection, job: str) -> dict:
     try:
         got = conn.kv_get(job, subjects.META, subjects.shipper_key(0, "lookups"))

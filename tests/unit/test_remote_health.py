@@ -18,10 +18,14 @@ from persistent_delta.fleet.remote import RemoteConsumer, offsets_key, stored_hi
 from persistent_delta.fleet.ship import Shipper
 from persistent_delta.log import codec
 from persistent_delta.log.schema import COMMIT_HISTORY
-from persistent_delta.ops.remote_positions import describe_stream, remote_offsets
+from persistent_delta.ops.remote_positions import StreamEnds, describe_stream, remote_offsets, stream_ends_of
 
 JOB = "job-health"
 STALL = 0.2  # the health rule's least silence, small to keep the test fast
+
+
+def _ends() -> StreamEnds:
+    return stream_ends_of(None, False, "the test")  # the session's key (PERSISTENT_DELTA_STREAM_KEY_FILE)
 
 
 def _write(root: str, batches: range) -> None:
@@ -38,7 +42,7 @@ def _ship(root: str, broker: MemoryBroker) -> None:
 
 
 def _row(broker: MemoryBroker, name: str):
-    rows = [c for c in describe_stream(broker.connect("ops"), JOB, STALL)["consumers"] if c.consumer == name]
+    rows = [c for c in describe_stream(broker.connect("ops"), JOB, _ends(), STALL)["consumers"] if c.consumer == name]
     assert len(rows) == 1, rows
     return rows[0]
 
@@ -87,7 +91,7 @@ def test_a_forged_history_reads_as_none_and_the_history_is_bounded(tmp_path):
     forged["9"] = "not a map"
     conn.kv_put(JOB, subjects.OFFSETS, offsets_key("forged", "lookups"),
                 codec.pack({"name": "forged", "channel": "lookups", "ranks": forged, "time": "yesterday"}))
-    rows = [c for c in describe_stream(broker.connect("ops"), JOB, STALL)["consumers"] if c.consumer == "forged"]
+    rows = [c for c in describe_stream(broker.connect("ops"), JOB, _ends(), STALL)["consumers"] if c.consumer == "forged"]
     assert sorted(r.rank for r in rows) == list(range(0, 9))
     assert all(r.health in ("ok", "stalled") for r in rows)
     assert len(stored_history(forged["0"])) == COMMIT_HISTORY
