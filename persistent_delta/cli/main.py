@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
-from persistent_delta.cli.remote import change_remote, describe_remote
+from persistent_delta.cli.remote import change_remote, describe_remote, rejected_note
 from persistent_delta.cli.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.keygen import run_keygen
@@ -249,8 +249,8 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
     srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
              f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
     strow = [[st.stream, ",".join(str(r) for r in st.ranks) or "-", st.layout] for st in found["streams"]]
-    notes = [f"{found['rejected_markers']} range marker(s) on the stream did not authenticate or decode and were "
-             f"skipped (not shown as any rank's end); the last: {found['last_rejected']}"] if found["rejected_markers"] else []
+    note = rejected_note(found)
+    notes = [note] if note else []
     return Output(data=_jsonable(found), notes=notes, tables=[
         Table("STREAMS", ["STREAM", "RANKS", "LAYOUT"], strow),
         Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE",

@@ -26,7 +26,7 @@ from persistent_delta.cli.ship import connect_options
 from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.ops.positions import RankOffsets, describe
 from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, StreamEnds, StreamRow, describe_remote,
-                                                   stream_ends_of)
+                                                   rejected_note, stream_ends_of)
 
 
 def printable(text: object) -> str:
@@ -103,9 +103,9 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
         try:
             found = describe_remote(server, job, options, stall_after_s, ends=ends)
             view.remote, view.shippers, view.streams = found["consumers"], found["shippers"], found["streams"]
-            if found["rejected_markers"]:
-                view.errors.append(f"{found['rejected_markers']} range marker(s) on the stream did not authenticate "
-                                   f"or decode (skipped); the last: {found['last_rejected']}")
+            note = rejected_note(found)
+            if note:
+                view.errors.append(note)
         except Exception as exc:  # noqa: BLE001 - a server away is shown, and retried at the next refresh
             view.errors.append(f"{server}: {exc}")
     for url in metrics:

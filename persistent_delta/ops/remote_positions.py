@@ -158,6 +158,16 @@ def stream_ends_of(key: KeySpec, insecure: bool, who: str) -> StreamEnds:
     return StreamEnds(resolve_keyring(key, insecure, who))
 
 
+def rejected_note(found: Dict[str, Any]) -> Optional[str]:
+    """What ``offsets --server`` and ``top`` say of the markers :func:`describe_remote` refused
+    (None: none)."""
+    n = found.get("rejected_markers", 0)
+    if not n:
+        return None
+    return (f"{n} range marker(s) on the stream did not authenticate or decode and were skipped (not shown as any "
+            f"rank's end); the last: {found.get('last_rejected', '')}")
+
+
 def remote_offsets(conn: Transport, job: str) -> List[Dict[str, Any]]:
     """Every remote consumer's stored positions (``name``, ``channel``, ``ranks``: rank -> ``pos``, ``time``)."""
     out = []
@@ -241,4 +251,4 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
 
 
 __all__ = ["RemoteConsumerRow", "ShipperRow", "StreamEnds", "StreamRow", "describe_remote", "describe_stream",
-           "remote_offsets", "stream_ends_of"]
+           "rejected_note", "remote_offsets", "stream_ends_of"]
