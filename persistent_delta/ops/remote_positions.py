@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from persistent_delta.errors import PersistentDeltaError, TransportError
 from persistent_delta.fleet import subjects
@@ -217,13 +217,19 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
     locks = set(conn.kv_entries(job, subjects.LOCKS))
     consumers: List[RemoteConsumerRow] = []
     now = time.time()
+    entries: List[Tuple[Dict[str, Any], Dict[int, Any]]] = []
     for d in remote_offsets(conn, job):
         stored = d.get("ranks")
-        ranks = {int(r): v for r, v in (stored.items() if isinstance(stored, dict) else [])
-                 if str(r).isdigit() and isinstance(v, dict)}
+        entries.append((d, {int(r): v for r, v in (stored.items() if isinstance(stored, dict) else [])
+                            if str(r).isdigit() and isinstance(v, dict)}))
+    wanted: Dict[str, Set[int]] = {}  # channel -> every rank a consumer of it holds: each read once
+    for d, ranks in entries:
+        wanted.setdefault(str(d.get("channel")), set()).update(ranks)
+    end_of = {ch: ends.ends(conn, job, ch, sorted(rs), layout) for ch, rs in wanted.items()}
+    for d, ranks in entries:
         when = d.get("time")
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
-        end = ends.ends(conn, job, str(d.get("channel")), sorted(ranks), layout)
+        end = end_of[str(d.get("channel"))]
         for r, v in sorted(ranks.items()):
             raw = v.get("pos")
             pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
