@@ -323,6 +323,8 @@ def _row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
     numpy array of opaque row-sized cells over its memory, whatever the dtype. numpy copies such a cell with one
     ``memcpy``: ``cells[dest] = other_cells`` scatters rows faster than
     ``torch.index_copy_``."""
+    if t.shape[0] == 0:
+        return np.empty(0, dtype=np.dtype((np.void, row_bytes)))  # (reshape(0, -1) is ambiguous)
     raw = t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, row_bytes))).reshape(t.shape[0])
 
@@ -374,6 +376,8 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Option
     out_cells, buf_cells = _row_cells(out, row_bytes), _row_cells(buf, row_bytes)
     for i, p in enumerate(parts):
         a, b = bounds[i], bounds[i + 1]
+        if a == b:
+            continue  # nothing picked from this part (an empty record among them, say)
         if b - a == sizes[i]:
             # every row of the part is picked (records of a filtered window hold each id once):
             # in part order, straight to their places
