@@ -91,12 +91,19 @@ def load_raw_id_maps(ckpt_dir: PathLike) -> Dict[str, List[Tuple[torch.Tensor, t
 def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Tensor]]]:
     """fqn -> [(shard placement, local weights)] over every rank file in ``ckpt_dir``.
 
+    Every shard of a table is checked against its weights and against the table size the
+    table's other shards claim (``global_rows`` x ``global_cols``); a partial set of rank files
+    is returned as it is (:func:`whole_tables` refuses it).
+
     Raises:
         NotALogError: ``ckpt_dir`` holds no ``rank-<r>.safetensors`` written by
             :func:`save_local_shards`.
+        InvalidInputError: a malformed file, a placement that does not fit its weights, or
+            shards of one table that claim different table sizes.
     """
     ckpt_dir = os.fspath(ckpt_dir)
     out: Dict[str, List[Tuple[ShardInfo, torch.Tensor]]] = {}
+    claims: Dict[str, Tuple[str, Tuple[Optional[int], Optional[int]]]] = {}  # fqn -> (file, size) of its first shard
     for name in _rank_files(ckpt_dir):
         path = os.path.join(ckpt_dir, name)
         try:
@@ -109,8 +116,14 @@ def load_shards(ckpt_dir: PathLike) -> Dict[str, List[Tuple[ShardInfo, torch.Ten
                     if fqn.startswith(ZCH_PREFIX):
                         continue
                     weights = f.get_tensor(fqn)
-                    out.setdefault(fqn, []).append((_checked(path, fqn, ShardInfo.from_dict(shards[fqn]), weights), weights))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # malformed metadata or file
+                    info = _checked(path, fqn, ShardInfo.from_dict(shards[fqn]), weights)
+                    first, size = claims.setdefault(fqn, (path, (info.global_rows, info.global_cols)))
+                    if (info.global_rows, info.global_cols) != size:
+                        raise InvalidInputError(
+                            f"{path}: {fqn}: the shard claims a table of {info.global_rows} x {info.global_cols} "
+                            f"(global_rows x global_cols), {first} claims {size[0]} x {size[1]}: refused")
+                    out.setdefault(fqn, []).append((info, weights))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # malformed metadata or file
             raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
     return out
 
@@ -130,6 +143,38 @@ def _checked(path: str, fqn: str, info: ShardInfo, weights: torch.Tensor) -> Sha
     if not ok:
         raise InvalidInputError(f"{path}: {fqn}: placement {info} does not fit weights of shape {(rows, cols)}")
     return info
+
+
+def whole_tables(ckpt_dir: PathLike, shards: Dict[str, List[Tuple[ShardInfo, torch.Tensor]]]) -> Dict[str, torch.Tensor]:
+    """fqn -> the full table, ``(global_rows, global_cols)``, assembled from ``shards`` (what
+    :func:`load_shards` read from ``ckpt_dir``).
+
+    The size each table claims is bounded before anything is allocated for it: its shards must
+    hold at least ``global_rows * global_cols`` values between them (a file cannot make a few
+    bytes claim a table of any size); :func:`full_rows` then checks that they cover every cell.
+
+    Raises:
+        InvalidInputError: a table without its size, or whose shards hold fewer values than the
+            table claims (a rank file is missing, or a forged size).
+    """
+    where = os.fspath(ckpt_dir)
+    tables: Dict[str, torch.Tensor] = {}
+    for fqn, parts in shards.items():
+        rows, cols = parts[0][0].global_rows, parts[0][0].global_cols
+        if rows is None or cols is None:
+            raise InvalidInputError(f"{where}: {fqn}: the shard files lack the table's size")
+        held = sum(int(w.shape[0]) * int(w.shape[1]) for _, w in parts)
+        if held < rows * cols:
+            raise InvalidInputError(
+                f"{where}: {fqn}: the shard files ({_names(_rank_files(where))}) claim a table of "
+                f"{rows} x {cols} (global_rows x global_cols) but hold {held} of its {rows * cols} values: "
+                "refused before allocating it (is a rank file missing, or the file damaged?)")
+        tables[fqn] = full_rows(fqn, parts, torch.arange(rows))
+    return tables
+
+
+def _names(names: List[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def full_rows(fqn: str, shards: List[Tuple[ShardInfo, torch.Tensor]], global_ids: torch.Tensor) -> torch.Tensor:

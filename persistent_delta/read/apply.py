@@ -35,7 +35,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError
 from persistent_delta.log.layout import PathLike
 from persistent_delta.log.schema import ShardInfo
-from persistent_delta.log.shard_files import full_rows, load_shards
+from persistent_delta.log.shard_files import load_shards, whole_tables
 from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.threads import intra_op_threads
@@ -62,7 +62,8 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]
 
     Raises:
         NotALogError: ``shard_dir`` holds no shard files (after ``wait``).
-        InvalidInputError: a malformed file, or a row or column no rank file holds (a rank's
+        InvalidInputError: a malformed file, a table size the files' values cannot fill
+            (checked before it is allocated), or a row or column no rank file holds (a rank's
             file is missing, after ``wait``).
     """
     if wait < 0:
@@ -77,11 +78,7 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]
             if time.monotonic() >= deadline:
                 raise
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    tables: Dict[str, torch.Tensor] = {}
-    for fqn, shards in found.items():
-        rows = shards[0][0].global_rows  # load_shards checked it is set on every shard
-        tables[fqn] = full_rows(fqn, shards, torch.arange(int(rows or 0)))
-    return tables
+    return whole_tables(shard_dir, found)
 
 
 def _covers_whole(shards: List[Tuple[ShardInfo, torch.Tensor]]) -> bool:

@@ -40,7 +40,7 @@ from safetensors.torch import save as safetensors_save
 
 from persistent_delta.errors import InvalidInputError, OrderError
 from persistent_delta.log.layout import PathLike, atomic_write_bytes
-from persistent_delta.log.shard_files import full_rows, load_raw_id_maps, load_shards, shard_batches
+from persistent_delta.log.shard_files import load_raw_id_maps, load_shards, shard_batches, whole_tables
 from persistent_delta.log.zch_records import RawIdMap, ZchDelta
 
 REPLICA_FORMAT = "persistent_delta.replica/1"
@@ -178,11 +178,7 @@ def apply_pieces(pieces: Sequence[Piece], replica: Optional[Replica] = None) -> 
     rep = replica if replica is not None else Replica()
     for p in pieces:
         if p.kind == "base":
-            for fqn, shards in load_shards(p.path).items():
-                rows = shards[0][0].global_rows
-                if rows is None:
-                    raise InvalidInputError(f"{p.path}: {fqn}: the shard files lack the table's size")
-                rep.tables[fqn] = full_rows(fqn, shards, torch.arange(rows))
+            rep.tables.update(whole_tables(p.path, load_shards(p.path)))
             rep.raw_ids = RawIdMap()
             for fqn, maps in load_raw_id_maps(p.path).items():
                 raw, slots = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])

@@ -413,3 +413,48 @@ def test_an_empty_data_file_in_one_rank_is_damage(tmp_path, capsys):
     for open_ in (lambda: DeltaReader(root), lambda: DeltaConsumer(root, "c")):
         with pytest.raises(DamagedLogError, match="empty"):
             open_()
+
+
+def _shard_file(path: str, shards: dict, weights: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"t": weights}, path, metadata={"format": "persistent_delta.shards/1", "rank": "0", "batch_idx": "0",
+                                             "shards": json.dumps({"t": shards})})
+
+
+@pytest.mark.parametrize("rows,cols", [(10 ** 12, 1), (10 ** 12, 10 ** 12), (10 ** 400, 1)], ids=["1e12", "1e12x1e12", "1e400"])
+def test_a_shard_file_claiming_a_huge_table_is_refused_before_allocating(tmp_path, capsys, rows, cols):
+    """A few hundred bytes of shard file that claim ``global_rows`` x ``global_cols`` far past
+    the values they hold: ``apply`` and ``load_base`` refuse it with a typed error naming the
+    file and the claimed size, before allocating anything of that size (no allocator error, no
+    OOM kill)."""
+    from persistent_delta import load_base
+
+    base = tmp_path / "base"
+    base.mkdir()
+    f = str(base / "rank-0.safetensors")
+    _shard_file(f, {"row_offset": 0, "col_offset": 0, "local_rows": 1, "local_cols": 1,
+                    "global_rows": rows, "global_cols": cols}, torch.zeros(1, 1))
+    assert os.path.getsize(f) < 1024
+    with pytest.raises(InvalidInputError, match=rf"rank-0\.safetensors\) claim a table of {rows} x {cols}"):
+        load_base(str(base))
+    capsys.readouterr()
+    assert main(["apply", str(base), "--out", str(tmp_path / "replica")]) == 1
+    err = capsys.readouterr().err
+    assert "rank-0.safetensors" in err and "refused before allocating" in err, err
+    assert not os.path.exists(tmp_path / "replica")
+
+
+def test_shard_files_of_one_table_must_claim_one_size(tmp_path):
+    """Two rank files whose shards of a table claim different table sizes are refused, naming
+    both files, whichever is read first."""
+    from persistent_delta import load_base
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for r, rows in ((0, 2), (1, 10 ** 12)):
+        _shard_file(str(base / f"rank-{r}.safetensors"), {"row_offset": r, "col_offset": 0, "local_rows": 1,
+                                                          "local_cols": 1, "global_rows": rows, "global_cols": 1},
+                    torch.zeros(1, 1))
+    with pytest.raises(InvalidInputError, match=r"rank-1\.safetensors: t: the shard claims a table of 1000000000000 x 1"):
+        load_base(str(base))
