@@ -44,6 +44,8 @@ WHAT_TO_DO: Dict[str, str] = {
                       "log or the consumer name. Stop it, or use another consumer name; a dead holder's claim "
                       "is released by the kernel (locally) or after 6 s (on a stream).",
     "NotALogError": "Check the path: it is not a log root, or not a persistent_delta log. Tools never create one.",
+    "RankDirectoryError": "Pass the job's log root, the parent directory the message names, not a rank's "
+                          "`rank-<r>` directory; add `ranks=[r]` to read that rank only.",
     "FormatMismatchError": "A log of format 1: stop the trainer and run `persistent-delta upgrade ROOT --execute`. "
                            "A stream message of another format: upgrade the shipper and consumers together.",
     "ConfigMismatchError": "The log was written with another update mode, tracking mode or table set: point the "

@@ -19,6 +19,19 @@ class InvalidInputError(PersistentDeltaError, ValueError):
     a negative or decreasing ``batch_idx``, an invalid consumer name, a bad range."""
 
 
+class RankDirectoryError(InvalidInputError):
+    """A rank's log directory (``<root>/rank-<r>``, holding ``data.mdb``) was given where a job's
+    log root is expected: readers, consumers, shippers and the tools read every rank of the job
+    from the root. Pass the parent directory the message names (to read some ranks only, pass
+    ``ranks=`` too). ``path`` is the path given, ``rank`` its rank, ``root`` the parent."""
+
+    def __init__(self, message: str, path: str = "", rank: int = 0, root: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.rank = rank
+        self.root = root
+
+
 class LogClosedError(PersistentDeltaError):
     """The store, log or tracker was used after ``close()``."""
 

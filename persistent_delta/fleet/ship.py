@@ -77,7 +77,7 @@ from persistent_delta.errors import (
     TransportError,
     UnknownConsumerError,
 )
-from persistent_delta.log.layout import DATA_FILE, PathLike, rank_paths
+from persistent_delta.log.layout import DATA_FILE, PathLike, check_root, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, SNAPSHOTS, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
@@ -219,6 +219,7 @@ class Shipper:
 
     Raises:
         InvalidInputError: a bad argument, or neither ``server`` nor ``transport`` given.
+        RankDirectoryError: ``root`` is a rank's log directory, not the job's root.
         StreamKeyError: no key, and not ``insecure``.
 
     Not thread-safe: use it from one thread (``run``), or let :meth:`start` run it in one.
@@ -240,7 +241,7 @@ class Shipper:
         insecure: bool = False,
         ranks_per_stream: Optional[int] = None,
     ) -> None:
-        self.root = os.fspath(root)
+        self.root = check_root(root)
         self._ranks_per_stream = check_ranks_per_stream(ranks_per_stream)
         self.layout: Optional[Layout] = None  # the job's, once connected
         self._ensured: Set[str] = set()  # group streams this shipper made sure exist

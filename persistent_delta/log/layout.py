@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Dict, Optional, Union
 
-from persistent_delta.errors import DamagedLogError, LogAccessError, LogOwnershipError, NotALogError
+from persistent_delta.errors import DamagedLogError, LogAccessError, LogOwnershipError, NotALogError, RankDirectoryError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -67,13 +67,35 @@ def file_state(path: PathLike) -> FileState:
     return FileState.EMPTY if size == 0 else FileState.PRESENT
 
 
+def check_root(root: PathLike) -> str:
+    """``root`` as a string, refused when it is one rank's log directory of a job (a ``rank-<r>``
+    directory holding a ``data.mdb``) rather than the job's root: the job's other ranks, and
+    its world size, are read from the root, so a rank's directory would read as a job whose
+    ranks never appear.
+
+    Raises:
+        RankDirectoryError: ``root`` is a rank's log directory (the message names its parent).
+    """
+    root = os.fspath(root)
+    rank = rank_of_dir(root)
+    if rank is not None and file_state(root) is not FileState.MISSING:
+        parent = os.path.dirname(os.path.normpath(root)) or os.curdir
+        raise RankDirectoryError(
+            f"{root} is the log of rank {rank} of a job, not a job's log root: pass its parent, {parent}, "
+            f"which holds every rank's log (rank-<r>/) (a reader, consumer or shipper reads that rank only "
+            f"with ranks=[{rank}])",
+            path=root, rank=rank, root=parent)
+    return root
+
+
 EMPTY_RANK_GRACE_S = 5.0  # an empty data file older than this beside other ranks' logs is damage, not a creation
 
 
 def rank_paths(root: PathLike) -> Dict[int, str]:
     """The log directory of every rank under ``root``, by rank (ascending).
 
-    A ``root`` that is itself a log directory is rank 0. A rank whose ``data.mdb`` is empty
+    A ``root`` that is itself a log directory (a plain store's) is rank 0; a rank's directory of
+    a job (``rank-<r>``) is refused (:func:`check_root`). A rank whose ``data.mdb`` is empty
     (0 bytes) is not a log yet -- LMDB writes a new file's first pages as it creates it -- unless
     other ranks hold logs and it has stayed empty for ``EMPTY_RANK_GRACE_S``: then it is a wiped
     file or a creation killed midway, and the job is refused rather than read without that rank.
@@ -81,8 +103,9 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
     Raises:
         NotALogError: ``root`` holds no log.
         DamagedLogError: a rank's data file is empty while other ranks hold logs.
+        RankDirectoryError: ``root`` is a rank's log directory, not the job's root.
     """
-    root = os.fspath(root)
+    root = check_root(root)
     if file_state(root) is FileState.PRESENT:
         return {0: root}
     try:

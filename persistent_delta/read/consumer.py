@@ -105,7 +105,8 @@ class DeltaReader:
     A :class:`~persistent_delta.read.polling.Consumer` (no ``commit``: nothing to make durable).
 
     Args:
-        root: the log root (``<root>/rank-<r>``), or a single log directory (rank 0).
+        root: the log root (``<root>/rank-<r>``), or a plain store's log directory (rank 0);
+            a job's rank directory (``rank-<r>``) is refused at once.
         channel: ``"lookups"`` (default) or ``"snapshots"``.
         start: where to start: ``"earliest"`` (default, the channel start), ``"latest"`` (its
             end) or a batch index.
@@ -132,6 +133,7 @@ class DeltaReader:
         NotALogError: no log under ``root`` (after ``wait``), or ranks still missing after a
             positive ``wait`` (named in the message).
         DamagedLogError: a log file fails those checks (it is not opened).
+        RankDirectoryError: ``root`` is a rank's log directory (the message names the root).
         InvalidInputError: a bad channel, start, reset policy, wait or format (a format other
             than native on the lookups channel).
     """

@@ -5,6 +5,7 @@ handles left open."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,37 @@ def test_the_job_s_ranks_come_from_the_world_size(tmp_path, caplog):
     Rank(half, 0, 2).log.close()
     with pytest.raises(NotALogError, match=r"ranks \[1\]"):
         DeltaReader(half, wait=0.2)
+
+
+def test_a_rank_s_directory_given_as_the_root_is_refused_at_once(tmp_path, capsys):
+    """A job's ``rank-<r>`` directory passed where the root goes: readers, consumers (also with
+    ``wait=``), the shipper and the tools that take a root refuse it at once with a typed error
+    saying it is a rank's log and naming the parent as the root to pass."""
+    from persistent_delta import Shipper
+    from persistent_delta.errors import RankDirectoryError
+
+    root = str(tmp_path / "deltas")
+    ranks = [Rank(root, r, 2) for r in range(2)]
+    for r in ranks:
+        r.step()
+        r.log.close()
+    rank0 = os.path.join(root, "rank-0")
+    want = re.escape(f" is the log of rank 0 of a job, not a job's log root: pass its parent, {root},")
+    began = time.monotonic()
+    for open_ in (lambda: DeltaConsumer(rank0, "c"), lambda: DeltaConsumer(rank0, "c", wait=30),
+                  lambda: DeltaReader(rank0 + "/", wait=30), lambda: DeltaReader(rank0, ranks=[0]),
+                  lambda: Shipper(rank0, "nats://127.0.0.1:1", "job", insecure=True)):
+        with pytest.raises(RankDirectoryError, match=want) as info:
+            open_()
+        assert info.value.root == root and info.value.rank == 0
+    assert time.monotonic() - began < 5  # nothing waited out its timeout
+    for cmd in (["verify", rank0], ["offsets", rank0], ["replay", rank0, "--from-batch", "0", "--to-batch", "1",
+                                                          "--dry-run"]):
+        capsys.readouterr()
+        assert main(cmd) == 1, cmd
+        assert f"pass its parent, {root}," in capsys.readouterr().err, cmd
+    with DeltaReader(root) as reader:  # the root itself reads both ranks
+        assert reader.ranks == [0, 1]
 
 
 def test_a_consumer_waits_for_a_trainer_that_starts_later(tmp_path):
