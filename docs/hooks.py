@@ -69,6 +69,8 @@ WHAT_TO_DO: Dict[str, str] = {
                              "again from a base, then poll with `reset=\"earliest\"`, or reset the position "
                              "(`offsets --reset NAME --to-earliest --execute`).",
     "ConsumerConflictError": "Someone moved the position between your read and your commit: poll again.",
+    "ConsumerRoleError": "Use one consumer name to read (`get_unique`) and another to publish; to change a "
+                         "consumer's use, `remove_consumer(name)` and add it again.",
     "IncompletePollError": "Poll again (with a timeout) until every rank completed the batches, or pass "
                            "`complete_only=False` if a partial poll is what you want.",
     "WriterError": "Read the chained `__cause__`. After a full disk, free space and call `tracker.resume()`.",

@@ -117,6 +117,15 @@ class IncompletePollError(PersistentDeltaError):
 class WriterError(PersistentDeltaError):
     """The background writer failed; the original error is chained as ``__cause__``."""
 
+class ConsumerRoleError(PersistentDeltaError):
+    """A trainer's consumer was asked for the use it does not have: ``get_unique`` (or
+    ``consume_exact``) on a consumer that publishes, or ``publish`` on one that reads. Both move
+    the one position the consumer has, so mixing them loses rows silently (a publish after a
+    read carries nothing of what was read). The role is recorded in the log at the consumer's
+    first use. Use two consumer names, one per use; to change a consumer's role, remove it and
+    add it again."""
+
+
 
 class WriterLogFullError(WriterError, LogFullError):
     """The background writer failed because the disk is full (or the map cannot grow): both a

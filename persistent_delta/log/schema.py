@@ -240,6 +240,12 @@ class Delivery(str, enum.Enum):
 BY_TRAINER = "trainer"
 BY_EXTERNAL = "external"
 
+# What a trainer's lookups consumer is used for, recorded at its first commit (a switch: the
+# tracker refuses the other use, :class:`~persistent_delta.errors.ConsumerRoleError`).
+ROLE_READS = "reads"  # get_unique / consume_exact: the rows read are handed to the caller
+ROLE_PUBLISHES = "publishes"  # publish(): the rows read are written as snapshot records
+ROLES = (ROLE_READS, ROLE_PUBLISHES)
+
 #: Commits a consumer entry remembers (its health window; Burrow's default window is ten commits).
 COMMIT_HISTORY = 10
 
@@ -289,6 +295,10 @@ class ConsumerEntry:
     expired: bool = False
     history: Tuple[CommitPoint, ...] = ()
     format: str = codec.NATIVE
+        role: what the trainer uses a lookups consumer for, set by its first commit there
+            (:data:`ROLE_READS` or :data:`ROLE_PUBLISHES`; ``""``: not used yet, any other
+            consumer, and entries written before this field). Kept by every later commit;
+            readers that predate it ignore the field.
 
     @staticmethod
     def new(offset: int, channel: str, delivery: Delivery, fmt: str = codec.NATIVE) -> "ConsumerEntry":
@@ -298,7 +308,8 @@ class ConsumerEntry:
         return ConsumerEntry(offset=offset, channel=channel, delivery=delivery, commit_time=time.time(), registered_by=by,
                              format=fmt)
 
-    def committed(self, offset: int, end: int = -1) -> "ConsumerEntry":
+    def committed(self, offset: int, end: int = -1, role: Optional[str] = None) -> "ConsumerEntry":
+    role: str = ""
         """This entry with ``offset`` committed now (clears ``expired``); the commit joins the
         history, which keeps the last :data:`COMMIT_HISTORY`.
 
@@ -308,13 +319,16 @@ class ConsumerEntry:
         """
         now = time.time()
         history = (*self.history, CommitPoint(now, offset, end))[-COMMIT_HISTORY:]
-        return ConsumerEntry(offset, self.channel, self.delivery, now, self.registered_by, False, history, self.format)
+        return ConsumerEntry(offset, self.channel, self.delivery, now, self.registered_by, False, history, self.format,
+                             self.role or role or "")
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
         d["delivery"] = self.delivery.value
         d["history"] = [[p.time, p.offset, p.end] for p in self.history]
         return codec.pack(d)
+            role: the use this commit makes of the consumer (:data:`ROLES`), recorded when the
+                entry has none yet (None: leave it).
 
     @staticmethod
     def from_bytes(name: str, buf: bytes) -> "ConsumerEntry":
@@ -360,9 +374,19 @@ def _format(raw: object, what: str) -> str:
 
 
 def _history(raw: object, what: str) -> Tuple[CommitPoint, ...]:
+            role=_role(d.get("role"), what),
     """A stored commit history; an entry written before the field has none."""
     if raw is None:
         return ()
+def _role(raw: object, what: str) -> str:
+    """A stored role; an entry written before the field has none."""
+    if raw is None or raw == "":
+        return ""
+    if raw not in ROLES:
+        raise CorruptRecordError(f"{what}: unknown role {str(raw)[:40]!r}")
+    return str(raw)
+
+
     if not isinstance(raw, (list, tuple)):
         raise CorruptRecordError(f"{what}: history is not a list: {raw!r}")
     out = []

@@ -6,6 +6,12 @@ transaction (:func:`consume`) or in two (:func:`consume_read_ids` then :func:`co
 as a publish does), and the exact read of side records (:func:`consume_exact`). What a position
 means, where a read starts, which compactions are safe and what retention deletes are
 :mod:`persistent_delta.log.position_rules`'s; this module only asks it.
+
+A consumer either reads (:func:`consume`, :func:`consume_exact`) or publishes (the read
+:func:`consume_read_ids` and the commit :func:`consume_commit`): both move its one position,
+so a publish after a read would carry nothing of what the read took. Its first commit records
+the role in its entry (:attr:`~persistent_delta.log.schema.ConsumerEntry.role`), durably, and
+the other use raises :class:`~persistent_delta.errors.ConsumerRoleError` from then on.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta.config import RetentionBound
-from persistent_delta.errors import ConsumerConflictError, UnknownConsumerError
+from persistent_delta.errors import ConsumerConflictError, ConsumerRoleError, UnknownConsumerError
 from persistent_delta.log import codec, position_rules
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.records import AppendRecord, log_start, read_unique
 from persistent_delta.log.rows import unique_ids
-from persistent_delta.log.schema import LOOKUPS, ConsumerEntry
+from persistent_delta.log.schema import LOOKUPS, ROLE_PUBLISHES, ROLE_READS, ConsumerEntry
 from persistent_delta.trainer.unread import Accumulated, UnreadIds
 
 logger = logging.getLogger(__name__)
@@ -55,12 +61,13 @@ def consume(
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+        ConsumerRoleError: ``name`` publishes (see the module docs).
     """
-    entry = _lookups_consumer(w, name)
+    entry = _lookups_consumer(w, name, role=ROLE_READS)
     if compact:
         _compact_for_read(w, mode, end)
     rows = read_unique(w, mode, from_idx=position_rules.read_start(w, entry.offset), alloc=alloc)
-    _commit_read(w, name, entry, end, delete_on_read, bound)
+    _commit_read(w, name, entry, end, delete_on_read, bound, ROLE_READS)
     return rows
 
 
@@ -89,8 +96,9 @@ def consume_read_ids(
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+        ConsumerRoleError: ``name`` reads (``get_unique``; see the module docs).
     """
-    entry = _lookups_consumer(r, name, consumers=consumers)
+    entry = _lookups_consumer(r, name, consumers=consumers, role=ROLE_PUBLISHES)
     start = position_rules.read_start(r, entry.offset)
     if (accumulated is not None and accumulator is not None and accumulated.base == entry.offset == start
             and not entry.expired and log_start(r) <= start):
@@ -122,13 +130,14 @@ def consume_commit(
 ) -> None:
     """The write half of :func:`consume`: commit ``end`` as ``name``'s position after a
     :func:`consume_read_ids` that returned ``read``, compacting and enforcing retention as
-    :func:`consume` does.
+    :func:`consume` does, and record that the consumer publishes.
 
     Raises:
         UnknownConsumerError: the consumer was unregistered since.
         ConsumerConflictError: its position moved since the read (what was read is stale).
+        ConsumerRoleError: it reads (see the module docs).
     """
-    entry = _lookups_consumer(w, name, warn=False)
+    entry = _lookups_consumer(w, name, warn=False, role=ROLE_PUBLISHES)
     if entry.offset != read.offset or entry.expired != read.expired:
         raise ConsumerConflictError(
             f"consumer {name!r} of {w.path} moved from {read.offset} to {entry.offset} between its read and its "
@@ -136,7 +145,7 @@ def consume_commit(
         )
     if compact:
         _compact_for_read(w, mode, end)
-    _commit_read(w, name, entry, end, delete_on_read, bound)
+    _commit_read(w, name, entry, end, delete_on_read, bound, ROLE_PUBLISHES)
 
 
 def consume_exact(
@@ -157,20 +166,21 @@ def consume_exact(
 
     Raises:
         UnknownConsumerError: ``name`` is not a lookups consumer of this log.
+        ConsumerRoleError: ``name`` publishes (see the module docs).
     """
-    entry = _lookups_consumer(w, name)
+    entry = _lookups_consumer(w, name, role=ROLE_READS)
     start = max(entry.offset, log_start(w))
     out = empty
     if start < end:
         out = read(start)
-        w.set_consumer(name, entry.committed(end, end))
+        w.set_consumer(name, entry.committed(end, end, ROLE_READS))
     if delete_on_read:
         position_rules.enforce_retention(w, LOOKUPS, bound)
     return out
 
 
 def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True,
-                      consumers: Optional[Dict[str, ConsumerEntry]] = None) -> ConsumerEntry:
+                      consumers: Optional[Dict[str, ConsumerEntry]] = None, role: str = "") -> ConsumerEntry:
     consumers = position_rules.lookups_consumers(r.consumers() if consumers is None else consumers)
     entry = consumers.get(name)
     if entry is None:
@@ -178,10 +188,24 @@ def _lookups_consumer(r: ReadTxn, name: str, warn: bool = True,
             f"consumer {name} not present in {sorted(consumers)}: it is not registered in {r.path}; add it with "
             "add_consumer()"
         )
+    if role and entry.role and entry.role != role:
+        raise ConsumerRoleError(_role_message(name, r.path, entry.role))
     if warn and entry.expired:
         logger.warning("consumer %r of %s was expired by the retention bound; it reads from the log start %d",
                        name, r.path, log_start(r))
     return entry
+
+
+def _role_message(name: str, path: str, role: str) -> str:
+    if role == ROLE_PUBLISHES:
+        what = (f"consumer {name!r} of {path} publishes (tracker.publish): get_unique on it would move the position its "
+                "next publish starts from, and that publish would carry nothing of the rows read")
+    else:
+        what = (f"consumer {name!r} of {path} reads (tracker.get_unique): a publish of it would carry only the rows "
+                "changed since its last get_unique, not those since its last publish")
+    return (f"{what}. A consumer either reads or publishes: use two consumer names, one per use "
+            "(PersistentTrackerConfig(consumers=[...]) or tracker.add_consumer(name)); to change this one's use, "
+            "tracker.remove_consumer(name) and add it again")
 
 
 def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
@@ -192,8 +216,9 @@ def _compact_for_read(w: WriteTxn, mode: UpdateMode, end: int) -> None:
 
 
 def _commit_read(
-    w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound]
+    w: WriteTxn, name: str, entry: ConsumerEntry, end: int, delete_on_read: bool, bound: Optional[RetentionBound],
+    role: str,
 ) -> None:
-    w.set_consumer(name, entry.committed(end, end))
+    w.set_consumer(name, entry.committed(end, end, role))
     if delete_on_read:
         position_rules.enforce_retention(w, LOOKUPS, bound)

@@ -280,6 +280,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         if self._pending_restore is not None:
             self._first_step()
+            ConsumerRoleError: ``consumer`` publishes (:meth:`publish`): a consumer either reads
+                or publishes; use another name to read.
         self._commit_recorded()
         self._unread.drop(name)  # (it moves the consumer: a publish of it reads the log next)
         end, mode = self.curr_batch_idx + 1, self._update_mode
@@ -332,9 +334,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     # ------------------------------------------------------------------ publish, checkpoints
     def publish(self, consumer: str, formats: Sequence[str] = (), max_rows: Optional[int] = None,
                 max_bytes: Optional[int] = None, order: str = "oldest") -> Dict[str, int]:
-        """Write snapshot records of the rows changed since ``consumer`` last read, with their values
-        now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them (and the
-        consumer's position) in one transaction in the background (``flush()`` waits).
+        """Write snapshot records of the rows changed since ``consumer``'s last publish, with their
+        values now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them
+        (and the consumer's position) in one transaction in the background (``flush()`` waits).
+        ``consumer`` publishes only: :meth:`get_unique` of it is refused, and so is a publish of
+        a consumer that reads (the role is recorded in the log at its first use).
 
         The rows are written once per row format asked for: those of the registered snapshots
         consumers, and ``formats`` (for readers not registered in the log, such as remote
@@ -356,6 +360,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         formats = tuple(formats)
         for f in formats:
             codec.check_format(f)
+            ConsumerRoleError: ``consumer`` reads (:meth:`get_unique`); use another name to publish.
         self._check()
         cap = caps.check_cap(max_rows, max_bytes, order, self._tables)
         if self._pending_restore is not None:

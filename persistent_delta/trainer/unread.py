@@ -27,9 +27,9 @@ consumer's previous publish at the position the consumer still holds, the consum
 expired, nothing was deleted at or after it, and a read there starts there. Records written
 to the log by anything but the writer (a restore's re-delivery) and deletions (``clear``) make
 the tracker drop every accumulation (:meth:`UnreadIds.drop`). Without an accumulation that
-answers (a consumer's first publish in this process, after a restart or a restore, after a
-``get_unique`` of the same consumer), the publish reads the log, once, and accumulates from
-there on.
+answers (a consumer's first publish in this process, after a restart or a restore), the
+publish reads the log, once, and accumulates from there on. (A ``get_unique`` of a publishing
+consumer is refused: :mod:`persistent_delta.trainer.consume`.)
 
 Memory: per consumer that publishes, per table, two bitmaps of one byte per local row (the one
 filling and a spare), or for shards over :data:`DENSE_ROWS` rows at most about twice its
