@@ -52,6 +52,14 @@ class ConfigMismatchError(PersistentDeltaError):
     """The log was written with another update mode, tracking mode or table set."""
 
 
+class WorldSizeMismatchError(ConfigMismatchError):
+    """A checkpoint's tracker state does not fit this job's ranks: it was saved with another
+    world size, or it holds no state for this rank (only other ranks'). Each rank's log and
+    table shards belong to the layout they were written with, so another rank's state (or
+    none) is never loaded in its place. Restore with the world size the checkpoint was saved
+    with, or start the tracker without a restore."""
+
+
 class ForkedProcessError(PersistentDeltaError):
     """An LMDB environment opened in one process was used from a forked child."""
 
@@ -109,14 +117,6 @@ class ConsumerConflictError(PersistentDeltaError):
     writer changed it); the read is not committed."""
 
 
-class IncompletePollError(PersistentDeltaError):
-    """A poll does not hold every rank's part of the batches it covers (its ranks were read
-    up to different ends, or a rank is missing), and the caller asked for complete ones."""
-
-
-class WriterError(PersistentDeltaError):
-    """The background writer failed; the original error is chained as ``__cause__``."""
-
 class ConsumerRoleError(PersistentDeltaError):
     """A trainer's consumer was asked for the use it does not have: ``get_unique`` (or
     ``consume_exact``) on a consumer that publishes, or ``publish`` on one that reads. Both move
@@ -125,6 +125,14 @@ class ConsumerRoleError(PersistentDeltaError):
     first use. Use two consumer names, one per use; to change a consumer's role, remove it and
     add it again."""
 
+
+class IncompletePollError(PersistentDeltaError):
+    """A poll does not hold every rank's part of the batches it covers (its ranks were read
+    up to different ends, or a rank is missing), and the caller asked for complete ones."""
+
+
+class WriterError(PersistentDeltaError):
+    """The background writer failed; the original error is chained as ``__cause__``."""
 
 
 class WriterLogFullError(WriterError, LogFullError):
@@ -143,10 +151,34 @@ class OrderError(InvalidInputError):
     """Inputs that cannot be applied in this order: a gap, an overlap, or an input out of order."""
 
 
+class StaleBaseError(OrderError):
+    """A snapshots poll does not continue the tables it was to be applied to: on some rank it
+    starts after the position they continue from -- the base's (its batch, or the publish
+    after it), then the end of the poll applied before. The publishes in between are in
+    neither, so their rows would be served stale with nothing to say so: a replica restarted
+    with an old base and its consumer's committed position, or registered after the publishes
+    following its base were deleted (``delete_on_read``). Nothing was applied. Start from a
+    fresh base (``save_local_shards`` again on the trainer, then ``load_base``; across hosts
+    ``RemoteConsumer.bootstrap()``). ``rank``, ``start`` (the poll's first position) and
+    ``position`` (where the tables continue from) say where."""
+
+    def __init__(self, message: str, rank: int = 0, start: int = 0, position: int = 0) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.start = start
+        self.position = position
+
+
 class ReplicaMismatchError(InvalidInputError):
     """A poll cannot be applied exactly to an inference model's tables: a table the model lacks,
     a table of other rows or dimension, or rows of a format that would not give TorchRec's own
     quantized bytes (bfloat16 rows into an int8 table). Nothing was written."""
+
+
+class ServingLockError(InvalidInputError):
+    """An apply was called on a thread that holds the replica's read side (from inside
+    ``InferenceReplica.serving()`` or a request): it would wait for itself forever. Nothing was
+    written; apply from the consumer loop's thread."""
 
 
 class UnsupportedTrackingError(InvalidInputError, AssertionError):
@@ -196,6 +228,32 @@ class StreamKeyError(PersistentDeltaError):
     or a key file is unreadable, malformed or readable by others. Create one with
     ``persistent-delta keygen PATH`` and pass it (``key=``, ``--key-file``,
     ``PERSISTENT_DELTA_STREAM_KEY_FILE``) to the shipper and every consumer of the job."""
+
+
+class KeyFileError(StreamKeyError):
+    """A stream key file is refused before a byte of it is read: the path (followed through its
+    symbolic links, as a Kubernetes secret volume lays a key out) ends at something other than
+    a regular file (a FIFO, a device, a socket, a directory: opening one could block), or the
+    file is readable by others, or owned by a user other than the reader and root
+    (``docs/guides/security.md``, "Key files"). ``path`` is the path given, ``target`` the
+    file it resolves to, ``refused`` what was refused (``"a FIFO"``, ``"mode 0644"``, ...)."""
+
+    def __init__(self, message: str, path: str = "", target: str = "", refused: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.target = target
+        self.refused = refused
+
+
+class CommandStoppedError(PersistentDeltaError):
+    """A long-running command (``ship``, ``exporter``, ``top``) was stopped by SIGTERM/SIGINT
+    while blocked -- in a system call, a wait on the server -- and interrupted rather than
+    ending its loop. The command line reports it on stderr and exits 0: the stop was asked
+    for. ``signal`` is the signal's number."""
+
+    def __init__(self, message: str, signal: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal
 
 
 class AuthenticationError(CorruptRecordError):

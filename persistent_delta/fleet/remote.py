@@ -79,6 +79,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.records import empty_rows
+from persistent_delta.read.base import BaseTables
 from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
 from persistent_delta.read.results import DeltaPoll, RankDelta, join_int8, table_delta
 from persistent_delta.log.rows import compute_unique_rows
@@ -533,12 +534,15 @@ class RemoteConsumer:
             st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
 
     def bootstrap(self, progress: Optional[Callable[[int, int], None]] = None,
-                  wait: float = 0.0) -> Dict[str, torch.Tensor]:
+                  wait: float = 0.0) -> BaseTables:
         """A full base state from the stream, for a replica that joins late or after its
         position expired: the full tables (fqn -> ``(global_rows, global_cols)``) assembled
         from every rank's base (:func:`persistent_delta.fleet.ship.upload_base`), and
         every rank's position moved just past the base's publish (in memory; ``commit`` stores
-        it). Apply the polls that follow to the returned tables.
+        it). Apply the polls that follow to the returned tables: a
+        :class:`~persistent_delta.read.base.BaseTables` continuing from just past the base's
+        publish, so ``apply_poll`` refuses a poll that does not follow it
+        (:class:`~persistent_delta.errors.StaleBaseError`).
 
         Args:
             progress: called with (ranks fetched, ranks) before the first rank's base and
@@ -571,7 +575,7 @@ class RemoteConsumer:
                 except TransportError:  # retried within wait, as at open
                     pass
 
-    def _bootstrap(self, progress: Optional[Callable[[int, int], None]]) -> Dict[str, torch.Tensor]:
+    def _bootstrap(self, progress: Optional[Callable[[int, int], None]]) -> BaseTables:
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
         bases: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -608,7 +612,8 @@ class RemoteConsumer:
             st = self._ranks[rank]
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = stamp + 1, 1, None, 1
-        return full
+        return BaseTables(full, positions={rank: stamp + 1 for rank, stamp in stamps.items()}, batches=stamps,
+                          source=f"the base of job {self.job!r} (bootstrap)")
 
     def _check_base(self, rank: int, stamp: int, tables: Dict[str, torch.Tensor]) -> None:
         """A rank's base against its table metadata: every table, 2-D floats, the shard's shape,

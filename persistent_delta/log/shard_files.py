@@ -9,8 +9,9 @@ tracked table's local shard (``tracker.local_tables[fqn].weights()``) keyed by f
 shard placement (row/column offsets and sizes), a managed-collision table's raw id -> slot map
 (``zch.raw:<fqn>``, ``zch.slot:<fqn>``) and the batch index it was taken at
 (``batch_idx``: the tracker's ``curr_batch_idx``; the weights hold every batch up to it, so an
-increment applied on top must start at ``batch_idx + 1``: :func:`shard_batches`) in the file's
-metadata. Every rank calls it with
+increment applied on top must start at ``batch_idx + 1``: :func:`shard_batches`), and the first
+stamp a publish after the save can carry (``next_stamp``: a snapshots poll applied onto the
+tables must start at or before it, :func:`shard_positions`) in the file's metadata. Every rank calls it with
 the same directory. ``replay`` reads the files of all ranks to assemble the current values of
 changed rows as full rows in global row ids (an incremental snapshot).
 
@@ -55,6 +56,25 @@ def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
         NotALogError: no shard files in ``ckpt_dir``.
         InvalidInputError: a malformed file.
     """
+    return _recorded(ckpt_dir, ("batch_idx",))
+
+
+def shard_positions(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
+    """rank -> the snapshots position a replica starting from each rank file continues from:
+    the first stamp a publish made after the save can carry (``next_stamp``: the file's batch,
+    or the next one when a publish was stamped with it before the save), the file's
+    ``batch_idx`` for files written before ``next_stamp`` was recorded, None when neither is
+    (:mod:`persistent_delta.read.base` says why a replica's first poll must start at or before it).
+
+    Raises:
+        NotALogError: no shard files in ``ckpt_dir``.
+        InvalidInputError: a malformed file.
+    """
+    return _recorded(ckpt_dir, ("next_stamp", "batch_idx"))
+
+
+def _recorded(ckpt_dir: PathLike, keys: Tuple[str, ...]) -> Dict[int, Optional[int]]:
+    """rank -> the first of the metadata ``keys`` each rank file records, as an int (None: none)."""
     ckpt_dir = os.fspath(ckpt_dir)
     out: Dict[int, Optional[int]] = {}
     for name in _rank_files(ckpt_dir):
@@ -66,11 +86,12 @@ def shard_batches(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
             raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
         if meta.get("format") != SHARD_FILES_FORMAT:
             raise NotALogError(f"{path} is not a shard file (format {meta.get('format')!r})")
-        b = meta.get("batch_idx")
+        key = next((k for k in keys if meta.get(k) is not None), keys[0])
+        b = meta.get(key)
         try:
             out[int(_RANK_FILE.match(name).group(1))] = None if b is None else int(b)  # type: ignore[union-attr]
         except ValueError as exc:
-            raise InvalidInputError(f"{path}: malformed batch_idx {b!r}") from exc
+            raise InvalidInputError(f"{path}: malformed {key} {b!r}") from exc
     return out
 
 

@@ -20,11 +20,16 @@ when a check fails.
 
 A replica's starting tables (its *base*) come from the trainer's shard files
 (:func:`load_base`) or from a base uploaded to the stream
-(:meth:`persistent_delta.fleet.remote.RemoteConsumer.bootstrap`).
+(:meth:`persistent_delta.fleet.remote.RemoteConsumer.bootstrap`), as a
+:class:`~persistent_delta.read.base.BaseTables` that knows, per rank, where it continues from:
+a poll applied onto it that starts later raises :class:`~persistent_delta.errors.StaleBaseError` (the publishes in
+between are in neither: :mod:`persistent_delta.read.base`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
@@ -35,20 +40,26 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError
 from persistent_delta.log.layout import PathLike
 from persistent_delta.log.schema import ShardInfo
-from persistent_delta.log.shard_files import load_shards, whole_tables
+from persistent_delta.log.shard_files import load_shards, shard_batches, shard_positions, whole_tables
+from persistent_delta.read.base import BaseTables
 from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.threads import intra_op_threads
 
 
-def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]:
+logger = logging.getLogger(__name__)
+
+
+def load_base(shard_dir: PathLike, wait: float = 0.0) -> BaseTables:
     """A replica's starting tables from the trainer's shard files: every table whole, in
     global row ids, assembled from the ``rank-<r>.safetensors`` files that
     :func:`persistent_delta.trainer.save_shards.save_local_shards` wrote on every rank into
     ``shard_dir`` (row-wise shards stacked, column-wise halves side by side). Apply the
-    snapshots published after the files were taken to these tables (:func:`apply_poll`);
-    :func:`persistent_delta.log.shard_files.shard_batches` says which batch each rank's file
-    holds. Reads every file whole: it needs memory for the full tables plus one rank's shards.
+    snapshots published after the files were taken to these tables (:func:`apply_poll`), with
+    a consumer whose position is at or before the base's batch on every rank (registered before
+    the save, or before the publish that followed it): the first poll applied is checked for it
+    (:mod:`persistent_delta.read.base`). Reads every file whole: it needs memory for the full
+    tables plus one rank's shards.
 
     Args:
         shard_dir: the directory every rank passed to ``save_local_shards``.
@@ -58,7 +69,10 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]
             default) reads what is there now.
 
     Returns:
-        fqn -> the full table, shape ``(global_rows, global_cols)``, the shards' dtype.
+        fqn -> the full table, shape ``(global_rows, global_cols)``, the shards' dtype: a
+        :class:`~persistent_delta.read.base.BaseTables` (a ``dict``) whose ``batches`` say which
+        batch each rank's file holds and ``positions`` where a poll applied onto it must start
+        at the latest.
 
     Raises:
         NotALogError: ``shard_dir`` holds no shard files (after ``wait``).
@@ -71,6 +85,8 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]
     deadline = time.monotonic() + wait
     while True:
         try:
+            # before the weights: a file saved again meanwhile gives an older position (stricter)
+            positions, batches = shard_positions(shard_dir), shard_batches(shard_dir)
             found = load_shards(shard_dir)
             if time.monotonic() >= deadline or all(_covers_whole(s) for s in found.values()):
                 break
@@ -78,7 +94,14 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> Dict[str, torch.Tensor]
             if time.monotonic() >= deadline:
                 raise
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    return whole_tables(shard_dir, found)
+    tables = whole_tables(shard_dir, found)
+    unknown = sorted(r for r, p in positions.items() if p is None)
+    if unknown:
+        logger.warning("%s: the shard files of ranks %s record no batch (written by an older version): a poll applied "
+                       "onto them cannot be checked to continue them on those ranks", shard_dir, unknown)
+    return BaseTables(tables, positions={r: p for r, p in positions.items() if p is not None},
+                      batches={r: b for r, b in batches.items() if b is not None},
+                      source=f"the base in {os.fspath(shard_dir)!r}")
 
 
 def _covers_whole(shards: List[Tuple[ShardInfo, torch.Tensor]]) -> bool:
@@ -135,7 +158,9 @@ def apply_poll(
         tables: fqn -> the replica's whole table, ``(global_rows, global_cols)``, of the
             trainer's dtype; or a :class:`PollTarget` (a TorchRec inference model's replica,
             :class:`persistent_delta.read.inference.InferenceReplica`), which applies the poll
-            itself.
+            itself. Tables from :func:`load_base` (a
+            :class:`~persistent_delta.read.base.BaseTables`) check that the poll continues
+            them (see Raises) and move on to its end.
         poll: a poll of the ``snapshots`` channel.
         complete_only: refuse a poll that is not :attr:`~DeltaPoll.complete`.
         strict: a polled table missing from ``tables`` is an error (``False``: skipped).
@@ -148,10 +173,17 @@ def apply_poll(
             :mod:`persistent_delta.read.inference`); a table is missing (``strict``), not 2-D,
             smaller than the shard says, or of another dtype.
         IncompletePollError: ``complete_only`` and the poll is not complete.
+        StaleBaseError: ``tables`` is a :class:`~persistent_delta.read.base.BaseTables` and the
+            poll starts, on some rank, after the position they continue from (the base's batch,
+            then the end of the poll applied before): the publishes in between are in neither.
+            Start from a fresh base (its message says how).
     """
     if isinstance(tables, PollTarget):
         return tables.apply_poll(poll, complete_only=complete_only, strict=strict)
     check_poll(poll, complete_only)
+    follows = tables.continuation if isinstance(tables, BaseTables) else None
+    if follows is not None:
+        follows.check(poll)
     if any(part.format == "int8" for part in poll):
         raise InvalidInputError(
             "this poll holds int8 rows (FBGEMM's row-wise int8: uint8 [n, dim + 4]); apply_poll writes float tables. "
@@ -177,6 +209,8 @@ def apply_poll(
             target.index_copy_(0, part.global_ids, states.reshape(states.shape[0], -1))
             out.rows += int(part.ids.numel())
             out.nbytes += states.numel() * states.element_size()
+    if follows is not None:
+        follows.advance(poll)
     out.applied_at = time.time()
     return out
 

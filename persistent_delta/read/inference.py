@@ -54,9 +54,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError
+from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError, ServingLockError
 from persistent_delta.log import codec
 from persistent_delta.read.apply import Applied, check_poll
+from persistent_delta.read.base import continuation_of
 from persistent_delta.read.mch_maps import MapUpdate, MchMap, mch_maps
 from persistent_delta.read.results import DeltaPoll, MergedDelta, TableDelta, merge_table
 from persistent_delta.threads import intra_op_threads
@@ -113,30 +114,48 @@ class InferenceTable:
 
 class _ServingLock:
     """A readers-writer lock that prefers the writer: requests (readers) run together; an apply
-    chunk (the writer) waits for the running requests and holds new ones back. Not reentrant."""
+    chunk (the writer) waits for the running requests and holds new ones back.
+
+    The read side is reentrant per thread: a thread that already reads (a ``forward`` or
+    ``weights`` inside ``serving()``) reads again at once, even while a writer waits (waiting
+    for that writer would wait for itself). A thread that reads cannot write: that raises
+    instead of waiting forever."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
+        self._mine = threading.local()  # this thread's depth of read holds
+
+    def _depth(self) -> int:
+        return getattr(self._mine, "depth", 0)
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
+        depth = self._depth()
+        if not depth:
+            with self._cond:
+                while self._writer or self._writers_waiting:
+                    self._cond.wait()
+                self._readers += 1
+        self._mine.depth = depth + 1
         try:
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+            self._mine.depth = depth
+            if not depth:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
 
     @contextmanager
     def writing(self) -> Iterator[None]:
+        if self._depth():
+            raise ServingLockError(
+                "an apply was called from inside InferenceReplica.serving() (or a request) on the same thread: "
+                "it would wait for its own read forever. Apply from the consumer loop's thread, outside serving()")
         with self._cond:
             self._writers_waiting += 1
             try:
@@ -403,6 +422,9 @@ class InferenceReplica:
             ``shard_quant_model`` (see the serving guide).
         chunk_rows: rows written per hold of the lock (bounds how long a request waits).
         poll_atomic: hold the lock over a whole poll instead of per chunk.
+        base: the float tables the model was loaded from (:func:`~persistent_delta.read.apply.load_base`):
+            kept for column-wise tables, and, from ``load_base`` or ``bootstrap``, where the
+            polls must continue from (each poll is checked as :func:`apply_poll` checks it).
 
     Raises:
         ReplicaMismatchError: see :func:`inference_tables`.
@@ -420,6 +442,7 @@ class InferenceReplica:
         self._by_name: Dict[str, List[str]] = {}
         for fqn, t in self.tables.items():
             self._by_name.setdefault(t.name, []).append(fqn)
+        self._seen = set((base or {}).keys())  # every trainer fqn polled (or in the base): table()'s rivals
         self._lock = _ServingLock()
         self.maps: Dict[str, MchMap] = mch_maps(model, self.tables)
         self._halves: Dict[str, _ColumnHalves] = {}
@@ -430,6 +453,7 @@ class InferenceReplica:
                     f"base table {fqn!r} is {tuple(full.shape)} {full.dtype}; the inference model's {t.fqn} is "
                     f"{t.rows} x {t.dim}")
             self._halves[t.fqn] = _ColumnHalves.of_base(full)
+        self.continuation = continuation_of(base)  # None: a base that does not say where it continues from
 
     # ------------------------------------------------------------------ serving (any thread)
 
@@ -475,19 +499,29 @@ class InferenceReplica:
 
     def table(self, fqn: str) -> InferenceTable:
         """The inference table a trainer fqn maps to: the same fqn, else the one table of the
-        fqn's table name (its last component).
+        fqn's table name (its last component), unless another trainer table the replica has
+        seen (in any poll so far, or its base) has that name too: two trainer tables are never
+        written into one, and a table that is another trainer table's own is never taken.
 
         Raises:
-            ReplicaMismatchError: no such table, or several tables of that name.
+            ReplicaMismatchError: no such table, several tables of that name, or another trainer
+                table of that name.
         """
         found = self.tables.get(fqn)
         if found is not None:
             return found
-        named = self._by_name.get(fqn.rsplit(".", 1)[-1], [])
-        if len(named) == 1:
-            return self.tables[named[0]]
-        why = f"several tables are named so: {sorted(named)}" if named else f"it has {sorted(self.tables)}"
-        raise ReplicaMismatchError(f"the inference model has no table for {fqn!r} ({why})")
+        name = fqn.rsplit(".", 1)[-1]
+        named = self._by_name.get(name, [])
+        if len(named) != 1:
+            why = f"several tables are named so: {sorted(named)}" if named else f"it has {sorted(self.tables)}"
+            raise ReplicaMismatchError(f"the inference model has no table for {fqn!r} ({why})")
+        rivals = sorted(f for f in self._seen if f != fqn and f.rsplit(".", 1)[-1] == name)
+        if rivals:
+            raise ReplicaMismatchError(
+                f"the inference model has no table {fqn!r}, and its one table named {name!r} ({named[0]}) cannot "
+                f"stand in for it: the trainer also has {rivals}, and two trainer tables are never written into "
+                "one. Give the inference model the trainer's module paths, or a table per trainer table")
+        return self.tables[named[0]]
 
     # ------------------------------------------------------------------ applying (one thread)
 
@@ -512,8 +546,12 @@ class InferenceReplica:
                 column-wise table whose halves in the poll hold different rows.
             ReplicaMismatchError: a table the model lacks (``strict``), of other rows or dim,
                 or rows of a format that cannot be applied exactly. Nothing was written.
+            StaleBaseError: the poll does not continue the ``base`` the replica was built on
+                (:mod:`persistent_delta.read.base`). Nothing was written.
         """
         check_poll(poll, complete_only)
+        if self.continuation is not None:
+            self.continuation.check(poll)
         with torch.no_grad(), intra_op_threads(poll.read_threads):
             commits: List[Tuple[str, _ColumnHalves, _HalvesUpdate]] = []
             plan = self._plan(poll, strict, commits)
@@ -546,6 +584,8 @@ class InferenceReplica:
             for _, ids, rows in plan:
                 out.rows += int(ids.numel())
                 out.nbytes += rows.numel() * rows.element_size()
+        if self.continuation is not None:
+            self.continuation.advance(poll)
         out.applied_at = time.time()
         return out
 
@@ -570,7 +610,9 @@ class InferenceReplica:
         """Every table's whole rows, converted and checked, before anything is written;
         ``commits`` gets the column-half updates to keep once the rows are written."""
         plan: List[Tuple[InferenceTable, torch.Tensor, torch.Tensor]] = []
-        for fqn, parts in poll.tables().items():
+        polled = poll.tables()
+        self._seen.update(polled)  # (before any table is mapped: a poll's tables are each other's rivals)
+        for fqn, parts in polled.items():
             parts = [p for p in parts if p.states is not None]
             if not parts:
                 continue

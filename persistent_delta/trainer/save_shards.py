@@ -31,6 +31,10 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
     """Write this rank's shard of every tracked table to ``<shard_dir>/rank-<r>.safetensors``.
 
     Call it on every rank (the training thread, between steps) with the same directory.
+    The file records the batch it was taken at and the stamp of the next publish
+    (``tracker.next_stamp``): a replica starting from these files
+    (:func:`persistent_delta.read.apply.load_base`) must read the snapshots from that stamp or
+    earlier, and its first poll is checked for it (:mod:`persistent_delta.read.base`).
 
     Args:
         tracker: the rank's tracker (its ``local_tables`` and ``rank`` are used).
@@ -53,6 +57,9 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
         tensors[ZCH_RAW + fqn], tensors[ZCH_SLOT + fqn] = raw.contiguous(), slots.contiguous()
     meta = {"format": SHARD_FILES_FORMAT, "rank": str(tracker.rank), "shards": json.dumps(shards),
             "batch_idx": str(int(tracker.curr_batch_idx))}
+    next_stamp = getattr(tracker, "next_stamp", None)  # a tracker that publishes: its next publish's stamp
+    if next_stamp is not None:
+        meta["next_stamp"] = str(int(next_stamp))
     path = os.path.join(os.fspath(shard_dir), f"rank-{tracker.rank}.safetensors")
     atomic_write_bytes(path, safetensors_save(tensors, metadata=meta))
     return path

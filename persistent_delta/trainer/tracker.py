@@ -501,6 +501,14 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         return dict(self._tables)
 
     @property
+    def next_stamp(self) -> int:
+        """The stamp a publish made now would carry: the batch being recorded, or the next one
+        when a publish was stamped with it already (a stamp is never reused). Shard files record
+        it (:func:`~persistent_delta.trainer.save_shards.save_local_shards`): a replica starting
+        from them reads the snapshots from it or earlier (:mod:`persistent_delta.read.base`)."""
+        return max(self.curr_batch_idx, self._last_stamp + 1)
+
+    @property
     def log(self) -> DeltaLog:
         return self._log
 

@@ -20,7 +20,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 from torchrec.inference.modules import quantize_embeddings, quantize_inference_model
 
 from persistent_delta import apply_poll
-from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError
+from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError, ServingLockError
 from persistent_delta.log.schema import ShardInfo
 from persistent_delta.read.inference import InferenceReplica
 from persistent_delta.read.results import DeltaPoll, RankDelta, TableDelta
@@ -275,3 +275,97 @@ def test_without_the_lock_requests_see_mixed_rows():
     replica._lock.writing = nullcontext  # type: ignore[method-assign]
     bad = _serve_case(replica, _serving_tables(), seconds=1.0)
     assert bad["mixed"] > 0, bad
+
+
+def test_two_trainer_tables_of_one_name_are_never_written_into_one():
+    """Two towers' ``table_0`` (or a table the model lacks beside a same-named one it has) are
+    refused, in one poll and across polls; nothing is written; ``strict=False`` skips the table
+    that has no table of its own."""
+    model = Sparse("ec")
+    replica = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
+    before = replica.all_weights()
+    ids, rows = torch.tensor([2, 3]), torch.randn(2, DIM)
+    own, other = model.fqn(0), "item_tower.embeddings.table_0"
+    with pytest.raises(ReplicaMismatchError, match="item_tower.embeddings.table_0.*never written into one"):
+        replica.apply_poll(poll_of([part(own, ids, rows), part(other, ids, -rows)]))
+    assert all(torch.equal(before[f], w) for f, w in replica.all_weights().items())  # nothing written
+    replica.apply_poll(poll_of([part(own, ids, rows), part(other, ids, -rows)]), strict=False)
+    want = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows, 8)
+    assert torch.equal(replica.all_weights()[own][ids], want)  # the exact table, not the other tower's rows
+
+    # across polls: the other tower alone, after the exact one was seen in an earlier poll
+    fresh = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
+    fresh.apply_poll(poll_of([part(own, ids, rows)]))
+    with pytest.raises(ReplicaMismatchError, match="never written into one"):
+        fresh.apply_poll(poll_of([part(other, ids, -rows)]))
+    assert torch.equal(fresh.all_weights()[own][ids], want)
+
+    # two fallbacks onto one table (neither is the model's own fqn)
+    fresh = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
+    with pytest.raises(ReplicaMismatchError, match="never written into one"):
+        fresh.apply_poll(poll_of([part("a.embeddings.table_0", ids, rows), part("b.embeddings.table_0", ids, -rows)]))
+    with pytest.raises(ReplicaMismatchError, match="never written into one"):
+        fresh.table("a.embeddings.table_0")
+
+
+def test_a_nested_read_finishes_while_an_apply_waits():
+    """The read side is reentrant per thread: a request inside ``serving()`` runs while an
+    apply on another thread waits for the outer hold (with a lock that prefers the writer and
+    is not reentrant, both threads wait forever: the request thread is joined with a timeout)."""
+    model = Sparse("ec")
+    replica = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
+    ids, rows = torch.tensor([1, 4]), torch.randn(2, DIM)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.cat([ids, ids]),
+                                              lengths=torch.ones(4, dtype=torch.long))
+    applied, waiting = threading.Event(), threading.Event()
+    seen: Dict[str, object] = {}
+
+    def apply() -> None:
+        replica.apply_poll(poll_of([part(model.fqn(0), ids, rows)]))
+        applied.set()
+
+    def request() -> None:
+        with replica.serving():
+            writer = threading.Thread(target=apply, daemon=True)
+            writer.start()
+            deadline = time.monotonic() + 5
+            while not replica._lock._writers_waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen["waiting"] = replica._lock._writers_waiting  # the apply now waits for this hold
+            waiting.set()
+            seen["weights"] = replica.weights(model.fqn(0))  # nested reads on the reading thread
+            seen["forward"] = replica.forward(kjt)
+            seen["applied_inside"] = applied.is_set()
+        writer.join(5)
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the nested read waited for the apply, which waits for the outer read"
+    assert seen["waiting"] == 1 and seen["applied_inside"] is False
+    assert seen["weights"].shape == (ROWS, DIM + 4)
+    assert applied.is_set()
+    assert torch.equal(replica.weights(model.fqn(0))[ids], torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows, 8))
+
+
+def test_an_apply_inside_serving_is_refused_not_a_deadlock():
+    """(Run on a thread joined with a timeout: waiting for its own read would hang forever.)"""
+    model = Sparse("ec")
+    replica = InferenceReplica(quantize_inference_model(copy.deepcopy(model)))
+    before = replica.all_weights()
+    raised: List[BaseException] = []
+
+    def inside() -> None:
+        with replica.serving():
+            try:
+                replica.apply_poll(poll_of([part(model.fqn(0), torch.tensor([1]), torch.randn(1, DIM))]))
+            except ServingLockError as exc:
+                raised.append(exc)
+
+    thread = threading.Thread(target=inside, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "an apply inside serving() waited for its own read"
+    assert raised and "inside InferenceReplica.serving" in str(raised[0])
+    assert all(torch.equal(before[f], w) for f, w in replica.all_weights().items())
+    replica.apply_poll(poll_of([part(model.fqn(0), torch.tensor([1]), torch.randn(1, DIM))]))  # the lock is free

@@ -1,0 +1,136 @@
+"""A replica's base, and the rule that every poll applied onto it continues it.
+
+Owns: :class:`BaseTables` (a base's full tables with, per rank, the snapshots position they
+continue from) and :class:`Continuation`, the check an apply makes before it writes anything.
+:func:`persistent_delta.read.apply.load_base` and
+:meth:`persistent_delta.fleet.remote.RemoteConsumer.bootstrap` return a :class:`BaseTables`;
+:func:`persistent_delta.read.apply.apply_poll` and
+:class:`persistent_delta.read.inference.InferenceReplica` check each poll against it.
+
+Design note
+-----------
+A base taken at batch ``b`` (the tracker's ``curr_batch_idx`` when ``save_local_shards`` ran)
+holds the trainer's values as of the save. The next publish is stamped ``b`` -- the save may
+have run between the batch's forward and its backward, so that publish may hold values the
+base lacks -- or ``b + 1`` when a publish was stamped ``b`` before the save (a stamp is never
+reused). That first stamp is the base's **position** on the rank (the shard file's
+``next_stamp``; its ``batch_idx`` for files written before it was recorded; a base on the
+stream, taken at publish ``s``: ``s + 1``). A snapshots read that starts at or before it misses
+nothing the base lacks; one that starts after it misses the publishes in between, and their
+rows would stay stale with nothing to say so: a replica restarted with an old base and its
+consumer's committed position, or a replica registered late, at the earliest snapshot still
+stored, after another consumer's ``delete_on_read`` freed the publishes that followed its base.
+
+The reader guarantees the other half: a read at a position holds every publish from it on, or
+raises (:class:`~persistent_delta.errors.OffsetOutOfRangeError`: the publishes there were
+deleted). So one comparison per rank decides, ``start <= position``, where ``start`` is the
+poll's (:attr:`DeltaPoll.ranges`). After a poll the tables continue from its end: the next
+poll starts there (a consumer's does), and a poll that starts later -- a consumer moved
+forward by a reset policy or a seek, another consumer's poll -- is refused the same way. A rank
+the base does not know (a file that records no batch) is not checked. Starting earlier than the
+position is allowed: older publishes are applied again, and the newer ones that follow in order
+bring every row back to the newest value (the at-least-once rule of every apply).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+from persistent_delta.errors import StaleBaseError
+from persistent_delta.read.results import DeltaPoll
+
+
+class Continuation:
+    """Per rank, the snapshots position a replica's tables continue from (see the module note):
+    checked against each poll before it is applied, and moved to the poll's end after.
+
+    Not thread-safe: the replica's one applying thread uses it.
+
+    Args:
+        positions: rank -> the position the tables continue from.
+        source: what the tables came from, for the error message (a shard-files directory).
+    """
+
+    def __init__(self, positions: Mapping[int, int], source: str = "the base") -> None:
+        self.positions: Dict[int, int] = {int(r): int(p) for r, p in positions.items()}
+        self.source = source
+        self._applied: Dict[int, int] = {}  # rank -> end of the last poll applied
+
+    def check(self, poll: DeltaPoll) -> None:
+        """Raise unless ``poll`` continues the tables on every rank it read (it is not applied).
+
+        Raises:
+            StaleBaseError: a rank's read starts after the position the tables continue from.
+        """
+        for rank, (start, _) in sorted(poll.ranges.items()):
+            position = self.positions.get(rank)
+            if position is None or start <= position:
+                continue
+            if rank in self._applied:
+                why = (f"the poll applied before ended at batch {position}: the publishes stamped {position}..{start - 1} "
+                       "are in neither (was the consumer moved forward, by a reset policy or a seek, or is this "
+                       "another consumer's poll?)")
+            else:
+                why = (f"{self.source} continues from batch {position}: the publishes stamped {position}..{start - 1} "
+                       "are in neither (a replica restarted with an old base and its consumer's committed position, "
+                       "or registered after the publishes that followed its base were deleted)")
+            raise StaleBaseError(
+                f"rank {rank}: this snapshots poll starts at batch {start}, but {why}; applied, their rows would "
+                "stay stale. Nothing was applied. Start from a fresh base: save_local_shards(tracker, shard_dir) on "
+                "every rank of the trainer, then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), "
+                "with the consumer at or before its batch",
+                rank=rank, start=start, position=position)
+
+    def advance(self, poll: DeltaPoll) -> None:
+        """``poll`` was applied: the tables continue from its end on every rank it read."""
+        for rank, (_, end) in poll.ranges.items():
+            if rank in self.positions:
+                self.positions[rank] = self._applied[rank] = int(end)
+
+
+class BaseTables(Dict[str, torch.Tensor]):
+    """A replica's base: fqn -> the full table ``(global_rows, global_cols)``, a ``dict`` as
+    :func:`~persistent_delta.read.apply.load_base` always returned, that also knows where it
+    continues from. :func:`~persistent_delta.read.apply.apply_poll` onto it checks every poll
+    first (:class:`Continuation`) and raises
+    :class:`~persistent_delta.errors.StaleBaseError` for one that does not continue it.
+    ``dict(base)`` (or a copy of its tables) is a plain dict again, unchecked. Pickled (by
+    ``torch.save`` too), it is an ``OrderedDict`` of its tables, unchecked.
+
+    Attributes:
+        batches: rank -> the batch the base was taken at (as its files record it).
+        continuation: per rank, where the tables continue from; moved by each applied poll.
+        source: what the tables came from (the shard-files directory, the job's stream).
+    """
+
+    def __init__(self, tables: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]] = (),
+                 positions: Optional[Mapping[int, int]] = None, batches: Optional[Mapping[int, int]] = None,
+                 source: str = "the base") -> None:
+        super().__init__(tables)
+        self.batches: Dict[int, int] = dict(batches or {})
+        self.source = source
+        self.continuation = Continuation(positions or {}, source)
+
+    @property
+    def positions(self) -> Dict[int, int]:
+        """rank -> the snapshots position the tables continue from now: a poll applied onto
+        them must start at or before it."""
+        return dict(self.continuation.positions)
+
+    def __reduce__(self) -> Tuple[type, Tuple[List[Tuple[str, torch.Tensor]]]]:
+        # as an OrderedDict, what a state dict is: torch.load(weights_only=True) reads it back
+        return OrderedDict, (list(self.items()),)
+
+
+def continuation_of(base: Optional[Mapping[str, torch.Tensor]]) -> Optional[Continuation]:
+    """A fresh :class:`Continuation` at ``base``'s positions, for a replica that copies the base
+    into tables of its own (an inference model); None for a plain mapping (nothing to check)."""
+    if not isinstance(base, BaseTables):
+        return None
+    return Continuation(base.continuation.positions, base.source)
+
+
+__all__ = ["BaseTables", "Continuation", "continuation_of"]

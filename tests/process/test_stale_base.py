@@ -1,0 +1,109 @@
+"""A replica's base and its consumer's position are checked against each other: a snapshots
+poll applied onto a base must start at or before the base's position on every rank
+(``persistent_delta.read.base``), else ``StaleBaseError`` and nothing is applied.
+
+One real two-rank job (row-wise TorchRec model, ``delete_on_read``) runs the serving guide's
+loop: shard files saved before training, a replica registered before the first publish that
+applies and commits every publish but the last, and shard files saved right after the last
+publish. This process then plays the replicas that start afterwards."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from harness import run_spawn
+from inference_cases import quantized
+from persistent_delta import DeltaConsumer, apply_poll, load_base
+from persistent_delta.errors import OrderError, StaleBaseError
+from persistent_delta.read.inference import InferenceReplica
+from stale_base_cases import full, serving_job_case
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Tuple[str, str, str, List[Dict[str, Any]]]:
+    d = tmp_path_factory.mktemp("stale-base")
+    root, base0, fresh = str(d / "log"), str(d / "base0"), str(d / "fresh")
+    return root, base0, fresh, run_spawn(serving_job_case, 2, root, base0, fresh, timeout=240)
+
+
+def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_restarted_replica_with_its_old_base_is_refused_at_its_first_apply(job):
+    """The replica restarts as the guide's loop would: it loads the shard files of batch 0 again
+    and continues at its committed position, past the publishes its base lacks."""
+    root, base0, _, ranks = job
+    base = load_base(base0)
+    assert base.batches == {0: 0, 1: 0} and base.positions == {0: 1, 1: 1}
+    untouched = {k: v.clone() for k, v in base.items()}
+    with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
+        assert consumer.committed() == {0: 7, 1: 7}
+        poll = consumer.poll()
+    assert poll.ranges == {0: (7, 9), 1: (7, 9)} and poll.num_rows > 0
+    with pytest.raises(StaleBaseError, match="starts at batch 7.*continues from batch 1.*save_local_shards") as err:
+        apply_poll(base, poll, complete_only=True)
+    assert isinstance(err.value, OrderError) and (err.value.rank, err.value.start, err.value.position) == (0, 7, 1)
+    assert _same(base, untouched) and base.positions == {0: 1, 1: 1}  # nothing applied, nothing moved
+    # what it refused: applied anyway (a plain dict is not checked), the tables are stale
+    stale = dict(base)
+    apply_poll(stale, poll, complete_only=True)
+    assert not _same(stale, full(ranks, "final_shards"))
+    # a TorchRec inference model built on that base refuses it the same way
+    replica = InferenceReplica(quantized("ec", base, "int8"), base=base)
+    before = replica.all_weights()
+    with pytest.raises(StaleBaseError):
+        apply_poll(replica, poll, complete_only=True)
+    assert _same(replica.all_weights(), before)
+
+
+def test_a_late_replica_registered_after_delete_on_read_is_refused(job):
+    """A replica added later registers at the earliest snapshot still stored: the publishes
+    between its base and there were deleted once the first replica had read them."""
+    root, base0, _, _ = job
+    base = load_base(base0)
+    with DeltaConsumer(root, "late", channel="snapshots") as consumer:
+        assert consumer.position() == {0: 8, 1: 8}  # 2..6 deleted: the first replica committed 7
+        poll = consumer.poll()
+    with pytest.raises(StaleBaseError, match="rank 0: this snapshots poll starts at batch 8"):
+        apply_poll(base, poll)
+    replica = InferenceReplica(quantized("ec", base, "int8"), base=base)
+    with pytest.raises(StaleBaseError):
+        apply_poll(replica, poll)
+
+
+def test_the_documented_path_stays_quiet_and_bit_exact(job):
+    """The guide's loop applied every publish onto its base exactly; restarted, a replica that
+    loads shard files saved at or after its committed position (here right after a publish:
+    the next publish takes the next stamp) continues quietly, twice over, to the trainer's
+    tables bit for bit; a poll that jumps ahead of what was applied is still refused."""
+    root, _, fresh, ranks = job
+    first = ranks[0]
+    assert first["base_positions"] == {0: 1, 1: 1}
+    assert first["ranges"] == [{0: (0, 3), 1: (0, 3)}, {0: (3, 5), 1: (3, 5)}, {0: (5, 7), 1: (5, 7)}]
+    assert first["replica_positions"] == {0: 7, 1: 7}  # moved to each applied poll's end
+    assert _same(first["replica"], full(ranks, "applied_shards"))
+    assert (first["curr_batch_idx"], first["next_stamp"]) == (8, 9)
+    want = full(ranks, "final_shards")
+    for _ in range(2):  # the second restart sits right at the base's position
+        base = load_base(fresh)
+        assert base.batches == {0: 8, 1: 8} and base.positions == {0: 9, 1: 9}
+        replica = InferenceReplica(quantized("ec", base, "int8"), base=base)
+        with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
+            poll = consumer.poll()
+            apply_poll(base, poll, complete_only=True)
+            apply_poll(replica, poll, complete_only=True)
+            consumer.commit()
+        assert _same(base, want) and base.positions == {0: 9, 1: 9}
+    # the same tables, a poll from a consumer moved ahead of them: a gap, refused
+    with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
+        consumer.seek(10)
+        with pytest.raises(StaleBaseError, match="the poll applied before ended at batch 9"):
+            apply_poll(base, consumer.poll(), complete_only=True)
+    assert os.path.isdir(fresh)

@@ -1,0 +1,70 @@
+"""Per-rank body of the tests of a replica's base against its consumer's position (module level,
+so spawned ranks can import it)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_tracker.types import TrackingMode
+
+from harness import build_sharded_model, make_batches, table_shard_info, train_step
+from persistent_delta import DeltaConsumer, PersistentTrackerConfig, apply_poll, attach, load_base, save_local_shards
+
+ROWS = 60
+
+
+def serving_job_case(rank: int, world_size: int, root: str, base0: str, fresh: str) -> Dict[str, Any]:
+    """The serving guide's loop on a ``delete_on_read`` log: the shard files saved before
+    training (``base0``), a replica (rank 0's process) registered before the first publish that
+    applies and commits every publish but the last, then one more publish and the shard files
+    saved right after it (``fresh``). Returns this rank's shards at the last publish the replica
+    applied and at the end, and (rank 0) the replica's tables, its ranges and its base's
+    positions."""
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=ROWS)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                            delete_on_read=True))
+    save_local_shards(t, base0)
+    dist.barrier()
+    out: Dict[str, Any] = {"info": table_shard_info(dmp), "ranges": []}
+    if rank == 0:
+        tables = load_base(base0, wait=60)
+        out["base_positions"] = tables.positions
+        consumer = DeltaConsumer(root, "serving.snapshots", channel="snapshots", wait=60)
+    dist.barrier()  # registered before the first publish
+    for i, b in enumerate(make_batches("ec", 8, 8, seed=3, world_size=world_size, rank=rank, rows=ROWS)):
+        train_step(dmp, b)
+        if i % 2 == 1:
+            t.publish("serving")
+            t.flush()
+            dist.barrier()
+            if i < 7:
+                out["applied_shards"] = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+                if rank == 0:
+                    applied = apply_poll(tables, consumer.poll(timeout=10), complete_only=True)
+                    consumer.commit()
+                    out["ranges"].append(applied.ranges)
+            dist.barrier()
+    save_local_shards(t, fresh)  # right after the last publish: its next publish takes the next stamp
+    out["final_shards"] = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+    out["next_stamp"], out["curr_batch_idx"] = t.next_stamp, t.curr_batch_idx
+    if rank == 0:
+        out["replica"] = {fqn: w.clone() for fqn, w in tables.items()}
+        out["replica_positions"] = tables.positions
+        consumer.close()
+    dist.barrier()
+    t.close()
+    return out
+
+
+def full(ranks: Any, key: str) -> Dict[str, torch.Tensor]:
+    """The trainer's whole tables from every rank's ``key`` shards (row-wise)."""
+    tables: Dict[str, torch.Tensor] = {}
+    for res in ranks:
+        for fqn, w in res[key].items():
+            info = res["info"][fqn]
+            t = tables.setdefault(fqn, torch.full((info["global_rows"], info["global_cols"]), float("nan")))
+            t[info["row_offset"]:info["row_offset"] + w.shape[0], info["col_offset"]:info["col_offset"] + w.shape[1]] = w
+    assert not any(bool(t.isnan().any()) for t in tables.values())
+    return tables
