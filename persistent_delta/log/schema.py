@@ -285,6 +285,10 @@ class ConsumerEntry:
             (:data:`persistent_delta.log.codec.ROW_FORMATS`; ``"*"``: a shipper, which reads
             every format and asks for none). Entries written before this field read back as
             ``"native"``; readers that predate it ignore the field.
+        role: what the trainer uses a lookups consumer for, set by its first commit there
+            (:data:`ROLE_READS` or :data:`ROLE_PUBLISHES`; ``""``: not used yet, any other
+            consumer, and entries written before this field). Kept by every later commit;
+            readers that predate it ignore the field.
     """
 
     offset: int
@@ -295,10 +299,7 @@ class ConsumerEntry:
     expired: bool = False
     history: Tuple[CommitPoint, ...] = ()
     format: str = codec.NATIVE
-        role: what the trainer uses a lookups consumer for, set by its first commit there
-            (:data:`ROLE_READS` or :data:`ROLE_PUBLISHES`; ``""``: not used yet, any other
-            consumer, and entries written before this field). Kept by every later commit;
-            readers that predate it ignore the field.
+    role: str = ""
 
     @staticmethod
     def new(offset: int, channel: str, delivery: Delivery, fmt: str = codec.NATIVE) -> "ConsumerEntry":
@@ -309,13 +310,14 @@ class ConsumerEntry:
                              format=fmt)
 
     def committed(self, offset: int, end: int = -1, role: Optional[str] = None) -> "ConsumerEntry":
-    role: str = ""
         """This entry with ``offset`` committed now (clears ``expired``); the commit joins the
         history, which keeps the last :data:`COMMIT_HISTORY`.
 
         Args:
             offset: the new committed offset.
             end: the channel's end at this commit, when the committer knows it (-1 otherwise).
+            role: the use this commit makes of the consumer (:data:`ROLES`), recorded when the
+                entry has none yet (None: leave it).
         """
         now = time.time()
         history = (*self.history, CommitPoint(now, offset, end))[-COMMIT_HISTORY:]
@@ -327,8 +329,6 @@ class ConsumerEntry:
         d["delivery"] = self.delivery.value
         d["history"] = [[p.time, p.offset, p.end] for p in self.history]
         return codec.pack(d)
-            role: the use this commit makes of the consumer (:data:`ROLES`), recorded when the
-                entry has none yet (None: leave it).
 
     @staticmethod
     def from_bytes(name: str, buf: bytes) -> "ConsumerEntry":
@@ -361,7 +361,17 @@ class ConsumerEntry:
             expired=bool(d.get("expired", False)),
             history=_history(d.get("history"), what),
             format=_format(d.get("format"), what),
+            role=_role(d.get("role"), what),
         )
+
+
+def _role(raw: object, what: str) -> str:
+    """A stored role; an entry written before the field has none."""
+    if raw is None or raw == "":
+        return ""
+    if raw not in ROLES:
+        raise CorruptRecordError(f"{what}: unknown role {str(raw)[:40]!r}")
+    return str(raw)
 
 
 def _format(raw: object, what: str) -> str:
@@ -374,19 +384,9 @@ def _format(raw: object, what: str) -> str:
 
 
 def _history(raw: object, what: str) -> Tuple[CommitPoint, ...]:
-            role=_role(d.get("role"), what),
     """A stored commit history; an entry written before the field has none."""
     if raw is None:
         return ()
-def _role(raw: object, what: str) -> str:
-    """A stored role; an entry written before the field has none."""
-    if raw is None or raw == "":
-        return ""
-    if raw not in ROLES:
-        raise CorruptRecordError(f"{what}: unknown role {str(raw)[:40]!r}")
-    return str(raw)
-
-
     if not isinstance(raw, (list, tuple)):
         raise CorruptRecordError(f"{what}: history is not a list: {raw!r}")
     out = []

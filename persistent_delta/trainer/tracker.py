@@ -275,13 +275,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         Raises:
             UnknownConsumerError: ``consumer`` is not registered (also an ``AssertionError``).
             InvalidInputError: a fraction outside (0, 1], or top-k in ID_ONLY mode.
+            ConsumerRoleError: ``consumer`` publishes (:meth:`publish`): a consumer either reads
+                or publishes; use another name to read.
         """
         name = check_consumer_name(consumer or self.DEFAULT_CONSUMER)
         fractions = topk.fractions(self._mode, list(self._tables), top_percentage, per_table_percentage)
         if self._pending_restore is not None:
             self._first_step()
-            ConsumerRoleError: ``consumer`` publishes (:meth:`publish`): a consumer either reads
-                or publishes; use another name to read.
         self._commit_recorded()
         self._unread.drop(name)  # (it moves the consumer: a publish of it reads the log next)
         end, mode = self.curr_batch_idx + 1, self._update_mode
@@ -355,12 +355,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
                 not float32 or float16; a cap that is not a positive int, an unknown order, or
                 a ``max_bytes`` below one row.
             UnknownConsumerError: ``consumer`` is not registered.
+            ConsumerRoleError: ``consumer`` reads (:meth:`get_unique`); use another name to publish.
         """
         name, t = check_consumer_name(consumer), time.time()
         formats = tuple(formats)
         for f in formats:
             codec.check_format(f)
-            ConsumerRoleError: ``consumer`` reads (:meth:`get_unique`); use another name to publish.
         self._check()
         cap = caps.check_cap(max_rows, max_bytes, order, self._tables)
         if self._pending_restore is not None:
