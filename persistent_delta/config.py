@@ -354,6 +354,10 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
         zch_raw_ids: record managed-collision tables' raw ids and slot reassignments (side
             records, :mod:`persistent_delta.trainer.zch_capture`; default True). False records their slot ids
             only, as any table's.
+        track_eval: record the lookups of forwards run in eval mode too (default True, as TorchRec's
+            tracker: every forward is recorded, a validation pass's rows included, though it
+            changes no row). False skips the lookups made while the tracked modules are in eval
+            mode (``model.eval()``); the batch index still advances with every forward.
     """
 
     path: str = ""
@@ -372,6 +376,7 @@ class PersistentTrackerConfig(DeltaTrackerConfig):
     linger_bytes: Optional[int] = None
     rank: Optional[int] = None
     zch_raw_ids: bool = True
+    track_eval: bool = True
 
     def writer_options(self) -> WriterOptions:
         """The writer's options: ``writer`` (or the defaults) with the shortcuts applied."""

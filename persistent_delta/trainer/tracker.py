@@ -98,6 +98,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.table_to_fqn: Dict[str, str] = self._discovery.table_to_fqn
         self.feature_to_fqn: Dict[str, str] = self._discovery.feature_to_fqn
         check_mode(self._mode, self.tracked_modules)
+        # track_eval=False: a lookup is skipped while the tracked modules are in eval mode (one of
+        # them answers for all: model.eval() sets every module's flag)
+        self._eval_probe: Optional[nn.Module] = None if config.track_eval else next(iter(self.tracked_modules.values()), None)
         self._tables: Dict[str, LocalTable] = local_tables(self.tracked_modules, self.table_to_fqn)
         # publish(): a record buffer per table, reused (publish.capture; free again once the
         # writer committed the previous publish, which publish() waits for before capturing)
@@ -219,6 +222,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         embedding module (optimizer-state modes)."""
         if self._closed:
             raise LogClosedError(f"{self.path}: the tracker is closed")
+        if self._eval_probe is not None and not self._eval_probe.training:
+            return  # an eval forward, not tracked (track_eval=False)
         self._capture.lookup(self.curr_batch_idx, kjt, states, emb_module)
 
     def trigger_compaction(self) -> None:
