@@ -46,7 +46,6 @@ TTL (:attr:`StreamOptions.lock_ttl_s`), and a second user is refused with
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
@@ -95,6 +94,7 @@ from persistent_delta.log.schema import (
     check_consumer_name,
     check_read_format,
     check_table_filter,
+    valid_commit_time,
 )
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
@@ -174,9 +174,9 @@ def stored_history(entry: object) -> Tuple[CommitPoint, ...]:
         return ()
     out: List[CommitPoint] = []
     for p in raw[-COMMIT_HISTORY:]:
-        if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+        if not (isinstance(p, list) and len(p) == 3 and valid_commit_time(p[0])
                 and all(isinstance(v, int) and not isinstance(v, bool) and -1 <= v < MAX_BATCH_IDX for v in p[1:])
-                and p[1] >= 0 and math.isfinite(p[0])):
+                and p[1] >= 0):
             return ()
         out.append(CommitPoint(float(p[0]), int(p[1]), int(p[2])))
     return tuple(out)

@@ -249,6 +249,16 @@ ROLES = (ROLE_READS, ROLE_PUBLISHES)
 #: Commits a consumer entry remembers (its health window; Burrow's default window is ten commits).
 COMMIT_HISTORY = 10
 
+#: A stored commit time is seconds since the epoch in ``[0, MAX_COMMIT_TIME_S)`` (up to the year
+#: 2242): past it, negative, NaN or infinite, it is malformed (and could not be printed as a date).
+MAX_COMMIT_TIME_S = 1 << 33
+
+
+def valid_commit_time(t: object) -> bool:
+    """Whether ``t``, read from a stored entry, is a commit time: a number (not a bool) in
+    ``[0, MAX_COMMIT_TIME_S)``, so finite and not NaN."""
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < MAX_COMMIT_TIME_S
+
 
 @dataclass(frozen=True)
 class CommitPoint:
@@ -352,11 +362,14 @@ class ConsumerEntry:
             except ValueError:
                 raise CorruptRecordError(f"{what}: unknown delivery {raw!r}") from None
         ct = d.get("commit_time")
+        if ct is not None and not valid_commit_time(ct):
+            raise CorruptRecordError(f"{what}: commit_time {str(ct)[:40]} is not a time (seconds since the epoch "
+                                     f"in [0, {MAX_COMMIT_TIME_S}))")
         return ConsumerEntry(
             offset=offset,
             channel=str(channel),
             delivery=delivery,
-            commit_time=float(ct) if isinstance(ct, (int, float)) and not isinstance(ct, bool) else 0.0,
+            commit_time=float(ct) if ct is not None else 0.0,
             registered_by=registered_by,
             expired=bool(d.get("expired", False)),
             history=_history(d.get("history"), what),
@@ -391,7 +404,7 @@ def _history(raw: object, what: str) -> Tuple[CommitPoint, ...]:
         raise CorruptRecordError(f"{what}: history is not a list: {raw!r}")
     out = []
     for p in raw[-COMMIT_HISTORY:]:
-        ok = isinstance(p, (list, tuple)) and len(p) == 3 and isinstance(p[0], (int, float))
+        ok = isinstance(p, (list, tuple)) and len(p) == 3 and valid_commit_time(p[0])
         if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in p[1:]):
             raise CorruptRecordError(f"{what}: a history point is not [time, offset, end]: {p!r}")
         out.append(CommitPoint(float(p[0]), int(p[1]), int(p[2])))

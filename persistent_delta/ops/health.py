@@ -37,6 +37,7 @@ class Health(str, enum.Enum):
     LAGGING = "lagging"
     STALLED = "stalled"
     EXPIRED = "expired"
+    MALFORMED = "malformed"  # a stored entry the tools cannot read (a remote consumer's, forged or damaged)
 
 
 def health(

@@ -17,7 +17,8 @@ training thread:
   statistics every shipper stores.
 
 Labels are ``job``, ``rank``, ``consumer`` and ``channel`` only (``table`` only with
-``tables=True``). A consumer's health is a number (0 ok, 1 lagging, 2 stalled, 3 expired) so an
+``tables=True``). A consumer's health is a number (0 ok, 1 lagging, 2 stalled, 3 expired; a remote
+consumer's also 4 malformed, its stored entry unreadable) so an
 alert is ``persistent_delta_consumer_health > 0`` (``remote_consumer_health`` the same for a
 remote consumer). Prometheus renames a ``job`` label that
 clashes with its scrape job's to ``exported_job`` unless the scrape config says
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "persistent_delta_"
 #: The number each health status is exported as.
 HEALTH_CODES: Dict[str, int] = {Health.OK.value: 0, Health.LAGGING.value: 1, Health.STALLED.value: 2,
-                                Health.EXPIRED.value: 3}
+                                Health.EXPIRED.value: 3, Health.MALFORMED.value: 4}
 
 
 class TrackerLike(Protocol):
@@ -262,7 +263,7 @@ class StreamCollector(Collector):
                 fams.add("gauge", "remote_consumer_last_commit_timestamp_seconds", "When it last committed.", labels,
                          float(c.commit_time))
             fams.add("gauge", "remote_consumer_health", "Health over its last commits: 0 ok, 1 lagging, 2 stalled, "
-                     "3 expired.", labels, HEALTH_CODES.get(c.health, 0))
+                     "3 expired, 4 malformed (its stored entry).", labels, HEALTH_CODES.get(c.health, 0))
         _shipper_metrics(fams, self.job, [vars(s) for s in found["shippers"]])
         return fams
 

@@ -24,8 +24,9 @@ from persistent_delta.fleet.ranges import MarkerScan, scan_markers
 from persistent_delta.fleet.remote import lock_key, stored_history
 from persistent_delta.fleet.streams import Layout, read_layout
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
-from persistent_delta.fleet.wire import Marker
+from persistent_delta.fleet.wire import MAX_BATCH_IDX, Marker
 from persistent_delta.log import codec
+from persistent_delta.log.schema import valid_commit_time
 from persistent_delta.ops.health import Health, health
 
 
@@ -33,7 +34,10 @@ from persistent_delta.ops.health import Health, health
 class RemoteConsumerRow:
     """One remote consumer on one rank: its position in the stream, its lag in batches and its
     ``health`` (:func:`persistent_delta.ops.health.health` over the commits stored with its
-    position, as for a local consumer: ``ok``, ``lagging`` or ``stalled``)."""
+    position, as for a local consumer: ``ok``, ``lagging`` or ``stalled``). A stored entry whose
+    commit time or position is out of bounds (any client with write access to the ``offsets``
+    bucket can store one) is shown as ``malformed``, the field left unset (None) and
+    ``malformed`` saying what was wrong, rather than failing the tool."""
 
     consumer: str
     channel: str
@@ -44,6 +48,7 @@ class RemoteConsumerRow:
     commit_time: Optional[float]
     active: bool
     health: str = Health.OK.value
+    malformed: str = ""  # what of its stored entry could not be read ("": nothing); health is then "malformed"
 
 
 @dataclass
@@ -227,17 +232,20 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
         wanted.setdefault(str(d.get("channel")), set()).update(ranks)
     end_of = {ch: ends.ends(conn, job, ch, sorted(rs), layout) for ch, rs in wanted.items()}
     for d, ranks in entries:
-        when = d.get("time")
-        when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
+        raw_when = d.get("time")
+        when = float(raw_when) if valid_commit_time(raw_when) else None  # type: ignore[arg-type]
+        bad_when = "" if raw_when is None or when is not None else f"commit time {str(raw_when)[:40]} is not a time"
         end = end_of[str(d.get("channel"))]
         for r, v in sorted(ranks.items()):
             raw = v.get("pos")
-            pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
-            state = health(stored_history(v), pos or 0, end[r], now, when or 0.0,
-                           stall_after_s=stall_after_s)
+            pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < MAX_BATCH_IDX else None
+            bad = "; ".join(b for b in (bad_when, "" if raw is None or pos is not None
+                                        else f"position {str(raw)[:40]} is not a position") if b)
+            state = (Health.MALFORMED if bad else
+                     health(stored_history(v), pos or 0, end[r], now, when or 0.0, stall_after_s=stall_after_s))
             consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, end[r],
                                                None if pos is None else max(0, end[r] - pos), when,
-                                               lock_key(str(d.get("name"))) in locks, state.value))
+                                               lock_key(str(d.get("name"))) in locks, state.value, bad))
     shippers: List[ShipperRow] = []
     for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
         s = codec.unpack(value, f"shipper state {key}")
@@ -247,7 +255,8 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
         shippers.append(ShipperRow(int(st.get("rank", -1)), str(st.get("channel", "")), int(st.get("position", 0)),
                                    int(st.get("log_end", 0)), int(st.get("lag_batches", 0)),
                                    int(st.get("row_bytes", 0)), int(st.get("retries", 0)),
-                                   st.get("last_shipped") or None, str(s.get("host", "")), int(s.get("pid", 0)),
+                                   (st.get("last_shipped") or None) if valid_commit_time(st.get("last_shipped")) else None,
+                                   str(s.get("host", "")), int(s.get("pid", 0)),
                                    str(st.get("last_error", ""))))
     known = [int(k[len(subjects.TABLES_KEYS):]) for k in conn.kv_entries(job, subjects.META, subjects.TABLES_KEYS)
              if k[len(subjects.TABLES_KEYS):].isdigit()]

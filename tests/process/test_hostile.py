@@ -458,3 +458,31 @@ def test_shard_files_of_one_table_must_claim_one_size(tmp_path):
                     torch.zeros(1, 1))
     with pytest.raises(InvalidInputError, match=r"rank-1\.safetensors: t: the shard claims a table of 1000000000000 x 1"):
         load_base(str(base))
+
+
+@pytest.mark.parametrize("when", [1e308, float("nan"), -1.0, 2.0 ** 33, "soon"], ids=["1e308", "nan", "neg", "2^33", "str"])
+def test_a_local_consumer_entry_with_a_commit_time_out_of_bounds_is_corrupt(tmp_path, capsys, when):
+    """A consumer entry in a log whose commit time (or a history point's) is not a time in
+    ``[0, 2**33)``: the entry is refused as a corrupt record (``offsets`` and ``verify`` exit 1
+    naming it) instead of an OverflowError or ValueError traceback when it is printed."""
+    from persistent_delta.errors import CorruptRecordError
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import LOOKUPS, CommitPoint, ConsumerEntry, Delivery
+
+    root = str(tmp_path / "log")
+    _store(os.path.join(root, "rank-0"), ["t"])
+    with DeltaLog(os.path.join(root, "rank-0")) as log:
+        good = ConsumerEntry.new(0, LOOKUPS, Delivery.POLL_COMMIT)
+        bad = ConsumerEntry(0, LOOKUPS, Delivery.POLL_COMMIT, when)  # type: ignore[arg-type]
+        in_history = ConsumerEntry(0, LOOKUPS, Delivery.POLL_COMMIT, history=(CommitPoint(when, 0, 1),))  # type: ignore[arg-type]
+        log.write(lambda w: (w.set_consumer("good", good), w.set_consumer("bad", bad)))
+    capsys.readouterr()
+    assert main(["offsets", root]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("persistent-delta: error:") and "consumer entry 'bad'" in err and "is not a time" in err, err
+    assert main(["verify", root]) == 1
+    assert "consumer entry 'bad'" in capsys.readouterr().out
+    with DeltaLog(os.path.join(root, "rank-0")) as log:
+        log.write(lambda w: w.set_consumer("bad", in_history))
+        with pytest.raises(CorruptRecordError, match="history point"):
+            log.read(lambda r: r.consumers())
