@@ -73,6 +73,10 @@ WHAT_TO_DO: Dict[str, str] = {
                          "consumer's use, `remove_consumer(name)` and add it again.",
     "IncompletePollError": "Poll again (with a timeout) until every rank completed the batches, or pass "
                            "`complete_only=False` if a partial poll is what you want.",
+    "RanksBehindError": "Call `tracker.publish(consumer)` on every rank at the same steps (not on rank 0 only); "
+                        "`poll.behind` and `persistent-delta offsets ROOT` name the ranks behind.",
+    "RanksBehindWarning": "The same as `RanksBehindError`: publish on every rank at the same steps; the replica "
+                          "stays stale on the other ranks' newer rows until then.",
     "WriterError": "Read the chained `__cause__`. After a full disk, free space and call `tracker.resume()`.",
     "WriterLogFullError": "Free disk space (or raise the map's limit), then call the tracker's `resume()`; "
                           "catch it as `WriterError` or `LogFullError`.",

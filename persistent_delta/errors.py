@@ -9,6 +9,8 @@ wrapped with ``raise ... from exc`` so the original cause stays visible.
 
 from __future__ import annotations
 
+from typing import Dict, Optional
+
 
 class PersistentDeltaError(Exception):
     """Base class of every error raised on purpose by persistent_delta."""
@@ -129,6 +131,25 @@ class ConsumerRoleError(PersistentDeltaError):
 class IncompletePollError(PersistentDeltaError):
     """A poll does not hold every rank's part of the batches it covers (its ranks were read
     up to different ends, or a rank is missing), and the caller asked for complete ones."""
+
+
+class RanksBehindError(IncompletePollError):
+    """A snapshots poll was asked to be complete while some rank of the job is behind: it
+    completed a batch the other ranks published in without publishing in it (``publish()``
+    called on some ranks only, or a different number of steps apart), so the job's polls stop
+    at its end and the replica would keep the other ranks' newer rows stale. ``behind`` is rank
+    -> the newest stamp it lacks (``DeltaPoll.behind``). Call ``tracker.publish(consumer)`` on
+    every rank at the same steps. Nothing was applied."""
+
+    def __init__(self, message: str, behind: Optional[Dict[int, int]] = None) -> None:
+        super().__init__(message)
+        self.behind = dict(behind or {})
+
+
+class RanksBehindWarning(UserWarning):
+    """A snapshots reader found a rank of the job behind (see :class:`RanksBehindError`);
+    warned once per rank as it falls behind, by the poll that finds it. ``poll.behind`` says
+    which ranks and stamps."""
 
 
 class WriterError(PersistentDeltaError):

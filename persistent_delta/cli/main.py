@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO, Union
 
+from persistent_delta.log.position_rules import behind_note
 from persistent_delta.cli.apply import apply_inputs
 from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
@@ -174,9 +175,14 @@ def _cmd_offsets(args: argparse.Namespace) -> Output:
     ]
     headers = ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "LOG-START", "LOG-END", "LAG", "LAG-S", "PENDING-ROWS",
                "PENDING-BYTES", "LAST-COMMIT", "REGISTERED-BY", "STATUS", "HEALTH"]
-    logs = [[r.rank, r.log_start, r.log_end, r.snapshot_end, r.path] for r in ranks]
+    logs = [[r.rank, r.log_start, r.log_end, r.snapshot_end, "-" if r.snapshots_behind is None else
+             f"missed {r.snapshots_behind}", r.path] for r in ranks]
     out = Output(data={"ranks": _jsonable(ranks)},
-                 tables=[Table("", headers, rows), Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "PATH"], logs)])
+                 tables=[Table("", headers, rows),
+                         Table("", ["RANK", "LOG-START", "LOG-END", "SNAPSHOT-END", "SNAPSHOTS-BEHIND", "PATH"], logs)])
+    behind = {r.rank: r.snapshots_behind for r in ranks if r.snapshots_behind is not None}
+    if behind:
+        out.notes.append(behind_note(behind))
     if args.tables:
         trows = [[r.rank, t.fqn, t.sharding_type or "-", t.records, t.rows, t.bytes, t.first_batch, t.last_batch_idx,
                   t.snapshot_records, t.snapshot_bytes, t.managed_collision or "-", t.zch_records, t.zch_bytes]

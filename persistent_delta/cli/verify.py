@@ -15,7 +15,7 @@ Checks, per rank (each log opened read-only, one read transaction):
   a managed-collision table's side records (under its side id in ``records``: raw ids, slot
   reassignments) have a side kind and int64 ``[n, 2]`` states;
   per table ``last_batch_idx`` is at least the highest stored batch; snapshot stamps are below
-  ``snapshot_end``;
+  ``snapshot_end``, or are the open one (``snapshot_open``: its batch had not ended);
 * consumers: each entry decodes, its channel is known, its offset is not past the channel end
   (:func:`persistent_delta.log.position_rules.position_status`).
 
@@ -46,6 +46,7 @@ from persistent_delta.log.schema import (
     META_LOG_START,
     META_NEXT_TABLE_ID,
     META_SNAPSHOT_END,
+    META_SNAPSHOT_OPEN,
     META_TRACKER,
     META_UPDATE_MODE,
     SNAPSHOTS,
@@ -136,7 +137,9 @@ class _Checker:
         self.check_tables(r, meta)
         by_id = {e.table_id: fqn for fqn, e in tables.items()}
         last_lookup = self.check_db(r, LOOKUPS, codec.KIND_LOOKUP, by_id, _int(meta.get(META_LOG_START)), None)
-        self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, _int(meta.get(META_SNAPSHOT_END)))
+        # the open batch's publishes are stored and not readable yet (position_rules.open_stamp)
+        stamp_end = max(_int(meta.get(META_SNAPSHOT_END)), _int(meta.get(META_SNAPSHOT_OPEN)) + 1)
+        self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, stamp_end)
         for fqn, e in tables.items():
             top = last_lookup.get(e.table_id)
             if top is not None and top > e.last_batch_idx:

@@ -15,9 +15,20 @@ Design note
   index (the batch being recorded is open), or ``closed_end`` once the tracker closed or was
   restarted after a crash (a dead writer's open batch is complete: nothing more can come).
   A plain store's end is one past its last append. The end is never below ``log_start``.
-* snapshots: one past the newest publish stamp. Positions from where retention deleted up to
+* snapshots: one past the newest *closed* publish stamp. A publish is stamped with the batch
+  being recorded (or, when that stamp is closed already, the first stamp after the closed
+  ones): every publish of a rank in one batch shares its stamp, which stays **open** --
+  stored, not readable (:func:`open_stamp`) -- until the batch ends (the writer's commit of
+  the next step), ``flush()`` or ``close()`` closes it (:func:`close_stamps`), or a restart
+  does (the dead writer's publishes are complete). So a stamp a reader has read never gets
+  more records, and the ranks' stamps follow their batches, however many times each publishes
+  in a batch. Positions from where retention deleted up to
   (:func:`served_from`) can be served, so a snapshots consumer whose publishes were deleted
   (the retention bound expired it) is told, never silently served only the later ones.
+* a rank is **behind** on the snapshots channel (:func:`snapshots_behind`) when another
+  rank's snapshots end is above its own while its lookups end is already past that rank's
+  newest stamp: it completed that batch without publishing in it (``publish()`` called on
+  some ranks only, or at other steps), and a poll of the job stops at its end for good.
 
 Positions in ``[start, end]`` can be served; ``end + 1`` too, on the lookups channel: the
 trainer's own consumers read *through* the open batch (TorchRec's ``get_unique`` includes the
@@ -58,7 +69,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 
 from persistent_delta.log import codec
 from persistent_delta.config import RetentionBound
-from persistent_delta.errors import InexactRangeError, OffsetOutOfRangeError, UnknownConsumerError
+from persistent_delta.errors import InexactRangeError, InvalidInputError, OffsetOutOfRangeError, UnknownConsumerError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.records import (
     compact_range,
@@ -74,6 +85,7 @@ from persistent_delta.log.schema import (
     META_CURR_BATCH,
     META_RESTART_GEN,
     META_SNAPSHOT_END,
+    META_SNAPSHOT_OPEN,
     META_TRACKER,
     META_UPDATE_MODE,
     SNAPSHOTS,
@@ -142,12 +154,89 @@ def bounds(r: ReadTxn, channel: str) -> Tuple[int, int]:
     return min(min(present), end) if present else end, end
 
 
+def open_stamp(w: WriteTxn, stamp: int) -> None:
+    """Store that a publish wrote records stamped ``stamp``, not readable yet (see the module
+    docs); an open stamp below it is closed first.
+
+    Raises:
+        InvalidInputError: ``stamp`` is closed already (a reader may have read past it).
+    """
+    end = int(w.meta(META_SNAPSHOT_END, 0))
+    if stamp < end:
+        raise InvalidInputError(f"{w.path}: a publish stamped {stamp}, below the snapshots end {end}: that stamp is "
+                                "closed and may have been read")
+    close_stamps(w, stamp)
+    w.set_meta(META_SNAPSHOT_OPEN, stamp)
+
+
+def close_stamps(w: WriteTxn, below: Optional[int] = None) -> int:
+    """Close the open publish stamp (make its records readable: the snapshots end moves past
+    it) when it lies below ``below`` (None: whatever it is); returns the snapshots end."""
+    end = int(w.meta(META_SNAPSHOT_END, 0))
+    stamp = int(w.meta(META_SNAPSHOT_OPEN, -1))
+    if stamp >= 0 and (below is None or stamp < below):
+        end = max(end, stamp + 1)
+        w.set_meta(META_SNAPSHOT_END, end)
+        w.set_meta(META_SNAPSHOT_OPEN, -1)
+    return end
+
+
+def snapshot_open(r: ReadTxn) -> Optional[int]:
+    """The open publish stamp (stored, not readable yet), or None."""
+    stamp = int(r.meta(META_SNAPSHOT_OPEN, -1))
+    return stamp if stamp >= 0 else None
+
+
+def snapshots_behind(ends: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
+    """The ranks behind on the snapshots channel (see the module docs).
+
+    Args:
+        ends: rank -> ``(snapshots end, lookups end)`` of each rank of the job.
+
+    Returns:
+        rank -> the newest publish stamp another rank holds and this one completed the batch of
+        without publishing in it (ranks not behind are left out).
+    """
+    out: Dict[int, int] = {}
+    for rank, (snap, looked) in ends.items():
+        missed = [e - 1 for e, _ in ends.values() if e > snap and looked >= e]
+        if missed:
+            out[rank] = max(missed)
+    return out
+
+
+def behind_note(behind: Dict[int, int]) -> str:
+    """What :func:`snapshots_behind` found, and what to do about it (one wording for the
+    readers, ``apply_poll`` and the tools)."""
+    ranks = "; ".join(f"rank {r} completed batch {s} without publishing in it" for r, s in sorted(behind.items()))
+    return (f"ranks {sorted(behind)} are behind on the snapshots channel ({ranks}, while other ranks published in "
+            "it): a poll of the job stops at their end, so the replicas keep every later publish's rows stale. Call "
+            "tracker.publish(consumer) on every rank at the same steps (a publish is a per-rank call, not a "
+            "collective: publishing on rank 0 only, or in a per-rank loop that stops at a different step on each "
+            "rank, leaves the other ranks' shards unpublished)")
+
+
 def served_from(r: ReadTxn, channel: str) -> int:
     """Positions below this cannot be served: what a read there needs was deleted. Lookups:
     the log start. Snapshots: where retention deleted up to (0 until it has), at or below the
     first stored stamp: a position between the two missed nothing (no publish was stamped
     there)."""
     return log_start(r) if channel == LOOKUPS else min(snapshot_start(r), bounds(r, channel)[0])
+
+
+def snapshots_covered_from(r: ReadTxn, start: int) -> int:
+    """How far back a snapshots read starting at ``start`` misses nothing: ``start``, moved back
+    over the batches below it where no publish is stored and none was deleted -- to one past
+    the newest stamp stored below it, never below :func:`served_from`. A read at ``start``
+    holds every publish stamped from the returned batch on: it continues a replica's base of
+    any position from there up to ``start`` (:mod:`persistent_delta.read.base`)."""
+    newest = -1
+    for entry in r.tables().values():
+        for table_id in (entry.table_id, codec.side_table_id(entry.table_id)):
+            found = r.last_record_before(table_id, start, channel=SNAPSHOTS)
+            if found is not None:
+                newest = max(newest, found[0])
+    return min(start, max(newest + 1, served_from(r, SNAPSHOTS)))
 
 
 def checkpoint_floor(r: ReadTxn) -> Optional[int]:

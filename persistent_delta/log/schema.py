@@ -62,7 +62,9 @@ META_CHECKPOINT_FLOOR = "checkpoint_floor"  # first batch after the latest model
 # Agreed over a job's ranks and written by each rank in the transaction of a restart or restore
 # (multi-rank): ranks that hold different values are mid-way, and a poll reads none of them.
 META_RESTART_GEN = "restart_gen"
-META_SNAPSHOT_END = "snapshot_end"  # one past the newest snapshot stamp
+META_SNAPSHOT_END = "snapshot_end"  # one past the newest closed snapshot stamp (readable below it)
+# the stamp of publishes not readable yet: their batch is still open (-1: none; position_rules)
+META_SNAPSHOT_OPEN = "snapshot_open"
 # Written by capped publishes (persistent_delta.log.deferred).
 META_DEFERRED = "publish_deferred"  # consumer -> its deferred rows (ids per table, seq)
 META_DEFERRED_ROWS = "publish_deferred_rows"  # consumer -> how many (read without the ids)

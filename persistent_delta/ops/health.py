@@ -9,6 +9,9 @@ thresholds, from the lag at each of its last commits. The same rules here, in th
 
 1. **EXPIRED**: the retention bound dropped the consumer behind the log start.
 2. **OK** when nothing is unread now.
+   **BEHIND** (a snapshots consumer) when a rank of the job is behind on the channel
+   (:func:`persistent_delta.log.position_rules.snapshots_behind`): its polls stop at that
+   rank's end, so its lag cannot shrink whatever it does; the rank is at fault, not the consumer.
 3. **STALLED** (Burrow's "stopped"): data arrived since the last commit (the end moved past the
    end seen then) and no commit came for longer than the window's own span (the time between
    its first and last commits), and at least ``stall_after_s`` (a consumer with one commit has
@@ -34,6 +37,7 @@ class Health(str, enum.Enum):
     """A consumer's status over its window (Burrow's OK, WARN/lagging, STALL/STOP, and expired)."""
 
     OK = "ok"
+    BEHIND = "behind"  # snapshots: a rank of the job is behind (position_rules.snapshots_behind): no poll can catch up
     LAGGING = "lagging"
     STALLED = "stalled"
     EXPIRED = "expired"
@@ -48,6 +52,7 @@ def health(
     last_commit: float = 0.0,
     expired: bool = False,
     stall_after_s: Optional[float] = None,
+    behind: bool = False,
 ) -> Health:
     """The consumer's status (see the module docs for the rule).
 
@@ -60,6 +65,7 @@ def health(
         expired: the entry's expired flag.
         stall_after_s: the least silence that counts as stalled (default:
             :func:`persistent_delta.config.stall_after_s`).
+        behind: a rank of the job is behind on the consumer's channel.
 
     Returns:
         The :class:`Health`.
@@ -69,6 +75,8 @@ def health(
     lag_now = max(0, end - offset)
     if lag_now == 0:
         return Health.OK
+    if behind:
+        return Health.BEHIND
     least = resolve_stall_after(stall_after_s)
     last_time = history[-1].time if history else last_commit
     seen_end = history[-1].end if history else -1

@@ -53,6 +53,8 @@ PREFIX = "persistent_delta_"
 HEALTH_CODES: Dict[str, int] = {Health.OK.value: 0, Health.LAGGING.value: 1, Health.STALLED.value: 2,
                                 Health.EXPIRED.value: 3, Health.MALFORMED.value: 4}
 
+HEALTH_CODES[Health.BEHIND.value] = 5  # a snapshots consumer held back by a rank behind (not its fault)
+
 
 class TrackerLike(Protocol):
     """What :class:`TrackerCollector` reads of a ``PersistentDeltaTracker`` (ops never imports
@@ -194,6 +196,9 @@ class LogCollector(Collector):
                      r.snapshot_start)
             fams.add("gauge", "log_end", "One past the channel's last complete batch.", rank + [("channel", SNAPSHOTS)],
                      r.snapshot_end)
+            fams.add("gauge", "snapshots_behind", "1 when the rank completed a batch the other ranks published in "
+                     "without publishing in it: the job's snapshots polls stop at its end.", rank,
+                     0 if r.snapshots_behind is None else 1)
             for c in r.consumers:
                 labels = rank + [("consumer", c.name), ("channel", c.channel)]
                 fams.add("gauge", "consumer_offset", "The consumer's committed offset (next batch to read).", labels,

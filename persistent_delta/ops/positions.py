@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from persistent_delta.log import codec, position_rules
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn
@@ -95,6 +95,9 @@ class RankOffsets:
     consumers: List[ConsumerOffsets] = field(default_factory=list)
     tables: Optional[List[TableStats]] = None
     snapshot_start: int = 0
+    # the newest publish stamp of other ranks this rank completed the batch of without publishing
+    # in it (position_rules.snapshots_behind); None: not behind
+    snapshots_behind: Optional[int] = None
 
 
 def _table_stats(r: ReadTxn) -> List[TableStats]:
@@ -127,7 +130,8 @@ def _lag_s(r: ReadTxn, channel: str, begin: int, end: int, now: float) -> Option
     return max(0.0, now - min(times.values())) if times else None
 
 
-def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s: Optional[float]) -> RankOffsets:
+def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s: Optional[float],
+                   job_behind: bool = False) -> RankOffsets:
     now = time.time()
     start, end = position_rules.bounds(r, LOOKUPS)
     snap_start, snap_end = position_rules.bounds(r, SNAPSHOTS)
@@ -146,7 +150,8 @@ def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s
             status=status,
             delivery=entry.delivery.value,
             lag_s=_lag_s(r, entry.channel, max(begin, entry.offset), end, now),
-            health=health(entry.history, entry.offset, end, now, entry.commit_time, gone, stall_after_s).value,
+            health=health(entry.history, entry.offset, end, now, entry.commit_time, gone, stall_after_s,
+                          job_behind and entry.channel == SNAPSHOTS).value,
         ))
     if tables:
         out.tables = _table_stats(r)
@@ -154,7 +159,9 @@ def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s
 
 
 def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float] = None) -> List[RankOffsets]:
-    """Consumers of every rank: offset, log start/end, lag, pending rows and bytes, last commit.
+    """Consumers of every rank: offset, log start/end, lag, pending rows and bytes, last commit;
+    and the ranks behind on the snapshots channel (:attr:`RankOffsets.snapshots_behind`; their
+    snapshots consumers' health is ``behind``).
 
     Opens each log read-only; never creates anything.
 
@@ -167,10 +174,17 @@ def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float
     Raises:
         NotALogError: ``root`` holds no log.
     """
-    out = []
-    for rank, path in rank_paths(root).items():
+    paths = rank_paths(root)
+    ends: Dict[int, Tuple[int, int]] = {}
+    for rank, path in paths.items():  # every rank's ends first: the rule is over the job's ranks
         with DeltaLog(path, readonly=True) as log:
-            out.append(log.read(lambda r: _describe_rank(r, rank, path, tables, stall_after_s)))
+            ends[rank] = log.read(lambda r: (position_rules.bounds(r, SNAPSHOTS)[1], position_rules.lookups_end(r)))
+    behind = position_rules.snapshots_behind(ends)
+    out = []
+    for rank, path in paths.items():
+        with DeltaLog(path, readonly=True) as log:
+            out.append(log.read(lambda r: _describe_rank(r, rank, path, tables, stall_after_s, bool(behind))))
+        out[-1].snapshots_behind = behind.get(rank)
     return out
 
 

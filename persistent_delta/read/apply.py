@@ -37,7 +37,8 @@ from typing import Dict, List, Mapping, Optional, Protocol, Tuple, Union, runtim
 import torch
 from torchrec.distributed.model_tracker.types import UniqueRows
 
-from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError
+from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError, RanksBehindError
+from persistent_delta.log import position_rules
 from persistent_delta.log.layout import PathLike
 from persistent_delta.log.schema import ShardInfo
 from persistent_delta.log.shard_files import load_shards, shard_batches, shard_positions, whole_tables
@@ -220,11 +221,15 @@ def check_poll(poll: DeltaPoll, complete_only: bool) -> None:
 
     Raises:
         InvalidInputError: not a snapshots poll.
+        RanksBehindError: ``complete_only`` and a rank of the job is behind
+            (:attr:`~persistent_delta.read.results.DeltaPoll.behind`).
         IncompletePollError: ``complete_only`` and the poll is not complete.
     """
     if poll.channel != SNAPSHOTS:
         raise InvalidInputError(
             f"apply_poll applies snapshots (current row values); this poll read the {poll.channel!r} channel")
+    if complete_only and poll.behind:
+        raise RanksBehindError(f"{position_rules.behind_note(poll.behind)}; nothing was applied", poll.behind)
     if complete_only and not poll.complete:
         raise IncompletePollError(
             f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "

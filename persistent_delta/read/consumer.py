@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from persistent_delta.log import codec, position_rules
@@ -53,6 +54,7 @@ from persistent_delta.errors import (
     InvalidInputError,
     LogClosedError,
     NotALogError,
+    RanksBehindWarning,
     UnknownConsumerError,
 )
 from persistent_delta.log.layout import DATA_FILE, FileState, PathLike, file_state, rank_dir, rank_paths
@@ -174,6 +176,7 @@ class DeltaReader:
         self._logs: Dict[int, DeltaLog] = {}
         self._positions: Dict[int, int] = {}
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
+        self._told_behind: Set[int] = set()  # ranks a warning said are behind on the snapshots channel
         self._watcher: Optional[FileWatch] = None
         self._watched: List[str] = []
         self._buffers = ResultBuffers()  # polls' row buffers, reused once the caller drops a poll
@@ -343,13 +346,14 @@ class DeltaReader:
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
         bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel),
-                                            position_rules.restart_generation(r)))
+                                            position_rules.restart_generation(r), position_rules.lookups_end(r)))
                   for rank, log in self._logs.items()}
+        behind = self._behind({rank: (b[1], b[4]) for rank, b in bounds.items()})
         generations = {rank: b[3] for rank, b in bounds.items()}
         positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank], floor, self._registered_root())
-                     for rank, (a, b, floor, _) in bounds.items()}
-        stops = position_rules.poll_stops(positions, {rank: b for rank, (_, b, _, _) in bounds.items()}, self._expected, max_batches)
+                     for rank, (a, b, floor, _, _) in bounds.items()}
+        stops = position_rules.poll_stops(positions, {rank: b[1] for rank, b in bounds.items()}, self._expected, max_batches)
         if not position_rules.settled(generations):  # a restart or restore is half-way: wait for it
             stops = dict(positions)
         if max_bytes is not None:
@@ -366,7 +370,22 @@ class DeltaReader:
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,
                          world_size=None if self._expected is None else len(self._expected),
-                         read_threads=self._options.read_threads, format=self.format)
+                         read_threads=self._options.read_threads, format=self.format, behind=behind)
+
+    def _behind(self, ends: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
+        """The job's ranks behind on the snapshots channel (rank -> (snapshots end, lookups end)
+        of the ranks read; :func:`~persistent_delta.log.position_rules.snapshots_behind`), told
+        once per rank as it falls behind: a log warning and a :class:`RanksBehindWarning`."""
+        if self.channel != SNAPSHOTS or self._expected is None or self.missing_ranks():
+            return {}
+        behind = position_rules.snapshots_behind(ends)
+        new = {r: s for r, s in behind.items() if r not in self._told_behind}
+        self._told_behind = set(behind)
+        if new:
+            msg = f"{self.root}: {position_rules.behind_note(behind)}"
+            logger.warning("%s", msg)
+            warnings.warn(msg, RanksBehindWarning, stacklevel=4)
+        return behind
 
     def _label(self) -> str:
         return "(unregistered reader)"

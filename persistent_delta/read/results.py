@@ -105,6 +105,10 @@ class RankDelta:
     # log stood at this read (persistent_delta.log.deferred; remote: at the shipper's read of the
     # newest range); None when not known
     deferred: Optional[int] = None
+    # snapshots: the read holds every publish stamped from this batch on (its start, or earlier
+    # where nothing was published nor deleted: position_rules.snapshots_covered_from); None: not
+    # known (a remote read); what a replica's base is checked against (persistent_delta.read.base)
+    covers_from: Optional[int] = None
 
 
 @dataclass
@@ -309,6 +313,9 @@ class DeltaPoll:
     world_size: Optional[int] = None
     read_threads: int = field(default_factory=lambda: LogOptions.resolve().read_threads)
     format: str = codec.NATIVE  # the row format the reader asked for (every TableDelta's)
+    # snapshots: rank -> the newest publish stamp other ranks hold that this rank completed the
+    # batch of without publishing in it (position_rules.snapshots_behind): ranks behind for good
+    behind: Dict[int, int] = field(default_factory=dict)
 
     @property
     def passed_over(self) -> int:
@@ -331,8 +338,11 @@ class DeltaPoll:
         row shards are here, or none. A tracker job's poll stops at the end every rank
         completed, so it is complete unless the reader's ranks were moved apart (per-rank
         ``seek`` with ``max_batches``) or a rank of the job is missing. Starts may differ: a
-        rank with no records over a stretch starts later, and nothing of it is missing."""
-        if not self.ranks:
+        rank with no records over a stretch starts later, and nothing of it is missing.
+
+        A snapshots poll with a rank :attr:`behind` is not complete either: that rank's part of
+        the other ranks' newest publishes will never come."""
+        if not self.ranks or self.behind:
             return False
         if self.world_size is not None and set(self.ranks) != set(range(self.world_size)):
             return False

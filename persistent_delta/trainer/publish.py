@@ -4,7 +4,9 @@ Owns: what a publish writes, and when. ``tracker.publish(consumer)`` takes the r
 since ``consumer`` last read (exactly what ``get_unique(consumer)`` would return, through the
 same consume rule, :mod:`persistent_delta.trainer.consume`), reads their *current* values from this
 rank's shards, and writes them to the snapshots channel (``KIND_SNAPSHOT`` records) stamped
-with the current batch index and the wall-clock time of the call (header ``"t"``). A serving
+with the current batch index and the wall-clock time of the call (header ``"t"``). Every
+publish of a batch shares its stamp, readable once the batch ends, or at ``flush()``
+(:func:`persistent_delta.log.position_rules.open_stamp`); a publish never moves the batch index. A serving
 process reads them with ``DeltaConsumer(root, name, channel="snapshots")`` and applies them
 (:func:`persistent_delta.read.apply.apply_poll`: the newest stamp wins), so it converges to the
 trainer's tables without sharing its memory. With ``delete_on_read``, snapshot records are
@@ -58,7 +60,7 @@ from persistent_delta.errors import ConsumerConflictError
 from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.deferred import read_deferred, write_deferred
 from persistent_delta.log.records import AppendRecord, check_row_ids, log_start
-from persistent_delta.log.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
+from persistent_delta.log.schema import SNAPSHOTS, ConsumerEntry
 from persistent_delta.log.zch_records import reinitialised, slot_moves
 from persistent_delta.trainer import caps, consume
 from persistent_delta.trainer.sharding import LocalTable, shard_weights
@@ -237,7 +239,7 @@ def write_publish(
     bound: Optional[RetentionBound] = None,
 ) -> None:
     """Write a captured publish inside ``w``: the consumer's new position (the consume rule's
-    write half), the snapshot records, the snapshot end, and retention of both channels.
+    write half), the snapshot records, their stamp as the open one, and retention of both channels.
 
     With deferred rows (a capped publish), or when the capture found some (now carried), the
     consumer's deferred rows are stored in the same transaction
@@ -266,6 +268,6 @@ def write_publish(
         if entry is not None:  # the publish's raw-id changes (a snapshots replica's RawIdMap)
             w.put_record(codec.side_table_id(entry.table_id), cap.stamp,
                          codec.encode_record(slots, states, codec.KIND_SLOTS), channel=SNAPSHOTS)
-    w.set_meta(META_SNAPSHOT_END, max(cap.stamp + 1, int(w.meta(META_SNAPSHOT_END, 0))))
+    position_rules.open_stamp(w, cap.stamp)  # readable once its batch ends (position_rules)
     if delete_on_read:
         position_rules.enforce_retention(w, SNAPSHOTS, bound)

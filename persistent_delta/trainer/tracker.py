@@ -136,10 +136,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         self.curr_compact_index = self.curr_batch_idx
         # capped publishes: consumer -> rows still deferred (persistent_delta.log.deferred), as stored
         self._publish_deferred: Dict[str, int] = self._log.read(deferred_by_consumer)
-        # The stamp of the newest publish: a publish never reuses one (a snapshots consumer may have
-        # read past it). The index a (re)start continues at counts as used (an earlier writer may
-        # have published at it), the same on every rank (resume_at agreed on it).
-        self._last_stamp = self.curr_batch_idx
+        # The newest closed publish stamp: a publish never takes one (a snapshots consumer may have
+        # read past it); the publishes of a batch share its stamp until it closes, at the batch's
+        # end or flush() (position_rules.open_stamp). A (re)start closes what an earlier writer left
+        # open, and the index it continues at counts as closed (an earlier writer may have published
+        # at it), the same on every rank (resume_at agreed on it).
+        self._last_stamp = max(self._log.write(position_rules.close_stamps) - 1, self.curr_batch_idx)
+        self._open_stamp: Optional[int] = None  # the stamp of this batch's publishes, not closed yet
         self._window = WindowFilter(self._update_mode)
         # TorchRec's consume rule, as every read applies it (compaction is moot when the
         # window filter already stores each row once per window).
@@ -176,6 +179,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if self._unrestored is not None or self._pending_restore is not None:
             self._first_step()
         self.curr_batch_idx += 1
+        if self._open_stamp is not None and self._open_stamp < self.curr_batch_idx:
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None  # this step closes it
         self._hand_off(self._take_step())
 
     def _first_step(self) -> None:
@@ -345,6 +350,14 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         ``consumer`` publishes only: :meth:`get_unique` of it is refused, and so is a publish of
         a consumer that reads (the role is recorded in the log at its first use).
 
+        The records are stamped with the batch being recorded (``curr_batch_idx``, which a
+        publish never moves): every publish of one batch shares the stamp, readable once the
+        batch ends (the next step), or at :meth:`flush` or :meth:`close`; after a ``flush`` in
+        the same batch, the next stamp. Not a collective, but every rank must publish at the
+        same steps: a rank that completes a batch the others published in without publishing
+        is behind, and the job's snapshots polls stop at its end
+        (:func:`persistent_delta.log.position_rules.snapshots_behind`).
+
         The rows are written once per row format asked for: those of the registered snapshots
         consumers, and ``formats`` (for readers not registered in the log, such as remote
         consumers); ``"native"`` when nothing asks. Conversions run on the writer thread.
@@ -370,16 +383,14 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         cap = caps.check_cap(max_rows, max_bytes, order, self._tables)
         if self._pending_restore is not None:
             self._first_step()
-        if self._last_stamp >= self.curr_batch_idx:
-            # A publish was stamped with this batch index already, and a snapshots consumer may
-            # have read past it: this one takes the next index (a batch without lookups).
-            self.curr_batch_idx = self._last_stamp + 1
         step: Optional[StepWrite] = self._take_step()
         if step is not None and (step.records or step.events):
             self._hand_off(step)
             step = None  # (an empty one goes with the publish: one transaction, not two)
         pending = self._unsettled()
-        end, stamp = self.curr_batch_idx + 1, self.curr_batch_idx
+        # the batch's stamp (shared by its publishes), or the first after the closed ones; the
+        # batch index never moves (every rank's batches keep their numbers, however often it publishes)
+        end, stamp = self.curr_batch_idx + 1, max(self.curr_batch_idx, self._last_stamp + 1)
         # the ids committed since the consumer's last publish (taken after the pending records:
         # a record leaves those only once the accumulator has it), and a new accumulation from end
         accumulated = self._unread.take(name, end)
@@ -398,7 +409,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         if step is not None:
             self._hand_off(step)
         self._hand_off(PublishWrite(captured, **self._read_rule))
-        self._last_stamp = stamp
+        self._open_stamp = stamp
         self._publish_deferred[name] = captured.deferred_rows
         return captured.rows
 
@@ -540,8 +551,13 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Durability barrier: everything recorded so far is committed and fsynced when this
-        returns. Call it before declaring a model checkpoint complete."""
+        returns. Call it before declaring a model checkpoint complete. The publishes of the
+        batch being recorded become readable (a later publish in this batch takes the next
+        stamp)."""
         self._commit_recorded()
+        if self._open_stamp is not None:
+            self._log.write(position_rules.close_stamps)
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
         self._log.flush()
 
     def close(self) -> None:
@@ -550,7 +566,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             return
         try:
             self._commit_recorded()
-            self._log.write(lambda w: w.set_meta(META_CLOSED_END, self.curr_batch_idx + 1))  # open batch complete
+            self._log.write(lambda w: _close_batches(w, self.curr_batch_idx + 1))
             self._log.flush()
         finally:
             self._closed = True
@@ -584,6 +600,12 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_batches(w: WriteTxn, end: int) -> None:
+    """At close: every batch below ``end`` (the open one included) is complete, and so are its publishes."""
+    w.set_meta(META_CLOSED_END, end)
+    position_rules.close_stamps(w)
 
 
 def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTracker:

@@ -425,6 +425,8 @@ def commit_operations(
             w.set_meta(META_CURR_BATCH, batch_idx)
         for op in log_ops:
             write_log_operation(w, mode, op)
+        if batch_idx is not None:
+            position_rules.close_stamps(w, batch_idx)  # the publishes of the batches that ended are readable
         return len(encoded), n
 
     try:

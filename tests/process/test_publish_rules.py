@@ -2,7 +2,7 @@
 the user is told when one is used both ways."""
 
 from harness import run_spawn
-from publish_rules_cases import role_case
+from publish_rules_cases import rank0_only_case, role_case, same_steps_case, uneven_publishes_case
 
 
 def test_a_consumer_that_reads_cannot_publish_and_the_reverse(tmp_path):
@@ -17,3 +17,38 @@ def test_a_consumer_that_reads_cannot_publish_and_the_reverse(tmp_path):
         assert "'pub'" in r[key] and "two consumer names" in r[key], (key, r)
     assert r["documented_published"] > 0, r
     assert r["reregistered_reads"], r
+
+
+def test_publishing_on_rank_0_only_is_told_to_the_replica_and_shown_by_offsets(tmp_path):
+    """A rank that completes a batch the others published in, without publishing, is behind for
+    good: the first poll after it says so (``poll.behind``, one ``RanksBehindWarning``), a
+    complete-only apply is refused with ``RanksBehindError``, and ``offsets`` shows the rank."""
+    r0, r1 = run_spawn(rank0_only_case, 2, str(tmp_path / "log"))
+    assert r0["curr"] == r1["curr"], (r0, r1)
+    assert list(r0["behind"]) == [1], r0
+    assert not r0["complete"], r0
+    assert len(r0["warned"]) == 1 and "rank 1" in r0["warned"][0], r0
+    assert "every rank at the same steps" in r0["refused"] and list(r0["refused_behind"]) == [1], r0
+    assert r0["third_warned"] == r0["second_warned"] == 1, r0
+    assert r0["offsets"][1] == r0["behind"][1] and r0["offsets"][0] is None, r0
+
+
+def test_unequal_publish_counts_keep_the_batch_indices_and_the_replica_exact(tmp_path):
+    """Three publishes a step on rank 0, one on rank 1: the batch index is the step on both
+    ranks, the lookups channel stays complete, the publishes of one step share a stamp, and the
+    replica equals the trainer's tables."""
+    r0, r1 = run_spawn(uneven_publishes_case, 2, str(tmp_path / "log"))
+    assert r0["publishes"] == 3 * r1["publishes"], (r0, r1)
+    assert r0["curr"] == r1["curr"] == [1, 2, 3, 4, 5], (r0, r1)
+    for r in (r0, r1):
+        assert r["lookups_complete"], r
+        assert len({end for _, end in r["lookups_ranges"].values()}) == 1, r
+        assert len({end for _, end in r["snapshot_ranges"].values()}) == 1, r
+        assert all(r["replica_equal"].values()), r
+
+
+def test_publishing_at_the_same_steps_on_every_rank_is_quiet_and_exact(tmp_path):
+    r0, r1 = run_spawn(same_steps_case, 2, str(tmp_path / "log"))
+    for r in (r0, r1):
+        assert r["polls"] == 6 and r["curr"] == 6, r
+        assert all(r["replica_equal"].values()), r

@@ -56,3 +56,143 @@ def role_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     out["reregistered_reads"] = True
     t.close()
     return out
+
+
+def _replica_matches(t: Any, replica: Dict[str, Any]) -> Dict[str, bool]:
+    """fqn -> whether this rank's shard of each table equals the replica's cells of it."""
+    import torch
+
+    out = {}
+    for fqn, lt in t.local_tables.items():
+        w = lt.weights().detach()
+        cells = replica[fqn][lt.row_offset:lt.row_offset + w.shape[0], lt.col_offset:lt.col_offset + w.shape[1]]
+        out[fqn] = bool(torch.equal(cells, w))
+    return out
+
+
+def _initial_replica(t: Any, rows: int, dim: int, seed: int) -> Dict[str, Any]:
+    from harness import global_table_weights
+
+    full = global_table_weights(2, rows, dim, seed)
+    return {fqn: full[fqn.rsplit(".", 1)[1]].clone() for fqn in t.local_tables}
+
+
+def rank0_only_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Only rank 0 publishes (a common habit): the replica's poll says rank 1 is behind (a
+    ``RanksBehindWarning``, ``poll.behind``), ``apply_poll(complete_only=True)`` raises
+    ``RanksBehindError``, and ``offsets`` shows rank 1 behind."""
+    import torch.distributed as dist
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.errors import RanksBehindError, RanksBehindWarning
+    from persistent_delta.ops.positions import describe
+    from persistent_delta.read.apply import apply_poll
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
+    batches = make_batches("ec", 6, 8, seed=9, world_size=world_size, rank=rank)
+    for i, b in enumerate(batches):
+        train_step(dmp, b)
+        if rank == 0 and i in (2, 4):
+            t.publish("serving")
+    t.flush()
+    dist.barrier()  # every rank's steps are committed
+    out: Dict[str, Any] = {"curr": t.curr_batch_idx}
+    if rank == 0:
+        replica = _initial_replica(t, 100, 8, 0)
+        with warnings.catch_warnings(record=True) as seen, DeltaReader(root, channel="snapshots") as reader:
+            warnings.simplefilter("always")
+            poll = reader.poll()
+            out["behind"] = dict(getattr(poll, "behind", {}))
+            out["complete"] = poll.complete
+            out["warned"] = [str(w.message) for w in seen if issubclass(w.category, RanksBehindWarning)]
+            try:
+                apply_poll(replica, poll, complete_only=True)
+                out["refused"] = ""
+            except RanksBehindError as exc:
+                out["refused"] = str(exc)
+                out["refused_behind"] = exc.behind
+            out["second_warned"] = len([w for w in seen if issubclass(w.category, RanksBehindWarning)])
+            reader.poll()  # told once per rank
+            out["third_warned"] = len([w for w in seen if issubclass(w.category, RanksBehindWarning)])
+        out["offsets"] = {r.rank: getattr(r, "snapshots_behind", None) for r in describe(root)}
+    dist.barrier()
+    t.close()
+    return out
+
+
+def uneven_publishes_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Rank 0 drains its rows in capped publishes (three per step), rank 1 publishes once: the
+    batch indices stay the same on both ranks (a publish never moves them), the lookups
+    channel stays complete, and the replica fed by every poll equals the trainer's tables."""
+    import torch.distributed as dist
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.errors import RanksBehindWarning
+    from persistent_delta.read.apply import apply_poll
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
+    batches = make_batches("ec", 5, 8, seed=11, world_size=world_size, rank=rank)
+    out: Dict[str, Any] = {"curr": [], "publishes": 0}
+    for b in batches:
+        train_step(dmp, b)
+        if rank == 0:
+            for _ in range(2):
+                t.publish("serving", max_rows=3)
+                out["publishes"] += 1
+        t.publish("serving")  # carries whatever is still deferred
+        out["publishes"] += 1
+        out["curr"].append(t.curr_batch_idx)
+    t.flush()
+    dist.barrier()
+    replica = _initial_replica(t, 100, 8, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RanksBehindWarning)
+        with DeltaReader(root, channel="snapshots") as reader:
+            applied = apply_poll(replica, reader.poll(), complete_only=True)
+            out["snapshot_ranges"] = dict(applied.ranges)
+        with DeltaReader(root) as lookups:
+            poll = lookups.poll()
+            out["lookups_complete"] = poll.complete
+            out["lookups_ranges"] = dict(poll.ranges)
+    out["replica_equal"] = _replica_matches(t, replica)
+    dist.barrier()
+    t.close()
+    return out
+
+
+def same_steps_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """The documented path: every rank publishes at the same steps. A replica applying every
+    poll with ``complete_only=True`` as the trainer goes is never told anything and equals the
+    trainer's tables at the end, bit for bit."""
+    import torch.distributed as dist
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.errors import RanksBehindWarning
+    from persistent_delta.read.apply import apply_poll
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
+    batches = make_batches("ec", 6, 8, seed=13, world_size=world_size, rank=rank)
+    replica = _initial_replica(t, 100, 8, 0)
+    out: Dict[str, Any] = {"polls": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RanksBehindWarning)
+        with DeltaReader(root, channel="snapshots") as reader:
+            for i, b in enumerate(batches):
+                train_step(dmp, b)
+                if i % 2 == 1:
+                    t.publish("serving")
+                poll = reader.poll()  # a replica polling while the ranks train
+                out["polls"] += 1
+                assert not poll.behind, poll.behind
+                apply_poll(replica, poll, complete_only=True)
+            t.flush()
+            dist.barrier()
+            apply_poll(replica, reader.poll(), complete_only=True)
+    out["replica_equal"] = _replica_matches(t, replica)
+    out["curr"] = t.curr_batch_idx
+    dist.barrier()
+    t.close()
+    return out
