@@ -135,9 +135,11 @@ def draw(view: View) -> Any:
     from rich.text import Text
 
     def table(title: str, *headers: str) -> Table:
+        # a cell too narrow folds its text onto the next line instead of cutting it: names that
+        # share a prefix ("serving.int8", "serving.quant") are never both drawn "serving.…"
         t = Table(title=title, title_justify="left", expand=False, header_style="bold")
         for h in headers:
-            t.add_column(h)
+            t.add_column(h, overflow="fold")
         return t
 
     def cell(v: object, style: str = "") -> Text:

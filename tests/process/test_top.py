@@ -93,3 +93,37 @@ def test_names_and_errors_from_data_are_drawn_with_control_characters_escaped():
     console.print(draw(View(when=0.0, errors=["server said \x1b[2J[bold]hi"])))
     text = console.export_text()
     assert "\\x1b[2J[bold]hi" in text and "\x1b" not in text
+
+
+def test_consumer_names_that_share_a_prefix_stay_apart_at_80_columns():
+    """At 80 columns rich elided every one of these to ``serving.…``; each is drawn whole now
+    (folded at worst, never cut)."""
+    from rich.console import Console
+
+    from persistent_delta.cli.top import View, draw
+    from persistent_delta.ops.positions import ConsumerOffsets, RankOffsets
+
+    names = ["serving.int8", "serving.quant", "serving.snapshots", "checkpoint.incremental-writer"]
+    consumers = [ConsumerOffsets(n, "snapshots", 10, 0, 12, 2, 1, 40, 2560, time.time(), "trainer", "ok")
+                 for n in names]
+    view = View(when=time.time(), ranks=[RankOffsets(0, "/tmp/r0", 0, 12, 12, consumers)])
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(draw(view))
+    text = console.export_text()
+    assert "…" not in text, text
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if "CONSUMER " in line and "CHANNEL" in line)
+    a, b = lines[head].index("CONSUMER"), lines[head].index("CHANNEL")
+    drawn: list = []
+    for line in lines[head + 2:]:  # (after the header's rule) a row, or a folded row's next line
+        if not line.strip():
+            break
+        if line.startswith("└"):
+            break
+        piece = line[a:b].strip(" │")
+        if line[:a].strip(" │"):
+            drawn.append(piece)
+        else:
+            drawn[-1] += piece
+    assert drawn == names, text
+    assert "HEALTH" in text and text.count(" ok") >= len(names), text  # every column still drawn
