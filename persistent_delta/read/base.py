@@ -10,10 +10,10 @@ continue from) and :class:`Continuation`, the check an apply makes before it wri
 Design note
 -----------
 A base taken at batch ``b`` (the tracker's ``curr_batch_idx`` when ``save_local_shards`` ran)
-holds the trainer's values as of the save. The next publish is stamped ``b`` -- the save may
-have run between the batch's forward and its backward, so that publish may hold values the
-base lacks -- or ``b + 1`` when a publish was stamped ``b`` before the save (a stamp is never
-reused). That first stamp is the base's **position** on the rank (the shard file's
+holds the trainer's values as of the save. The next publish may be stamped ``b`` -- the save
+may have run between the batch's forward and its backward, so that publish may hold values the
+base lacks -- or later, when stamp ``b`` takes no more publishes (``tracker.next_stamp`` says
+which). That first stamp is the base's **position** on the rank (the shard file's
 ``next_stamp``; its ``batch_idx`` for files written before it was recorded; a base on the
 stream, taken at publish ``s``: ``s + 1``). A snapshots read that starts at or before it misses
 nothing the base lacks; one that starts after it misses the publishes in between, and their
@@ -23,13 +23,17 @@ stored, after another consumer's ``delete_on_read`` freed the publishes that fol
 
 The reader guarantees the other half: a read at a position holds every publish from it on, or
 raises (:class:`~persistent_delta.errors.OffsetOutOfRangeError`: the publishes there were
-deleted). So one comparison per rank decides, ``start <= position``, where ``start`` is the
-poll's (:attr:`DeltaPoll.ranges`). After a poll the tables continue from its end: the next
-poll starts there (a consumer's does), and a poll that starts later -- a consumer moved
-forward by a reset policy or a seek, another consumer's poll -- is refused the same way. A rank
-the base does not know (a file that records no batch) is not checked. Starting earlier than the
-position is allowed: older publishes are applied again, and the newer ones that follow in order
-bring every row back to the newest value (the at-least-once rule of every apply).
+deleted). So one comparison per rank decides: the poll's start (:attr:`DeltaPoll.ranges`) must
+be at or before the position -- or, for a local read, how far back it misses nothing
+(``RankDelta.covers_from``: one past the newest publish stored below its start, never below
+where retention deleted up to), so that a consumer registered after the first publishes of a
+job that published nothing between its base and them continues it. After a poll the tables
+continue from its end: the next poll starts there (a consumer's does), and one that starts
+later -- a consumer moved forward by a reset policy or a seek, another consumer's poll -- is
+refused the same way. A rank the base does not know (a file that records no batch) is not
+checked. Starting earlier than the position is allowed: older publishes are applied again, and
+the newer ones that follow in order bring every row back to the newest value (the
+at-least-once rule of every apply).
 """
 
 from __future__ import annotations
@@ -65,30 +69,32 @@ class Continuation:
         Raises:
             StaleBaseError: a rank's read starts after the position the tables continue from.
         """
-        for rank, (start, _) in sorted(poll.ranges.items()):
-            position = self.positions.get(rank)
-            if position is None or start <= position:
+        for rank, delta in sorted(poll.ranks.items()):
+            position, start = self.positions.get(rank), delta.start_idx
+            covers = start if delta.covers_from is None else min(start, delta.covers_from)
+            if position is None or covers <= position:
                 continue
+            held = f" (it holds every publish from batch {covers} on)" if covers < start else ""
             if rank in self._applied:
-                why = (f"the poll applied before ended at batch {position}: the publishes stamped {position}..{start - 1} "
-                       "are in neither (was the consumer moved forward, by a reset policy or a seek, or is this "
-                       "another consumer's poll?)")
+                why = (f"the poll applied before ended at batch {position}: the publishes stamped in "
+                       f"[{position}, {covers}) are in neither (was the consumer moved forward, by a reset policy or a seek, "
+                       "or is this another consumer's poll?)")
             else:
-                why = (f"{self.source} continues from batch {position}: the publishes stamped {position}..{start - 1} "
-                       "are in neither (a replica restarted with an old base and its consumer's committed position, "
-                       "or registered after the publishes that followed its base were deleted)")
+                why = (f"{self.source} continues from batch {position}: the publishes stamped in "
+                       f"[{position}, {covers}) are in neither (a replica restarted with an old base and its consumer's "
+                       "committed position, or registered after the publishes that followed its base were deleted)")
             raise StaleBaseError(
-                f"rank {rank}: this snapshots poll starts at batch {start}, but {why}; applied, their rows would "
-                "stay stale. Nothing was applied. Start from a fresh base: save_local_shards(tracker, shard_dir) on "
-                "every rank of the trainer, then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), "
+                f"rank {rank}: this snapshots poll starts at batch {start}{held}, but {why}; applied, their rows "
+                "would stay stale. Nothing was applied. Start from a fresh base: save_local_shards(tracker, shard_dir) "
+                "on every rank of the trainer, then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), "
                 "with the consumer at or before its batch",
                 rank=rank, start=start, position=position)
 
     def advance(self, poll: DeltaPoll) -> None:
         """``poll`` was applied: the tables continue from its end on every rank it read."""
-        for rank, (_, end) in poll.ranges.items():
+        for rank, delta in poll.ranks.items():
             if rank in self.positions:
-                self.positions[rank] = self._applied[rank] = int(end)
+                self.positions[rank] = self._applied[rank] = int(delta.end_idx)
 
 
 class BaseTables(Dict[str, torch.Tensor]):

@@ -55,12 +55,14 @@ class RankPlan:
     passed_over: int = 0  # records of other row formats passed over
     formats: Dict[str, Dict[str, PlannedTable]] = field(default_factory=dict)  # a reader of every format: the others
     deferred: Optional[int] = None
+    covers_from: Optional[int] = None  # snapshots: see RankDelta.covers_from
 
     def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
         """The :class:`~persistent_delta.read.results.RankDelta`: the tables' rows copied out of the map (inside the
         transaction the plan was made in), or taken from ``rows`` where it has them."""
         out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
-                        publishes=self.publishes, passed_over=self.passed_over, deferred=self.deferred)
+                        publishes=self.publishes, passed_over=self.passed_over, deferred=self.deferred,
+                        covers_from=self.covers_from)
         for fqn, (tp, shard, stamps, side) in self.tables.items():
             u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
             out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side,
@@ -99,6 +101,7 @@ def plan_range(
     if channel == SNAPSHOTS:
         out.publishes = publish_times(r, start_idx, end_idx)
         out.deferred = deferred_rows(r)
+        out.covers_from = position_rules.snapshots_covered_from(r, start_idx)
 
     def planned(found: Dict[str, TablePlan], f: str) -> Dict[str, PlannedTable]:
         got: Dict[str, PlannedTable] = {}

@@ -9,7 +9,6 @@ publish. This process then plays the replicas that start afterwards."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -19,6 +18,9 @@ from harness import run_spawn
 from inference_cases import quantized
 from persistent_delta import DeltaConsumer, apply_poll, load_base
 from persistent_delta.errors import OrderError, StaleBaseError
+from persistent_delta.fleet.memory import MemoryBroker
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.read.inference import InferenceReplica
 from stale_base_cases import full, serving_job_case
 
@@ -82,7 +84,7 @@ def test_the_documented_path_stays_quiet_and_bit_exact(job):
     """The guide's loop applied every publish onto its base exactly; restarted, a replica that
     loads shard files saved at or after its committed position (here right after a publish:
     the next publish takes the next stamp) continues quietly, twice over, to the trainer's
-    tables bit for bit; a poll that jumps ahead of what was applied is still refused."""
+    tables bit for bit."""
     root, _, fresh, ranks = job
     first = ranks[0]
     assert first["base_positions"] == {0: 1, 1: 1}
@@ -101,9 +103,38 @@ def test_the_documented_path_stays_quiet_and_bit_exact(job):
             apply_poll(replica, poll, complete_only=True)
             consumer.commit()
         assert _same(base, want) and base.positions == {0: 9, 1: 9}
-    # the same tables, a poll from a consumer moved ahead of them: a gap, refused
+    # a consumer moved ahead over batches where nothing was published skips nothing: still quiet
     with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
         consumer.seek(10)
-        with pytest.raises(StaleBaseError, match="the poll applied before ended at batch 9"):
-            apply_poll(base, consumer.poll(), complete_only=True)
-    assert os.path.isdir(fresh)
+        apply_poll(base, consumer.poll(), complete_only=True)
+    assert base.positions == {0: 10, 1: 10}
+
+
+def test_remote_replicas_are_checked_the_same_way(job):
+    """Across hosts (the log shipped through the in-process memory transport): a remote replica
+    registered late, on the shard files of batch 0, is refused; one that bootstraps from a base
+    uploaded at an earlier publish catches up quietly, bit for bit, and is refused once moved
+    past a publish its base lacks."""
+    root, base0, _, ranks = job
+    broker = MemoryBroker()
+    with Shipper(root, None, "stale", channels=["snapshots"], transport=broker.connect("shipper")) as shipper:
+        shipper.run(idle_exit_s=0.2)
+    with RemoteConsumer(None, "stale", "late-remote", channel="snapshots", wait=5,
+                        transport=broker.connect()) as consumer:
+        poll = consumer.poll(timeout=5)
+        assert poll.ranges == {0: (8, 9), 1: (8, 9)}  # the stream holds what the log still held
+        with pytest.raises(StaleBaseError, match="rank 0: this snapshots poll starts at batch 8"):
+            apply_poll(load_base(base0), poll)
+    conn = broker.connect()
+    for rank, res in enumerate(ranks):  # the ranks' tables as of batch 7 (publish 8 holds what changed since 6)
+        upload_base(None, "stale", rank, 7, res["applied_shards"], transport=conn)
+    conn.close()
+    with RemoteConsumer(None, "stale", "booted", channel="snapshots", transport=broker.connect()) as consumer:
+        tables = consumer.bootstrap()
+        assert tables.batches == {0: 7, 1: 7} and tables.positions == {0: 8, 1: 8}
+        apply_poll(tables, consumer.poll(timeout=1), complete_only=True)
+        assert _same(tables, full(ranks, "final_shards")) and tables.positions == {0: 9, 1: 9}
+        tables = consumer.bootstrap()
+        consumer.seek(9)  # past publish 8, which the base lacks
+        with pytest.raises(StaleBaseError, match=r"continues from batch 8: the publishes stamped in \[8, 9\)"):
+            apply_poll(tables, consumer.poll(timeout=1))
