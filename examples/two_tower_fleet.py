@@ -200,7 +200,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, port: int) -> No
     if os.path.exists(latest):  # restart: the model (and with it the tracker) and both optimizers
         saved = torch.load(os.path.join(args.out, "ckpt", open(latest).read().strip(), f"rank-{rank}.pt"),
                            weights_only=False)
-        tracker_state = saved["model"].pop("persistent_delta_tracker") if args.restore != "model" else None
+        tracker_state = saved["model"].pop(f"persistent_delta_tracker.rank_{rank}") if args.restore != "model" \
+            else None
         model.load_state_dict(saved["model"])  # with the tracker's state in it: restores the tracker too
         model.fused_optimizer.load_state_dict(saved["fused"])
         optimizer.init_state()  # a KeyedOptimizer loads into initialized state only

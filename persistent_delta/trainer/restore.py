@@ -1,6 +1,7 @@
 """Model checkpoints, restarts and restore: where a trainer's log continues.
 
-Owns: what a (re)opened tracker does to its log, the checkpoint mark and the re-delivery rule.
+Owns: what a (re)opened tracker does to its log, the checkpoint mark, the tracker's entry in
+the model's state dict and the re-delivery rule.
 
 **Opening** (:func:`open_tracker_log`): the log must hold the same tracking mode and table set
 (or ``fresh`` empties it); the configured consumers are registered; the batch index continues
@@ -8,7 +9,10 @@ after the last one persisted (never reused); and since the opener holds the writ
 earlier writer is gone, so its open batch is complete and is marked so (``closed_end``).
 
 ``tracker.state_dict()`` flushes, marks the checkpoint in the log (``checkpoint_floor`` = the
-first batch after it) and returns the batch index and log identity. Retention never deletes
+first batch after it) and returns the batch index and log identity. ``dmp.state_dict()``
+carries the same state under a key of its rank's (:func:`state_key`) as a :class:`TrackerState`,
+which marks the checkpoint when it is written, not when it is taken: a state dict built as the
+target of a torch.distributed.checkpoint load changes nothing. Retention never deletes
 records at or after the floor, and compaction never merges across it
 (:mod:`persistent_delta.log.position_rules`). ``tracker.load_state_dict(sd)``, after restoring the model
 from that checkpoint: the batches recorded after the checkpoint (``[floor, log end)``) belong
@@ -24,7 +28,9 @@ index to continue from (:func:`agree_batch_idx`).
 
 from __future__ import annotations
 
+import copy
 import logging
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -33,7 +39,7 @@ from torch import nn
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
 from persistent_delta.log import codec, position_rules
-from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError
+from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError, WorldSizeMismatchError
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.log.records import (AppendRecord, delete_below, delete_table_records, encode_records, last_appended,
                                      log_start, write_records)
@@ -43,19 +49,27 @@ from persistent_delta.log.schema import (
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
     META_CLOSED_END,
+    META_CREATED_TIME,
     META_CURR_BATCH,
+    META_DEFERRED,
+    META_DEFERRED_ROWS,
     META_LOG_ID,
+    META_LOG_START,
     META_RESTART_GEN,
+    META_SNAPSHOT_END,
+    META_SNAPSHOT_START,
     META_TRACKER,
     META_UPDATE_MODE,
+    SNAPSHOTS,
     Delivery,
     TrackerMeta,
+    next_created_time,
 )
 from persistent_delta.trainer.sharding import LocalTable
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: with "world_size" (1 had none: not checked)
 _REQUIRED = ("log_id", "rank", "tracking_mode", "curr_batch_idx")
 
 
@@ -181,8 +195,14 @@ def _difference(have: TrackerMeta, want: TrackerMeta) -> str:
 
 
 def _wipe(w: WriteTxn) -> None:
-    """Empty the log (``fresh=True``): records, consumers, tables' listing and tracker meta."""
+    """Empty the log (``fresh=True``): records of both channels, consumers, tables' listing and
+    tracker meta, and give it a new identity (log id and creation time): a new log, whose batch
+    numbers start again at 0."""
     delete_below(w, None)
+    delete_below(w, None, SNAPSHOTS)
+    for key in (META_LOG_START, META_SNAPSHOT_START, META_SNAPSHOT_END, META_CHECKPOINT_FLOOR, META_DEFERRED,
+                META_DEFERRED_ROWS):
+        w.delete_meta(key)  # what the previous run's batches left (its starts would hide the new run's)
     for name in list(w.consumers()):
         w.delete_consumer(name)
     for entry in w.tables().values():
@@ -191,33 +211,171 @@ def _wipe(w: WriteTxn) -> None:
         e.listed = False
         w.stage_table(e)
     w.set_meta(META_CURR_BATCH, 0)
-    logger.info("fresh=True: emptied the log %s", w.path)
+    # a new identity: what the previous run shipped (or what a copy of it replays) is of another,
+    # older log, and readers that saw this one refuse it (LogIdentity)
+    was = w.identity()
+    w.set_meta(META_LOG_ID, uuid.uuid4().hex)
+    w.set_meta(META_CREATED_TIME, next_created_time(w.meta(META_CREATED_TIME)))
+    logger.info("fresh=True: emptied the log %s (%s replaced by %s)", w.path, was.describe(), w.identity().describe())
 
 
-def mark_checkpoint(w: WriteTxn, batch_idx: int) -> Dict[str, Any]:
+def mark_checkpoint(w: WriteTxn, batch_idx: int) -> None:
     """Mark a model checkpoint taken at ``batch_idx``: records from ``batch_idx + 1`` on are
-    kept for a restore. Returns the log id and the lookups consumers' positions."""
+    kept for a restore."""
     w.set_meta(META_CHECKPOINT_FLOOR, batch_idx + 1)
-    return {"log_id": w.meta(META_LOG_ID), "offsets": position_rules.committed_offsets(w)}
 
 
-# The key under which ``dmp.state_dict()`` carries the tracker's state (:func:`hook_model_state`).
+def checkpoint_info(r: ReadTxn) -> Dict[str, Any]:
+    """The log id and the lookups consumers' positions (what a tracker state records)."""
+    return {"log_id": r.meta(META_LOG_ID), "offsets": position_rules.committed_offsets(r)}
+
+
+def world_size() -> Optional[int]:
+    """The default process group's size, or None without one (what a tracker state records)."""
+    return dist.get_world_size() if dist.is_initialized() else None
+
+
+# The key under which ``dmp.state_dict()`` carried the tracker's state before it had one key
+# per rank (still loaded), and the start of each rank's key (:func:`state_key`).
 STATE_KEY = "persistent_delta_tracker"
 
 
-def hook_model_state(module: nn.Module, save: Callable[[], Dict[str, Any]],
+def state_key(rank: int) -> str:
+    """The key of rank ``rank``'s tracker state in ``dmp.state_dict()``. One key per rank: a
+    checkpoint format that stores a key every rank has only once (torch.distributed.checkpoint,
+    whose plans dedupe keys over ranks) keeps each rank's own state."""
+    return f"{STATE_KEY}.rank_{rank}"
+
+
+# How to fix a WorldSizeMismatchError (each message says what was found first).
+_OTHER_WORLD = ("Restore with the world size the checkpoint was saved with; to go on with another, start a fresh log "
+                "(PersistentTrackerConfig(fresh=True) or another path) and give replicas a new base")
+
+
+class CheckpointMark:
+    """Marks the checkpoint of a :class:`TrackerState` in its tracker's log, once: ``mark(batch)``
+    is the tracker's (flush, the mark, a managed-collision rebase). Any thread may call it."""
+
+    def __init__(self, mark: Callable[[int], None], batch_idx: int) -> None:
+        self._mark, self.batch_idx, self.done = mark, batch_idx, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self._mark(self.batch_idx)
+            self.done = True
+
+
+class TrackerState:
+    """One rank's tracker state as ``dmp.state_dict()`` carries it (under :func:`state_key`):
+    one opaque value, not a mapping, so torch.distributed.checkpoint stores it whole (pickled),
+    and its key, every rank's own, keeps the ranks apart.
+
+    Taking it marks nothing, so that a state dict built as the target of a DCP load changes
+    nothing in the log. *Writing* it marks the checkpoint: the first time it is pickled
+    (``torch.save``, DCP's save, ``pickle``), it runs its :class:`CheckpointMark`. A copy
+    (``copy.copy``, ``copy.deepcopy``: DCP's async staging) shares the mark, so the copy marks
+    when it is written. What a load returns (unpickled) holds the saved state and no mark.
+
+    Attributes:
+        state: the tracker's state (``tracker.state_dict()``'s keys).
+    """
+
+    __slots__ = ("state", "_mark")
+
+    def __init__(self, state: Dict[str, Any], mark: Optional[CheckpointMark] = None) -> None:
+        self.state = dict(state)
+        self._mark = mark
+
+    @property
+    def loaded(self) -> bool:
+        """Whether it came from a checkpoint (unpickled), not from this process's ``state_dict()``."""
+        return self._mark is None
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        if self._mark is not None:
+            self._mark()
+        return (TrackerState, (self.state,))
+
+    def __copy__(self) -> "TrackerState":
+        return TrackerState(self.state, self._mark)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "TrackerState":
+        return TrackerState(copy.deepcopy(self.state, memo), self._mark)
+
+    def __repr__(self) -> str:
+        return f"TrackerState({self.state!r}, loaded={self.loaded})"
+
+
+# torch.load(weights_only=True) may rebuild it (only from its dict of plain values)
+torch.serialization.add_safe_globals([TrackerState])
+
+
+def state_of(value: Any, rank: int) -> Dict[str, Any]:
+    """The tracker state dict in ``value`` (a :class:`TrackerState`, or a dict of the layout
+    before it).
+
+    Raises:
+        WorldSizeMismatchError: ``value`` is a state this process built and nothing loaded
+            into it (the target of a load that found no state for this rank).
+        InvalidInputError: ``value`` is neither.
+    """
+    if isinstance(value, TrackerState):
+        if not value.loaded:
+            raise WorldSizeMismatchError(
+                f"no tracker state for rank {rank} was loaded: the state dict holds the one this process built as the "
+                "load target (the load found none for this rank: the checkpoint was saved with another world size, "
+                f"or without the tracker). {_OTHER_WORLD}")
+        return value.state
+    if isinstance(value, dict):
+        return value
+    raise InvalidInputError(f"a tracker state is a TrackerState or a dict, not {type(value).__name__}")
+
+
+def take_state(state_dict: Dict[str, Any], prefix: str, rank: int) -> Optional[Dict[str, Any]]:
+    """Take the tracker's entries out of a state dict loaded into the module at ``prefix`` (so
+    that no load reports them as unexpected) and return this rank's state: its own key's, or
+    the key of the layout before one key per rank; None when it holds neither.
+
+    Raises:
+        WorldSizeMismatchError: it holds tracker states of other ranks and none of this one (a
+            checkpoint of another rank, or of another world size): loading another rank's
+            state would restore the wrong log. Or this rank's key holds None (what a DCP load
+            with ``allow_partial_load`` leaves where the checkpoint had no such key) or the
+            target's own unloaded :class:`TrackerState`: nothing of this rank was loaded.
+    """
+    mine, head = prefix + state_key(rank), prefix + STATE_KEY + ".rank_"
+    others = sorted(k for k in state_dict if k.startswith(head) and k != mine)
+    found = mine in state_dict
+    value = state_dict.pop(mine, None)
+    for k in others:
+        state_dict.pop(k)
+    if not found and others:
+        raise WorldSizeMismatchError(
+            f"the checkpoint holds the tracker states {others} and none for rank {rank} (key {mine!r}): it was saved "
+            f"by other ranks (another world size, or another rank's file). Load each rank's own state. {_OTHER_WORLD}")
+    if not found:
+        value = state_dict.pop(prefix + STATE_KEY, None)
+        return None if value is None else state_of(value, rank)
+    if value is None:  # what a DCP load with allow_partial_load leaves under a key it did not find
+        raise WorldSizeMismatchError(
+            f"no tracker state for rank {rank} was loaded (key {mine!r} holds None: a DCP load with "
+            "allow_partial_load found none for this rank: the checkpoint was saved with another world size, or "
+            f"without the tracker). {_OTHER_WORLD}")
+    return state_of(value, rank)
+
+
+def hook_model_state(module: nn.Module, rank: int, save: Callable[[], TrackerState],
                      load: Callable[[Dict[str, Any]], None]) -> List[Any]:
     """Make the tracker's state part of the model's: ``module.state_dict()`` (which a DMP's
-    ``state_dict()`` calls) gets ``save()`` under :data:`STATE_KEY`, and a state dict loaded
-    into ``module`` (``dmp.load_state_dict``) hands its :data:`STATE_KEY` entry to ``load``,
-    taking it out of the dict (so that no load reports it as unexpected). Returns the hook
-    handles (``.remove()`` each to undo)."""
+    ``state_dict()`` calls) gets ``save()`` under :func:`state_key` of ``rank``, and a state
+    dict loaded into ``module`` (``dmp.load_state_dict``) hands this rank's state to ``load``
+    (:func:`take_state`). Returns the hook handles (``.remove()`` each to undo)."""
 
     def add(mod: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        state_dict[prefix + STATE_KEY] = save()
+        state_dict[prefix + state_key(rank)] = save()
 
     def take(mod: nn.Module, state_dict: Dict[str, Any], prefix: str, *rest: Any) -> None:
-        state = state_dict.pop(prefix + STATE_KEY, None)
+        state = take_state(state_dict, prefix, rank)
         if state is not None:
             load(state)
 
@@ -236,16 +394,26 @@ def unrestored(r: ReadTxn) -> Optional[Tuple[int, int]]:
     return (int(floor), last) if last >= int(floor) else None
 
 
-def check_state(state: Dict[str, Any], log_id: str, rank: int, tracking_mode: str, path: str) -> int:
-    """Validate a tracker state dict against this log; returns its batch index.
+def check_state(state: Any, log_id: str, rank: int, tracking_mode: str, path: str,
+                world: Optional[int] = None) -> int:
+    """Validate a tracker state (a dict or a :class:`TrackerState`) against this log and the
+    world size ``world`` (None: unknown); returns its batch index.
 
     Raises:
         InvalidInputError: a key is missing.
+        WorldSizeMismatchError: it was saved with another world size (or nothing was loaded
+            into it: :func:`state_of`).
         ConfigMismatchError: it belongs to another log, rank or tracking mode.
     """
+    state = state_of(state, rank)
     for key in _REQUIRED:
         if key not in state:
             raise InvalidInputError(f"tracker state_dict lacks {key!r}")
+    saved_world = state.get("world_size")
+    if saved_world is not None and world is not None and int(saved_world) != world:
+        raise WorldSizeMismatchError(
+            f"{path}: this tracker state was saved with world size {saved_world}, and this job runs {world} ranks: "
+            f"each rank's log and its tables' shards belong to the layout it was written with. {_OTHER_WORLD}")
     if (state["log_id"], state["rank"], state["tracking_mode"]) != (log_id, rank, tracking_mode):
         raise ConfigMismatchError(
             f"{path}: this tracker state was saved for log {state['log_id']} rank {state['rank']} mode "

@@ -165,7 +165,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # The model's state dict carries the tracker's (on the module inside DDP: the DMP moves
         # a DDP's "module." prefix, and loads that module's part of a state dict as its own).
         self._state_hooks: List[Any] = restore.hook_model_state(
-            model.module if isinstance(model, DistributedDataParallel) else model, self.state_dict,
+            model.module if isinstance(model, DistributedDataParallel) else model, self.rank, self._model_state,
             self._restore_at_first_step)
         close_at_exit(self)
         logger.info("persistent delta tracker on %s: mode %s, %d tables, consumers %s, batch %d",
@@ -415,14 +415,34 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
     def state_dict(self) -> Dict[str, Any]:
         """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
-        the log (retention keeps what a restore of it needs). Save it with the model."""
+        the log (retention keeps what a restore of it needs). Save it with the model.
+        ``dmp.state_dict()`` carries the same state, marked only once it is written
+        (:class:`~persistent_delta.trainer.restore.TrackerState`)."""
+        state = self._checkpoint_state()
+        self._mark_checkpoint(state["curr_batch_idx"])
+        return state
+
+    def _checkpoint_state(self) -> Dict[str, Any]:
+        """The state a checkpoint taken now holds, after committing what was recorded; marks nothing."""
         self._commit_recorded()
-        batch = self.curr_batch_idx
-        self.zch.rebase()  # a replica that starts after the checkpoint gets the whole raw-id map
-        info = self._log.write(lambda w: restore.mark_checkpoint(w, batch))
-        self._log.flush()
+        info = self._log.read(restore.checkpoint_info)
         return {"version": restore.STATE_VERSION, "log_id": info["log_id"], "rank": self.rank,
-                "tracking_mode": self._mode.value, "curr_batch_idx": batch, "offsets": info["offsets"]}
+                "world_size": restore.world_size(), "tracking_mode": self._mode.value,
+                "curr_batch_idx": self.curr_batch_idx, "offsets": info["offsets"]}
+
+    def _model_state(self) -> restore.TrackerState:
+        """What ``dmp.state_dict()`` carries: the state, which marks the checkpoint once written."""
+        state = self._checkpoint_state()
+        return restore.TrackerState(state, restore.CheckpointMark(self._mark_checkpoint, state["curr_batch_idx"]))
+
+    def _mark_checkpoint(self, batch: int) -> None:
+        """Mark a checkpoint of ``batch`` in the log, durably (any thread: a DCP writer's)."""
+        if self._closed:
+            raise LogClosedError(f"{self.path}: the tracker was closed before its state was saved, so the checkpoint "
+                                 "cannot be marked; save dmp.state_dict() before tracker.close()")
+        self.zch.rebase()  # a replica that starts after the checkpoint gets the whole raw-id map
+        self._log.write(lambda w: restore.mark_checkpoint(w, batch))
+        self._log.flush()
 
     def load_state_dict(self, state: Dict[str, Any]) -> Dict[str, int]:
         """Restore with a model checkpoint, after loading the model's weights and optimizer
@@ -433,15 +453,20 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         step; the batch indices continue after the re-delivery batch (indices are never
         reused, so the lost timeline's indices are skipped).
 
+        ``state``: ``tracker.state_dict()``, or what ``dmp.state_dict()`` carried (a
+        :class:`~persistent_delta.trainer.restore.TrackerState`), as loaded.
+
         Raises:
             ConfigMismatchError: the state belongs to another log, rank or tracking mode.
+            WorldSizeMismatchError: it was saved with another world size, or it is the
+                unloaded target of a DCP load (no state for this rank was found).
             OffsetOutOfRangeError: the records since that checkpoint were already deleted.
         """
         self._pending_restore = self._unrestored = None
         self._commit_recorded()
         self._unread.drop()  # a restore writes re-delivered rows to the log itself
         log_id = self._log.read(lambda r: r.meta("log_id"))
-        ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path)
+        ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path, restore.world_size())
         # A kill can leave ranks one step apart: all continue from the same batch index.
         dropped = restore.share_dropped_ids(self._tables, self._dropped_ids)  # before the agreement: its last collective
         self._dropped_ids = {}
@@ -612,13 +637,14 @@ def attach(dmp: nn.Module, config: PersistentTrackerConfig) -> PersistentDeltaTr
     """Build a :class:`PersistentDeltaTracker` for a ``DistributedModelParallel`` and register
     it, so that ``dmp.get_delta_tracker()`` returns it and ``DMP.forward`` steps it.
 
-    The tracker's state joins the model's: ``dmp.state_dict()`` carries ``tracker.state_dict()``
-    under the key ``"persistent_delta_tracker"`` (taking it marks a checkpoint), and
-    ``dmp.load_state_dict(checkpoint)`` takes that entry out and restores the tracker before the
-    next step, ``get_unique`` or ``publish`` (after the optimizer state is loaded too), as
-    ``tracker.load_state_dict`` does. A
-    model without a tracker loads such a checkpoint as well: the DMP reports the key in
-    ``unexpected_keys`` (drop it with ``checkpoint.pop("persistent_delta_tracker")``). If the
+    The tracker's state joins the model's: ``dmp.state_dict()`` carries it under a key of its
+    rank's, ``"persistent_delta_tracker.rank_<rank>"`` (one opaque value, so that
+    torch.distributed.checkpoint keeps every rank's own; writing it marks a checkpoint, taking
+    it does not), and ``dmp.load_state_dict(checkpoint)`` takes that entry out and restores the
+    tracker before the next step, ``get_unique`` or ``publish`` (after the optimizer state is
+    loaded too), as ``tracker.load_state_dict`` does; the key ``"persistent_delta_tracker"`` of
+    older checkpoints loads too. A model without a tracker loads such a checkpoint as well: the
+    DMP reports the key in ``unexpected_keys`` (pop it first to keep the report empty). If the
     log holds batches after its latest checkpoint mark and the first step comes with no
     restore, the tracker warns (logging and ``RuntimeWarning``).
 

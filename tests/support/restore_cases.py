@@ -161,7 +161,7 @@ def model_state_case(rank: int, world_size: int, root: str, how: str) -> Dict[st
     import warnings
 
     from persistent_delta import DeltaReader
-    from persistent_delta.trainer.restore import STATE_KEY
+    from persistent_delta.trainer.restore import state_key
 
     ckpt_file = os.path.join(os.path.dirname(root), f"ckpt.{rank}")
     cfg = PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root)
@@ -171,7 +171,7 @@ def model_state_case(rank: int, world_size: int, root: str, how: str) -> Dict[st
     for b in batches[:3]:
         train_step(dmp, b)
     state = dmp.state_dict()
-    out: Dict[str, Any] = {"key_saved": STATE_KEY in state}
+    out: Dict[str, Any] = {"key_saved": state_key(rank) in state}
     torch.save(state, ckpt_file)
     saved_weights = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
     for b in batches[3:8]:
