@@ -59,7 +59,8 @@ class WorldSizeMismatchError(ConfigMismatchError):
     world size, or it holds no state for this rank (only other ranks'). Each rank's log and
     table shards belong to the layout they were written with, so another rank's state (or
     none) is never loaded in its place. Restore with the world size the checkpoint was saved
-    with, or start the tracker without a restore."""
+    with; to go on with another, start a fresh log (``PersistentTrackerConfig(fresh=True)`` or
+    another path) and give replicas a new base."""
 
 
 class ForkedProcessError(PersistentDeltaError):
