@@ -138,7 +138,10 @@ class _Checker:
         by_id = {e.table_id: fqn for fqn, e in tables.items()}
         last_lookup = self.check_db(r, LOOKUPS, codec.KIND_LOOKUP, by_id, _int(meta.get(META_LOG_START)), None)
         # the open batch's publishes are stored and not readable yet (position_rules.open_stamp)
-        stamp_end = max(_int(meta.get(META_SNAPSHOT_END)), _int(meta.get(META_SNAPSHOT_OPEN)) + 1)
+        open_stamp = meta.get(META_SNAPSHOT_OPEN)
+        stamp_end = _int(meta.get(META_SNAPSHOT_END))
+        if isinstance(open_stamp, int) and not isinstance(open_stamp, bool) and open_stamp >= 0:
+            stamp_end = max(stamp_end, open_stamp + 1)
         self.check_db(r, SNAPSHOTS, codec.KIND_SNAPSHOT, by_id, None, stamp_end)
         for fqn, e in tables.items():
             top = last_lookup.get(e.table_id)
