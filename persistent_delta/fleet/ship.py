@@ -77,7 +77,7 @@ from persistent_delta.errors import (
     TransportError,
     UnknownConsumerError,
 )
-from persistent_delta.log.layout import DATA_FILE, PathLike, check_root, rank_paths
+from persistent_delta.log.layout import DATA_FILE, EMPTY_RANK_GRACE_S, PathLike, check_root, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, SNAPSHOTS, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
@@ -277,7 +277,7 @@ class Shipper:
             return
         self._scanned = now
         try:
-            found = rank_paths(self.root)
+            found = rank_paths(self.root, EMPTY_RANK_GRACE_S)  # a rank being created: the next scan looks again
         except NotALogError:
             return
         except DamagedLogError as exc:  # a rank's file wiped: the ranks already open keep shipping

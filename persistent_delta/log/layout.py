@@ -88,17 +88,26 @@ def check_root(root: PathLike) -> str:
     return root
 
 
-EMPTY_RANK_GRACE_S = 5.0  # an empty data file older than this beside other ranks' logs is damage, not a creation
+#: How long a live reader (a consumer, a shipper, the exporter) takes an empty data file beside other
+#: ranks' logs for a creation in progress before it calls it damage (:func:`rank_paths`).
+EMPTY_RANK_GRACE_S = 5.0
 
 
-def rank_paths(root: PathLike) -> Dict[int, str]:
+def rank_paths(root: PathLike, empty_grace_s: float = 0.0) -> Dict[int, str]:
     """The log directory of every rank under ``root``, by rank (ascending).
 
     A ``root`` that is itself a log directory (a plain store's) is rank 0; a rank's directory of
     a job (``rank-<r>``) is refused (:func:`check_root`). A rank whose ``data.mdb`` is empty
-    (0 bytes) is not a log yet -- LMDB writes a new file's first pages as it creates it -- unless
-    other ranks hold logs and it has stayed empty for ``EMPTY_RANK_GRACE_S``: then it is a wiped
-    file or a creation killed midway, and the job is refused rather than read without that rank.
+    (0 bytes) while other ranks hold logs is a wiped file or a creation killed midway, and the job
+    is refused rather than read without that rank -- except, for ``empty_grace_s`` seconds after
+    the file last changed, by a live reader that looks again later (pass
+    :data:`EMPTY_RANK_GRACE_S`): LMDB writes a new file's first pages as it creates it, so a
+    rank starting up shows an empty file for a moment. A one-shot tool (verify, offsets) keeps
+    the default 0: it must never report a job with a missing rank as healthy.
+
+    Args:
+        root: the log root.
+        empty_grace_s: how long an empty data file is skipped as a creation in progress.
 
     Raises:
         NotALogError: ``root`` holds no log.
@@ -135,10 +144,12 @@ def rank_paths(root: PathLike) -> Dict[int, str]:
             age = time.time() - os.stat(data).st_mtime
         except OSError:
             continue  # gone meanwhile
-        if found and age >= EMPTY_RANK_GRACE_S:
+        if found and (empty_grace_s <= 0 or age >= empty_grace_s):
+            young = f" (or, changed {max(0.0, age):.1f} s ago, a creation still in progress: look again in a few seconds)"
             raise DamagedLogError(
                 f"{data}: empty (0 bytes) while other ranks of the job hold logs: a wiped file or a creation killed "
-                "midway; this rank's data is lost. Restore it from a copy, or move the job's logs away and start afresh")
+                f"midway{young if age < EMPTY_RANK_GRACE_S else ''}; this rank's data is lost. Restore it from a copy, "
+                "or move the job's logs away and start afresh")
     if not found:
         raise NotALogError(
             f"{root} holds no persistent_delta log (expected {root}/rank-<r>/data.mdb); check the path, "

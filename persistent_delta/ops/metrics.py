@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from persistent_delta.fleet.auth import KeySpec
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec
-from persistent_delta.log.layout import DATA_FILE, PathLike
+from persistent_delta.log.layout import DATA_FILE, EMPTY_RANK_GRACE_S, PathLike
 from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS
 from persistent_delta.ops.health import Health
 from persistent_delta.ops.positions import describe
@@ -180,7 +180,9 @@ class LogCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         fams = _Families()
-        ranks = describe(self.root, tables=self.tables, stall_after_s=self.stall_after_s)
+        # a live reader: a rank being created is not a scrape error (a wiped one is, after the grace)
+        ranks = describe(self.root, tables=self.tables, stall_after_s=self.stall_after_s,
+                         empty_grace_s=EMPTY_RANK_GRACE_S)
         for r in ranks:
             rank = [("job", self.job), ("rank", str(r.rank))]
             try:

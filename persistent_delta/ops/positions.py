@@ -158,7 +158,8 @@ def _describe_rank(r: ReadTxn, rank: int, path: str, tables: bool, stall_after_s
     return out
 
 
-def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float] = None) -> List[RankOffsets]:
+def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float] = None,
+             empty_grace_s: float = 0.0) -> List[RankOffsets]:
     """Consumers of every rank: offset, log start/end, lag, pending rows and bytes, last commit;
     and the ranks behind on the snapshots channel (:attr:`RankOffsets.snapshots_behind`; their
     snapshots consumers' health is ``behind``).
@@ -170,11 +171,14 @@ def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float
         tables: also per-table record counts and sizes.
         stall_after_s: the health rule's least silence before ``stalled`` (default:
             :func:`persistent_delta.config.stall_after_s`).
+        empty_grace_s: see :func:`persistent_delta.log.layout.rank_paths` (default 0: a rank
+            whose data file is empty beside other ranks' logs is damage at once).
 
     Raises:
         NotALogError: ``root`` holds no log.
+        DamagedLogError: a rank's data file is empty (0 bytes) while other ranks hold logs.
     """
-    paths = rank_paths(root)
+    paths = rank_paths(root, empty_grace_s)
     ends: Dict[int, Tuple[int, int]] = {}
     for rank, path in paths.items():  # every rank's ends first: the rule is over the job's ranks
         with DeltaLog(path, readonly=True) as log:

@@ -57,7 +57,15 @@ from persistent_delta.errors import (
     RanksBehindWarning,
     UnknownConsumerError,
 )
-from persistent_delta.log.layout import DATA_FILE, FileState, PathLike, file_state, rank_dir, rank_paths
+from persistent_delta.log.layout import (
+    DATA_FILE,
+    EMPTY_RANK_GRACE_S,
+    FileState,
+    PathLike,
+    file_state,
+    rank_dir,
+    rank_paths,
+)
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
@@ -221,7 +229,7 @@ class DeltaReader:
             NotALogError: none is open (nothing under the root yet, or not ours).
         """
         if self._expected is None:
-            found = rank_paths(self.root)
+            found = rank_paths(self.root, EMPTY_RANK_GRACE_S)  # a rank being created: a later poll looks again
             size = _world_size_of(found, self._options)
             if size is None:  # a plain store, or logs written before world sizes were recorded
                 candidates = {r: p for r, p in found.items() if self._only is None or r in self._only}

@@ -97,6 +97,29 @@ def test_truncated_data_files_give_typed_errors_never_a_signal(tmp_path, fractio
     assert not any(n.startswith(".vacuum-") for n in os.listdir(case))
 
 
+@pytest.mark.parametrize("age", ["just-wiped", "old"])
+def test_a_rank_wiped_to_zero_bytes_is_damage_to_every_tool(tmp_path, age):
+    """One rank's data file of a 2-rank job wiped to 0 bytes: every one-shot tool (verify,
+    offsets, replay, vacuum) exits 1 on it at once, even just after the wipe, when it might be a
+    creation in progress; a live reader skips it for the grace (it looks again at each poll) and
+    then refuses it."""
+    src, root = str(tmp_path / "log"), str(tmp_path / "job")
+    _make(src)
+    for r in range(2):
+        shutil.copytree(src, os.path.join(root, f"rank-{r}"))
+    data = os.path.join(root, "rank-1", DATA_FILE)
+    with open(data, "r+b") as f:
+        f.truncate(0)
+    if age == "old":
+        os.utime(data, (1, 1))
+    res = _probe(root, "verify", "offsets", "replay", "vacuum", "poll")
+    for what in ("verify", "offsets", "replay", "vacuum"):
+        assert res[what].get("rc") == 1 or res[what].get("error") == "DamagedLogError", (what, res[what])
+    if age == "old":
+        assert res["poll"].get("error") == "DamagedLogError", res["poll"]
+    assert not any(n.startswith(".vacuum-") for r in ("rank-0", "rank-1") for n in os.listdir(os.path.join(root, r)))
+
+
 def _fuzz(tmp_path, flips: int, truncations: int, seed: int) -> None:
     src = str(tmp_path / "log")
     truth = _make(src)

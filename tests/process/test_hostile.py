@@ -391,8 +391,10 @@ def test_a_damaged_meta_key_name_is_damage(tmp_path, capsys, key):
 
 def test_an_empty_data_file_in_one_rank_is_damage(tmp_path, capsys):
     """Rank 0's ``data.mdb`` wiped to 0 bytes in a 2-rank job: verify, offsets and replay's dry
-    run exit 1 naming the file, and a reader or consumer is refused instead of polling rank 1
-    alone as if nothing were wrong. A fresh empty file (a creation in progress) is not damage."""
+    run exit 1 naming the file at once (a one-shot tool never calls the job healthy, even while
+    the file may be a creation in progress), and once it has stayed empty past the grace a
+    reader or consumer is refused instead of polling rank 1 alone as if nothing were wrong. A
+    fresh empty file is a creation in progress to a live reader, which reads rank 1 meanwhile."""
     from logs import fill_ranks
 
     from persistent_delta.errors import DamagedLogError
@@ -404,6 +406,12 @@ def test_an_empty_data_file_in_one_rank_is_damage(tmp_path, capsys):
     open(data, "wb").close()
     with DeltaReader(root) as r:  # just emptied: may be a creation in progress
         assert r.ranks == [1]
+    os.utime(data)  # emptied now, however long the reader took
+    for cmd in (["verify", root], ["offsets", root]):
+        capsys.readouterr()
+        assert main(cmd) == 1, cmd
+        err = capsys.readouterr().err
+        assert f"{data}: empty (0 bytes)" in err and "a creation still in progress" in err, err
     os.utime(data, (1, 1))
     for cmd in (["verify", root], ["offsets", root], ["replay", root, "--from-batch", "0", "--to-batch", "6",
                                                        "--dry-run"]):
