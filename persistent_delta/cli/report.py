@@ -5,9 +5,12 @@ Owns: the report's series (:func:`series`, read from the logs, read-only) and it
 
 Three pictures, over the range each rank's log holds now:
 
-* ``rows_per_batch.png`` -- rows changed per batch, one line per table (summed over ranks; rows
+* ``rows_per_batch.png`` -- rows recorded per batch, one line per table (summed over ranks; rows
   as stored, before de-duplication across records). A compacted range is stored under its
-  first batch, so it shows as one tall point.
+  first batch, so it shows as one tall point. In a FIRST or NONE log (EMBEDDING, ID_ONLY) the
+  writer's window filter records a row once per read window
+  (:class:`persistent_delta.trainer.window.WindowFilter`), so the line counts the rows *first
+  recorded since the last read*, not every row a batch changed; the picture's title says which.
 * ``bytes_per_batch.png`` -- record bytes stored per batch, one line per rank.
 * ``consumer_lag.png`` -- each consumer's lag in batches at each of its remembered commits
   (:attr:`persistent_delta.log.schema.ConsumerEntry.history`) and now, against time.
@@ -25,7 +28,7 @@ from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn
 from persistent_delta.log.layout import PathLike, rank_paths
-from persistent_delta.log.schema import LOOKUPS
+from persistent_delta.log.schema import LOOKUPS, META_UPDATE_MODE
 
 # (consumer, rank) -> [(time, lag in batches)], oldest first
 LagSeries = Dict[Tuple[str, int], List[Tuple[float, int]]]
@@ -40,11 +43,13 @@ class ReportSeries:
     lag: LagSeries = field(default_factory=dict)
     ranges: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # rank -> [log start, log end)
     when: float = 0.0
+    update_mode: str = ""  # the lookups channel's UpdateMode value ("" when the log does not say)
 
 
 def _rank_series(r: ReadTxn, rank: int, out: ReportSeries) -> None:
     start, end = position_rules.bounds(r, LOOKUPS)
     out.ranges[rank] = (start, end)
+    out.update_mode = out.update_mode or str(r.meta(META_UPDATE_MODE) or "")
     per_batch = out.bytes.setdefault(rank, {})
     for fqn, entry in sorted(r.tables().items()):
         rows = out.rows.setdefault(fqn, {})
@@ -120,8 +125,8 @@ def write_report(root: PathLike, out_dir: str) -> ReportWritten:
     for fqn, rows in sorted(data.rows.items()):
         xs = sorted(rows)
         ax.plot(xs, [rows[x] for x in xs], marker=".", linewidth=1, label=printable(fqn))
-    ax.set(title=f"Rows changed per batch, per table (all ranks)\n{span}", xlabel="batch", ylabel="rows")
-    _finish(ax, bool(data.rows))
+    ax.set(title=f"{rows_title(data.update_mode)}, per table (all ranks)\n{span}", xlabel="batch", ylabel="rows")
+    _finish(ax, bool(data.rows), integer_x=True)
     save(fig, "rows_per_batch.png")
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -129,7 +134,7 @@ def write_report(root: PathLike, out_dir: str) -> ReportWritten:
         xs = sorted(per)
         ax.plot(xs, [per[x] / 1024 for x in xs], marker=".", linewidth=1, label=f"rank {rank}")
     ax.set(title=f"Record bytes per batch, per rank\n{span}", xlabel="batch", ylabel="KiB")
-    _finish(ax, any(data.bytes.values()))
+    _finish(ax, any(data.bytes.values()), integer_x=True)
     save(fig, "bytes_per_batch.png")
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -146,7 +151,18 @@ def write_report(root: PathLike, out_dir: str) -> ReportWritten:
     return ReportWritten(files, dict(sorted(data.ranges.items())))
 
 
-def _finish(ax: object, has_data: bool) -> None:
+def rows_title(update_mode: str) -> str:
+    """What ``rows_per_batch.png`` counts, by the log's update mode (see the module note)."""
+    if update_mode in ("first", "none"):
+        return "Rows first recorded per batch since the last read (window filter)"
+    return "Rows recorded per batch"
+
+
+def _finish(ax: object, has_data: bool, integer_x: bool = False) -> None:
+    if integer_x:  # batch numbers: whole ticks, never 2.5
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # type: ignore[attr-defined]
     ax.grid(True, alpha=0.3)  # type: ignore[attr-defined]
     if has_data:
         ax.legend(loc="best", fontsize="small")  # type: ignore[attr-defined]

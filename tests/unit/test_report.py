@@ -44,3 +44,27 @@ def test_report_series_and_pictures(tmp_path):
             head = f.read(8)
         assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(os.path.join(out, name)) > 10_000, name
         assert name in buf.getvalue()
+
+
+def test_the_rows_picture_says_what_it_counts_and_ticks_whole_batches(tmp_path):
+    """A FIRST/NONE log's writer records a row once per read window, so the rows picture is
+    titled as rows first recorded since the last read there; batch ticks are whole numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from persistent_delta.cli import report
+
+    root = str(tmp_path / "job")
+    fill_ranks(root, _records, ranks=1, batches=4)
+    assert series(root).update_mode == "none"  # (fill_ranks writes UpdateMode.NONE logs)
+    assert "first recorded" in report.rows_title("first") and "first recorded" in report.rows_title("none")
+    assert "first recorded" not in report.rows_title("last")
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2, 3], [5, 1, 4, 2], label="t0")
+    report._finish(ax, True, integer_x=True)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if 0 <= t <= 3]
+    plt.close(fig)
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
