@@ -147,7 +147,7 @@ class RanksBehindError(IncompletePollError):
         self.behind = dict(behind or {})
 
 
-class RanksBehindWarning(UserWarning):
+class RanksBehindWarning(PersistentDeltaError, UserWarning):
     """A snapshots reader found a rank of the job behind (see :class:`RanksBehindError`);
     warned once per rank as it falls behind, by the poll that finds it. ``poll.behind`` says
     which ranks and stamps."""
