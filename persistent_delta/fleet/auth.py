@@ -1,7 +1,9 @@
 """Authentication of what a job's shipper writes: stream keys, key files, and authenticators.
 
 Owns: the job's stream key (:class:`StreamKey`: a key id and a 32-byte secret), its key file
-(:func:`write_key_file`, :func:`read_key_file`: owner-only, mode 0600), which keys a shipper or
+(:func:`write_key_file`, :func:`read_key_file`: mode 0600; a regular file, reached through
+symbolic links as a secret volume mounts it, readable by its owner only -- or its group too
+when root owns it), which keys a shipper or
 consumer holds (:class:`Keyring`: one signs, any verifies -- a rotation), how a key is found
 (:func:`resolve_keyring`: an argument, then ``PERSISTENT_DELTA_STREAM_KEY_FILE``, else a
 refusal unless the caller opted out with ``insecure=True``), and the authenticators
@@ -33,6 +35,7 @@ authenticator; readers recognise them by their place (a rank's ranges only move 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -40,10 +43,10 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from persistent_delta.config import stream_key_files
-from persistent_delta.errors import AuthenticationError, StreamKeyError
+from persistent_delta.errors import AuthenticationError, KeyFileError, StreamKeyError
 from persistent_delta.log import codec
 
 logger = logging.getLogger(__name__)
@@ -116,22 +119,29 @@ def write_key_file(path: PathLike, key: Optional[StreamKey] = None) -> StreamKey
 def read_key_file(path: PathLike) -> StreamKey:
     """The key in a key file written by :func:`write_key_file` (``persistent-delta keygen``).
 
+    Symbolic links are followed (a Kubernetes secret volume lays a key out as ``key ->
+    ..data/key``, ``..data -> ..<timestamp>``); the rule applies to the file they end at: a
+    regular file (never a FIFO, device, socket or directory: it is opened without blocking and
+    refused before a byte is read), readable by its owner only (mode 0600 or 0400), or, when
+    root owns it, by its group too (0640 or 0440: a secret volume with ``fsGroup``), never by
+    others, never writable by anyone but its owner. See ``docs/guides/security.md``.
+
     Raises:
-        StreamKeyError: unreadable, malformed, or readable by others than its owner (group or
-            world permission bits set: ``chmod 600 PATH``).
+        KeyFileError: missing or unreadable, not a regular file, or its mode is too open (the
+            message names the path, the file it resolves to, what is refused and the fix).
+        StreamKeyError: malformed.
     """
     p = os.fspath(path)
+    # stat first: a device is refused without opening it; the fstat below checks what was opened
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        _check_key_file(p, os.stat(p))
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise StreamKeyError(f"cannot read stream key file {p}: {exc}") from exc
+        why = "a loop of symbolic links" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise KeyFileError(f"cannot read stream key file {p}{_via(p)}: {why}", path=p, target=_target(p),
+                           refused=why) from exc
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StreamKeyError(f"stream key file {p} is not a regular file")
-        if st.st_mode & 0o077:
-            raise StreamKeyError(f"stream key file {p} has mode {stat.S_IMODE(st.st_mode):04o}: others may read it; "
-                                 f"chmod 600 {p}")
+        _check_key_file(p, os.fstat(fd))
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
@@ -143,6 +153,64 @@ def read_key_file(path: PathLike) -> StreamKey:
     except (ValueError, StreamKeyError) as exc:
         raise StreamKeyError(f"stream key file {p} is malformed ({exc}); create one with `persistent-delta keygen PATH`"
                              ) from exc
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+
+
+def key_file_refusal(st: os.stat_result) -> Optional[Tuple[str, str]]:
+    """What is refused in a key file with status ``st`` (of the file its path resolves to) and
+    why, or None when it passes.
+
+    The rule: a regular file; no permission bit for others; no group bit either, except that a
+    file root owns may be readable by its group (root chose the group: a Kubernetes secret
+    volume with ``fsGroup``, a service group). The owner may read and write it.
+
+    Returns:
+        ``(refused, why)``, e.g. ``("mode 0644", "mode 0644 lets others read it")``, or None.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "not a regular file")
+        return kind, f"it is {kind}, and a key file must be a regular file (reading a FIFO or a device could block)"
+    mode = stat.S_IMODE(st.st_mode)
+    loose = mode & 0o077 & ~(0o040 if st.st_uid == 0 else 0)
+    if not loose:
+        return None
+    lets = []
+    for who, shift in (("its group", 3), ("others", 0)):
+        bits = (loose >> shift) & 0o7
+        if bits:
+            lets.append(f"{who} " + "/".join(w for b, w in ((4, "read"), (2, "write"), (1, "execute")) if bits & b))
+    why = f"mode {mode:04o} lets {' and '.join(lets)} it"
+    if loose & 0o040:
+        why += " (only a key file owned by root may be readable by its group)"
+    return f"mode {mode:04o}", why
+
+
+def _check_key_file(p: str, st: os.stat_result) -> None:
+    found = key_file_refusal(st)
+    if found is None:
+        return
+    refused, why = found
+    target = _target(p)
+    if stat.S_ISREG(st.st_mode):
+        fix = (f"chmod 600 {target} (0600 or 0400; 0640 or 0440 when root owns it), or in a Kubernetes secret "
+               "volume set defaultMode: 0400 (see docs/guides/security.md)")
+    else:
+        fix = "give the path of the key file itself"
+    raise KeyFileError(f"stream key file {p}{_via(p)} is refused: {why}; {fix}", path=p, target=target,
+                       refused=refused)
+
+
+def _target(p: str) -> str:
+    return os.path.realpath(p)
+
+
+def _via(p: str) -> str:
+    """`` (-> TARGET)`` when ``p`` resolves through symbolic links, else ""."""
+    target = _target(p)
+    return f" (-> {target})" if target != os.path.abspath(p) else ""
 
 
 class Keyring:
@@ -296,5 +364,6 @@ def open_value(ring: Keyring, job: str, bucket: str, key: str, buf: bytes) -> by
     return body
 
 
-__all__ = ["AUTH_HEADER", "StreamKey", "generate_key", "write_key_file", "read_key_file", "Keyring", "KeySpec",
+__all__ = ["AUTH_HEADER", "StreamKey", "generate_key", "write_key_file", "read_key_file", "key_file_refusal",
+           "Keyring", "KeySpec",
            "resolve_keyring", "digest", "sign_message", "verify_message", "seal_value", "open_value"]

@@ -14,9 +14,10 @@ import torch
 from torchrec.distributed.model_tracker.types import UniqueRows, UpdateMode
 
 from persistent_delta import DeltaReader
-from persistent_delta.errors import AuthenticationError, StreamDataError, StreamKeyError
+from persistent_delta.errors import AuthenticationError, KeyFileError, StreamDataError, StreamKeyError
 from persistent_delta.fleet import subjects, wire
-from persistent_delta.fleet.auth import Keyring, generate_key, read_key_file, resolve_keyring, write_key_file
+from persistent_delta.fleet.auth import (Keyring, generate_key, key_file_refusal, read_key_file, resolve_keyring,
+                                         write_key_file)
 from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper, upload_base
@@ -244,6 +245,48 @@ def test_a_key_file_is_owner_only_whatever_the_umask_and_never_overwritten(tmp_p
     os.chmod(tmp_path / "bad", 0o600)
     with pytest.raises(StreamKeyError, match="malformed"):
         read_key_file(tmp_path / "bad")
+
+
+def secret_volume(tmp_path, mode: int) -> str:
+    """A key laid out as a Kubernetes secret volume lays it out -- ``key -> ..data/key``,
+    ``..data -> ..<timestamp>``, the file itself of mode ``mode`` -- and the path a pod reads."""
+    vol = tmp_path / "secret"
+    stamp = vol / "..2026_12_05_10_00_00.123456789"
+    stamp.mkdir(parents=True)
+    write_key_file(stamp / "key", KEY)
+    os.chmod(stamp / "key", mode)
+    os.symlink(stamp.name, vol / "..data")
+    os.symlink(os.path.join("..data", "key"), vol / "key")
+    return str(vol / "key")
+
+
+def test_a_key_in_a_secret_volume_is_read_through_its_links_and_its_mode_checked(tmp_path):
+    """The links are followed and the rule applies to the file they end at: mode 0400 is read;
+    0644 (a secret volume's default) is refused, the error naming the path, the file, the mode
+    and the fix."""
+    path = secret_volume(tmp_path, 0o400)
+    assert read_key_file(path) == KEY and resolve_keyring(path, False, "test").keys == [KEY]
+    target = os.path.realpath(path)
+    os.chmod(target, 0o644)
+    with pytest.raises(KeyFileError) as info:
+        read_key_file(path)
+    err = info.value
+    assert (err.path, err.target, err.refused) == (path, target, "mode 0644")
+    for part in (path, target, "mode 0644 lets others read it", f"chmod 600 {target}", "defaultMode: 0400"):
+        assert part in str(err), str(err)
+
+
+@pytest.mark.parametrize("mode, uid, refused", [
+    (0o600, 1000, None), (0o400, 1000, None), (0o640, 0, None), (0o440, 0, None), (0o400, 0, None),
+    (0o640, 1000, "mode 0640"), (0o644, 0, "mode 0644"), (0o660, 0, "mode 0660"), (0o604, 1000, "mode 0604"),
+    (0o620, 0, "mode 0620"), (stat.S_IFIFO | 0o600, 1000, "a FIFO"), (stat.S_IFDIR | 0o700, 0, "a directory"),
+])
+def test_the_key_file_rule_owner_only_or_group_readable_when_root_owns_it(mode, uid, refused):
+    """Owner-only (0600/0400); a file root owns may also be read by its group (0640/0440: a
+    secret volume with fsGroup); others never; the group never writes; a regular file only."""
+    st = os.stat_result(((mode if mode & ~0o7777 else stat.S_IFREG | mode), 1, 1, 1, uid, 0, 77, 0, 0, 0))
+    found = key_file_refusal(st)
+    assert (found[0] if found else None) == refused, found
 
 
 def test_a_rotation_consumer_holds_the_old_and_the_new_key(tmp_path, monkeypatch):
