@@ -100,6 +100,11 @@ WHAT_TO_DO: Dict[str, str] = {
     "StreamKeyError": "Create a key with `persistent-delta keygen PATH` (owner-only), and give it to the "
                       "shipper and every consumer of the job (`key=`, `--key-file`, "
                       "`PERSISTENT_DELTA_STREAM_KEY_FILE`).",
+    "KeyFileError": "Name the key file itself (a regular file; symbolic links are followed), owner-only "
+                    "(`chmod 600`; 0440 when root owns it); in a Kubernetes secret volume set `defaultMode: 0400` "
+                    "(`docs/guides/security.md`).",
+    "CommandStoppedError": "Nothing to fix: SIGTERM/SIGINT stopped the command while it was blocked; it exits 0. "
+                           "What a shipper had in flight is shipped again by the next one.",
     "AuthenticationError": "A message was forged, altered or signed with another key: check who can publish "
                            "on the job's subjects and that every side holds the job's key. The reader skipped "
                            "it (`subject` and `seq` name it).",

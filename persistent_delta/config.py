@@ -93,6 +93,11 @@ def stall_after_s(value: Optional[float] = None) -> float:
     return out
 
 
+#: A long-running command (``ship``, ``exporter``, ``top``) stopped by SIGTERM/SIGINT ends its loop;
+#: one still running this long after the signal -- blocked in a system call or a wait on the
+#: server -- is interrupted (:mod:`persistent_delta.cli.stopping`), so it exits within a second.
+STOP_GRACE_S = 0.5
+
 STREAM_KEY_FILE_ENV = "PERSISTENT_DELTA_STREAM_KEY_FILE"
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 from typing import Dict, Optional
 
 from persistent_delta.cli.ship import connect_options
+from persistent_delta.cli.stopping import StopOnSignals
 from persistent_delta.errors import InvalidInputError, PersistentDeltaError
 
 
@@ -32,6 +32,7 @@ def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = Non
         InvalidInputError: neither a root nor ``--server`` (with ``--job``) was given.
         PersistentDeltaError: ``prometheus_client`` is missing (the ``ops`` extra).
         OSError: the port is taken.
+        CommandStoppedError: a signal came while it was blocked (see :mod:`.stopping`).
     """
     if not args.root and not args.server:
         raise InvalidInputError("exporter needs ROOT (a log root) and/or --server URL --job NAME")
@@ -43,16 +44,11 @@ def run_exporter(args: argparse.Namespace, stop: Optional[threading.Event] = Non
         raise PersistentDeltaError("exporter needs the 'ops' extra: pip install 'persistent_delta[ops]'") from exc
     job = args.job or (os.path.basename(os.path.abspath(args.root)) if args.root else "")
     event = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: event.set())
-    srv = serve_metrics(root=args.root, server=args.server or None, job=job, port=args.port, addr=args.addr,
-                        options=connect_options(args) if args.server else None, tables=args.tables,
-                        stall_after_s=args.stall_after, key=args.key_file, insecure=args.insecure)
-    try:
+    with StopOnSignals(event, "exporter"), \
+            serve_metrics(root=args.root, server=args.server or None, job=job, port=args.port, addr=args.addr,
+                          options=connect_options(args) if args.server else None, tables=args.tables,
+                          stall_after_s=args.stall_after, key=args.key_file, insecure=args.insecure) as srv:
         # stderr: a supervisor (and a test) learns the port when --port 0 picked one
         print(f"exporter: serving http://{srv.addr}:{srv.port}/metrics", file=sys.stderr, flush=True)
         event.wait()
-    finally:
-        srv.close()
     return {"addr": srv.addr, "port": srv.port, "job": job}

@@ -5,8 +5,10 @@ Owns: argument parsing and rendering; no tool logic.
 Each subcommand calls a data function of the package (:mod:`.offsets`, :mod:`.replay`,
 :mod:`.verify`, :mod:`.vacuum`) and turns its result into a :class:`Output`: the JSON form and
 the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as
-``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). Inspection opens logs
-read-only and never creates one; offset changes are dry runs unless ``--execute`` is given.
+``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). The long-running
+commands (ship, exporter, top) exit 0 within a second of SIGTERM/SIGINT (:mod:`.stopping`).
+Inspection opens logs read-only and never creates one; offset changes are dry runs unless
+``--execute`` is given.
 Long work (replay, verify, vacuum, upgrade) shows a tqdm progress bar when stderr is a terminal,
 and nothing when it is piped.
 """
@@ -32,11 +34,12 @@ from persistent_delta.cli.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.keygen import run_keygen
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
+from persistent_delta.cli.stopping import exit_now, stopped_by
 from persistent_delta.cli.top import printable, run_top
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
-from persistent_delta.errors import PersistentDeltaError
+from persistent_delta.errors import CommandStoppedError, PersistentDeltaError
 
 PROG = "persistent-delta"
 JSONValue = Union[None, bool, int, float, str, List["JSONValue"], Dict[str, "JSONValue"]]
@@ -517,10 +520,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 error or damage, 2 usage).
 
+    Run as the program (``argv`` None), a long-running command that SIGTERM/SIGINT stopped
+    does not return: once it closed what it opened and its output is flushed, the process
+    exits at once (:func:`.stopping.exit_now`), within a second of the signal.
+
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
         stdout: where results go (default ``sys.stdout``); errors always go to stderr.
     """
+    code = _main(argv, stdout)
+    if argv is None and stopped_by():
+        exit_now(code)
+    return code
+
+
+def _main(argv: Optional[Sequence[str]], stdout: Optional[TextIO]) -> int:
     stream = stdout if stdout is not None else sys.stdout
     parser = build_parser()
     try:
@@ -536,6 +550,9 @@ def main(argv: Optional[Sequence[str]] = None, stdout: Optional[TextIO] = None) 
     func: Callable[[argparse.Namespace], Output] = args.func
     try:
         out = func(args)
+    except CommandStoppedError as exc:  # SIGTERM/SIGINT while blocked: the stop was asked for
+        print(f"{PROG}: {printable(exc)}", file=sys.stderr)
+        return 0
     except (PersistentDeltaError, OSError) as exc:
         print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)
         return 1

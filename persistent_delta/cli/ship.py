@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import threading
 from typing import Any, Dict, List, Optional
 
+from persistent_delta.cli.stopping import StopOnSignals
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.schema import CHANNELS
 from persistent_delta.fleet.ship import Shipper
@@ -61,7 +61,11 @@ def _channels(text: str) -> List[str]:
 
 
 def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -> List[Dict[str, Any]]:
-    """Ship until SIGTERM/SIGINT (or ``stop``); returns the shipper's final statistics."""
+    """Ship until SIGTERM/SIGINT (or ``stop``); returns the shipper's final statistics.
+
+    Raises:
+        CommandStoppedError: a signal came while it was blocked (see :mod:`.stopping`).
+    """
     if not args.server or not args.job:
         raise InvalidInputError("ship needs --server nats://HOST:PORT and --job NAME")
     nice = getattr(args, "nice", 0)  # checked by niceness() when parsed
@@ -70,12 +74,10 @@ def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -
     if nice:
         os.nice(nice)  # the whole process: a shipper of its own, not a trainer's thread
     event = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: event.set())
-    with Shipper(args.root, args.server, args.job, channels=_channels(args.channels), ranks=ranks,
-                 connect=connect_options(args), stream=stream, max_batches=args.max_batches,
-                 key=getattr(args, "key_file", None), insecure=getattr(args, "insecure", False),
-                 ranks_per_stream=getattr(args, "ranks_per_stream", None)) as shipper:
+    with StopOnSignals(event, "ship"), \
+            Shipper(args.root, args.server, args.job, channels=_channels(args.channels), ranks=ranks,
+                    connect=connect_options(args), stream=stream, max_batches=args.max_batches,
+                    key=getattr(args, "key_file", None), insecure=getattr(args, "insecure", False),
+                    ranks_per_stream=getattr(args, "ranks_per_stream", None)) as shipper:
         shipper.run(until=event)
         return shipper.stats()

@@ -15,7 +15,6 @@ shown as an error line, and the view keeps refreshing.
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 import time
 import urllib.request
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from persistent_delta.cli.ship import connect_options
+from persistent_delta.cli.stopping import StopOnSignals
 from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.ops.positions import RankOffsets, describe
 from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, StreamEnds, StreamRow, describe_remote,
@@ -202,6 +202,7 @@ def run_top(args: argparse.Namespace, stop: Optional[threading.Event] = None) ->
         PersistentDeltaError: neither a root nor ``--server --job``, or ``rich`` is missing.
         StreamKeyError: ``--server`` without a stream key (``--key-file``,
             ``PERSISTENT_DELTA_STREAM_KEY_FILE``) and without ``--insecure``.
+        CommandStoppedError: a signal came while it was blocked (see :mod:`.stopping`).
     """
     if not args.root and not (args.server and args.job):
         raise PersistentDeltaError("top needs ROOT (a log root) and/or --server URL --job NAME")
@@ -211,22 +212,20 @@ def run_top(args: argparse.Namespace, stop: Optional[threading.Event] = None) ->
     except ImportError as exc:
         raise PersistentDeltaError("top needs the 'ops' extra: pip install 'persistent_delta[ops]'") from exc
     event = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: event.set())
     options = connect_options(args) if args.server else None
-    ends = stream_ends_of(args.key_file, args.insecure, f"top of job {args.job}") if args.server else None
+    with StopOnSignals(event, "top"):
+        ends = stream_ends_of(args.key_file, args.insecure, f"top of job {args.job}") if args.server else None
 
-    def read() -> View:
-        return snapshot(args.root, args.server, args.job, options, args.metrics or (), args.stall_after, ends)
+        def read() -> View:
+            return snapshot(args.root, args.server, args.job, options, args.metrics or (), args.stall_after, ends)
 
-    drawn = 0
-    with Live(draw(read()), console=Console(), refresh_per_second=4, screen=False, auto_refresh=False) as live:
-        live.refresh()
-        drawn = 1
-        while not (args.iterations and drawn >= args.iterations):
-            if event.wait(args.interval):
-                break
-            live.update(draw(read()), refresh=True)
-            drawn += 1
+        drawn = 0
+        with Live(draw(read()), console=Console(), refresh_per_second=4, screen=False, auto_refresh=False) as live:
+            live.refresh()
+            drawn = 1
+            while not (args.iterations and drawn >= args.iterations):
+                if event.wait(args.interval):
+                    break
+                live.update(draw(read()), refresh=True)
+                drawn += 1
     return {"refreshes": drawn}
