@@ -50,6 +50,9 @@ WHAT_TO_DO: Dict[str, str] = {
                            "A stream message of another format: upgrade the shipper and consumers together.",
     "ConfigMismatchError": "The log was written with another update mode, tracking mode or table set: point the "
                            "tracker at a new path, or pass `fresh=True` to discard the old log.",
+    "WorldSizeMismatchError": "Restore with the world size the checkpoint was saved with, each rank loading its "
+                              "own state. To go on with another world size, start a fresh log (`fresh=True` or a "
+                              "new path) and give replicas a new base (shard files).",
     "ForkedProcessError": "Open logs after forking (or use the `spawn` start method), not before.",
     "CorruptRecordError": "A record failed its checksum: run `persistent-delta verify ROOT`; restore the log "
                           "from a copy, or start the consumer past the damaged batch (`offsets --reset`).",
