@@ -10,7 +10,7 @@ would at its end (the shipper after its step, the exporter closing its endpoint,
 screen). A handler that only sets an event is not enough when the main thread is blocked
 elsewhere: Python runs the handler, then retries the interrupted system call (PEP 475: a
 blocking ``open`` of a FIFO waits again), and a wait on the server goes on to its timeout. So
-the first signal also starts a timer thread: while the command is still inside its
+the first signal also wakes a timer thread: while the command is still inside its
 :class:`StopOnSignals` block :data:`~persistent_delta.config.STOP_GRACE_S` later, the timer
 sends the signal again to the main thread (``pthread_kill``), which interrupts the blocked
 call, and this time the handler raises :class:`SystemExit` -- not an ``Exception``, so the
@@ -84,12 +84,17 @@ class StopOnSignals:
         self.signum = 0  # the signal that stopped the command (0: none yet)
         self.interrupted = False
         self._done = threading.Event()
+        self._signalled = threading.Event()
         self._saved: Dict[int, Any] = {}
         self._timer: Optional[threading.Thread] = None
         self._main = threading.main_thread().ident
 
     def __enter__(self) -> "StopOnSignals":
         if threading.current_thread() is threading.main_thread():
+            # started here, not in the handler: the main thread may hold threading's own locks
+            # (starting a thread of its own) at the moment the handler runs
+            self._timer = threading.Thread(target=self._interrupt, name="pd-stop", daemon=True)
+            self._timer.start()
             for sig in SIGNALS:
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self
@@ -102,10 +107,10 @@ class StopOnSignals:
             raise SystemExit(0)
         self.signum = signum
         self.event.set()
-        self._timer = threading.Thread(target=self._interrupt, name="pd-stop", daemon=True)
-        self._timer.start()
+        self._signalled.set()
 
     def _interrupt(self) -> None:
+        self._signalled.wait()
         while not self._done.wait(self.grace_s):
             assert self._main is not None
             signal.pthread_kill(self._main, self.signum)
@@ -113,6 +118,7 @@ class StopOnSignals:
     def __exit__(self, kind: Optional[Type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
         self._done.set()
+        self._signalled.set()
         if self._timer is not None:
             self._timer.join()  # no signal of ours is in flight once the handlers are restored
         for sig, old in self._saved.items():
