@@ -85,6 +85,9 @@ WHAT_TO_DO: Dict[str, str] = {
                           "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
+    "StaleBaseError": "Start the replica from a fresh base: `save_local_shards` again on every rank of the trainer "
+                      "(or wait for its next save), then `load_base`; across hosts `RemoteConsumer.bootstrap()`. "
+                      "A replica that restarts loads the newest shard files, never the ones it first started from.",
     "ReplicaMismatchError": "Quantize the same model the trainer trains (same table names, rows and dims), and "
                             "register the replica's consumer with `format=\"float32\"` or the table's own "
                             "weight type (`\"int8\"`, `\"float16\"`).",
