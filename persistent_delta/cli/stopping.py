@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, NoReturn, Optional, Type
 
 from persistent_delta.config import STOP_GRACE_S
 from persistent_delta.errors import CommandStoppedError
@@ -48,7 +48,7 @@ def stopped_by() -> int:
     return _stopped_by
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End the process with ``code`` at once, after flushing stdout, stderr and the log
     handlers: for a command run as the program that a signal stopped, which has closed what it
     opened. The interpreter's teardown (over half a second once torch is loaded) would delay
