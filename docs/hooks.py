@@ -85,6 +85,8 @@ WHAT_TO_DO: Dict[str, str] = {
                           "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
+    "ServingLockError": "Apply from the consumer loop's thread, never from inside `replica.serving()` or a "
+                        "request (the thread would wait for itself); nothing was written.",
     "StaleBaseError": "Start the replica from a fresh base: `save_local_shards` again on every rank of the trainer "
                       "(or wait for its next save), then `load_base`; across hosts `RemoteConsumer.bootstrap()`. "
                       "A replica that restarts loads the newest shard files, never the ones it first started from.",
