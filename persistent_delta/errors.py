@@ -300,3 +300,12 @@ class StreamDataError(CorruptRecordError):
         super().__init__(message)
         self.subject = subject
         self.seq = seq
+
+
+class OlderLogError(StreamDataError):
+    """A genuine message, table metadata or base of an older log of a rank than the newest the
+    reader has seen authenticated for it: the job's previous run (before a start afresh, or a
+    log created anew), replayed by a client of the server or left on a stream kept across the
+    restart. Readers report it and skip it (``RemoteConsumer.rejected``); nothing of it is
+    applied. It means someone publishes the old run's data again: check who may publish on the
+    job's subjects (``docs/guides/security.md``)."""

@@ -66,8 +66,11 @@ from persistent_delta.log.schema import (
     META_TABLES_VERSION,
     META_UPDATE_MODE,
     ConsumerEntry,
+    LogIdentity,
     TableEntry,
     check_fqn,
+    created_stamp,
+    next_created_time,
 )
 
 logger = logging.getLogger(__name__)
@@ -268,6 +271,11 @@ class ReadTxn:
         v = self.txn.get(key.encode(), db=self._dbs[DB_META])
         return default if v is None else codec.unpack(v, f"meta {key!r}")
 
+    def identity(self) -> LogIdentity:
+        """The log's identity (:class:`~persistent_delta.log.schema.LogIdentity`): its id and
+        creation stamp."""
+        return LogIdentity(str(self.meta(META_LOG_ID)), created_stamp(self.meta(META_CREATED_TIME)))
+
     def all_meta(self) -> Dict[str, Any]:
         return {_name(k, DB_META): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
 
@@ -372,6 +380,10 @@ class WriteTxn(ReadTxn):
     def set_meta(self, key: str, value: Any) -> None:
         if not self.txn.put(key.encode(), codec.pack(value), db=self._dbs[DB_META]):
             raise PersistentDeltaError(f"could not write meta {key!r}")
+
+    def delete_meta(self, key: str) -> None:
+        """Remove a meta key (reads of it get their default again)."""
+        self.txn.delete(key.encode(), db=self._dbs[DB_META])
 
 
 # -------------------------------------------------------------------------------- the log
@@ -515,11 +527,11 @@ class DeltaLog:
         return meta
 
     def _check_meta(self, update_mode: Optional[str]) -> None:
-        def read(r: ReadTxn) -> Tuple[Any, Any, List[str]]:
+        def read(r: ReadTxn) -> Tuple[Any, Any, List[str], Any]:
             keys = [_name(k, DB_META) for k in r.txn.cursor(db=r._dbs[DB_META]).iternext(keys=True, values=False)]
-            return r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE), keys
+            return r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE), keys, r.meta(META_CREATED_TIME)
 
-        version, stored, keys = self.read(read, refresh_tables=False)
+        version, stored, keys, created = self.read(read, refresh_tables=False)
         if version not in self._formats:
             how = ("upgrade it in place with `persistent-delta upgrade ROOT --execute` (stop the trainer first)"
                    if version == 1 else "use the matching persistent_delta release, or start a fresh log")
@@ -533,6 +545,10 @@ class DeltaLog:
                 f"{self.path}: the meta database holds keys this library never writes ({[k[:40] for k in unknown[:5]]}): "
                 "a damaged key name, which would read as a missing setting. Restore the log from a copy, or move it "
                 "away and start afresh")
+        if not self.readonly and self.owns_tables and created_stamp(created) == 0:
+            # a log written before its creation time was stored (or with a damaged one): the
+            # writer gives its identity a stamp, so readers can order it against later ones
+            self.write(lambda w: w.set_meta(META_CREATED_TIME, next_created_time(None)))
         if update_mode is None:
             return
         if stored is None and not self.readonly:

@@ -47,6 +47,8 @@ DB_NAMES = (DB_OF_CHANNEL[LOOKUPS], DB_OF_CHANNEL[SNAPSHOTS], DB_TABLES, DB_CONS
 # Written when the log is created (persistent_delta's mark: a file without it is not ours).
 META_FORMAT_VERSION = "format_version"
 META_LOG_ID = "log_id"
+# When the log's identity was made (seconds since the epoch; replaced, with the log id, by a
+# start afresh): what orders a rank's identities (:class:`LogIdentity`).
 META_CREATED_TIME = "created_time"
 META_NEXT_TABLE_ID = "next_table_id"
 META_TABLES_VERSION = "tables_version"  # bumped by every transaction that changes a table entry
@@ -488,3 +490,71 @@ class TrackerMeta:
                                None if ws is None else int(ws))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"meta 'tracker' is malformed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LogIdentity:
+    """Which log of a rank a record, a shipped range, a base or a shard file came from: the log
+    id and its creation stamp (ns since the epoch, from ``META_CREATED_TIME``). A log created
+    anew, or started afresh (``fresh=True``), gets a new id and a later stamp; so identities
+    are ordered by stamp, and a reader that adopted one never goes back to an older one (the
+    previous run's data, replayed). A stamp of 0: unknown (written before stamps), older than
+    every stamped identity.
+
+    Attributes:
+        log_id: the log's id (``META_LOG_ID``).
+        stamp: its creation stamp, ns since the epoch (0: unknown).
+    """
+
+    log_id: str
+    stamp: int = 0
+
+    def older_than(self, other: Optional["LogIdentity"]) -> bool:
+        """Whether this is another log than ``other`` and was made before it (None: nothing to
+        compare: False). Two unknown stamps of different logs are not ordered."""
+        return other is not None and self.log_id != other.log_id and self.stamp < other.stamp
+
+    def describe(self) -> str:
+        """``log <id> (created <UTC time>)``, for messages."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.stamp / 1e9)) if self.stamp else "unknown"
+        return f"log {self.log_id[:40]} (created {when})"
+
+    def to_value(self) -> Dict[str, Any]:
+        """The fields a wire value or a stored position carries (``log_id``, ``log_stamp``)."""
+        return {"log_id": self.log_id, "log_stamp": self.stamp}
+
+    @staticmethod
+    def from_value(d: Mapping[str, Any]) -> Optional["LogIdentity"]:
+        """The identity in a value's ``log_id``/``log_stamp`` fields (None without a log id; a
+        missing stamp reads as 0).
+
+        Raises:
+            ValueError: a field of the wrong type or out of bounds.
+        """
+        log_id, stamp = d.get("log_id"), d.get("log_stamp", 0)
+        if log_id is None:
+            return None
+        if not isinstance(log_id, str) or not 0 < len(log_id) <= 200:
+            raise ValueError("log_id must be a string of 1 to 200 characters")
+        if stamp is None:
+            stamp = 0
+        if isinstance(stamp, bool) or not isinstance(stamp, int) or not 0 <= stamp < 1 << 63:
+            raise ValueError(f"log_stamp must be an integer in [0, 2**63), got {str(stamp)[:40]}")
+        return LogIdentity(log_id, stamp)
+
+
+def created_stamp(created_time: object) -> int:
+    """The creation stamp (ns) of a stored ``META_CREATED_TIME`` (0: none, or not a number)."""
+    if isinstance(created_time, bool) or not isinstance(created_time, (int, float)) or not created_time > 0:
+        return 0
+    return int(round(float(created_time) * 1e9))
+
+
+def next_created_time(previous: object) -> float:
+    """A ``META_CREATED_TIME`` for a new identity of a log whose previous one was made at
+    ``previous``: now, and always later than ``previous`` (a clock stepped back still gives a
+    newer identity)."""
+    now = time.time()
+    if isinstance(previous, (int, float)) and not isinstance(previous, bool) and now <= previous + 1e-6:
+        now = float(previous) + 1e-6
+    return now
