@@ -48,7 +48,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--cprofile", default=None, help="write cProfile stats of the training thread here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps after 2, 10k rows, batch 128, a read every 5")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.rows, args.batch, args.read_every = 10, 2, 10_000, 128, 5
     torch.set_flush_denormal(True)
     init_single_rank_pg()
     w = Workload(rows=args.rows, batch=args.batch)

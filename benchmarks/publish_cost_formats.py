@@ -2,6 +2,7 @@
 
     python -m benchmarks.publish_cost_formats [--rounds 12] [--every 10] [--formats native,float16,bfloat16,int8]
                                               [--threads 1] [--out benchmarks/results/publish_cost_formats.jsonl]
+    python -m benchmarks.publish_cost_formats --quick     # smoke run: tables of 5,000 rows, batch 64, 1 round of 2 steps
 
 Why CPU time: on this 2-core machine shared with other jobs, wall-clock throughput ratios
 cannot resolve a few percent (the bytes alone with no library code cost 1.005-1.054 of a
@@ -55,11 +56,14 @@ from benchmarks._common import emit, init_single_rank_pg, log, machine, median, 
 
 CONSUMER = "serving"
 FORMATS = ("native", "float16", "bfloat16", "int8")
+_QUICK = False  # --quick: the smoke run's small tables and batches (set by main)
 
 
 def _workload() -> Any:
     from benchmarks._model import Workload
 
+    if _QUICK:
+        return Workload(num_tables=4, rows=5_000, dim=64, batch=64, pooling=8)
     return Workload(num_tables=4, rows=100_000, dim=64, batch=1024, pooling=8)
 
 
@@ -329,7 +333,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--out", help="append the JSON lines to this file")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tables of 5,000 rows, batch 64, 1 round (after the warm-up round) of 2 steps")
     args = ap.parse_args(argv)
+    if args.quick:
+        global _QUICK
+        _QUICK = True
+        args.rounds, args.every = 1, 2
     if args.threads:
         import torch
 

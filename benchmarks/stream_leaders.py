@@ -2,7 +2,7 @@
 for the job against two streams (a stream per rank, ``ranks_per_stream=1``) whose leaders sit on
 different servers (issue 34; the model it feeds is ``docs/scaling.md``).
 
-    python -m benchmarks.stream_leaders [--mb 64] [--reps 3] [--out FILE.jsonl]
+    python -m benchmarks.stream_leaders [--mb 64] [--reps 3] [--out FILE.jsonl] [--quick]
 
 Each run builds a 2-rank log of ``--mb`` MiB of row bytes per rank (FIRST mode, 4 MiB batches,
 every id unique: every row is shipped), creates the job's stream(s) at R=3, moves a leader
@@ -168,7 +168,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--mb", type=int, default=64, help="row MiB per rank in each run (default 64)")
     ap.add_argument("--reps", type=int, default=3, help="rounds; each runs every variant once (default 3)")
     ap.add_argument("--out", help="append every record (JSON lines) to this file")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of one 4 MiB batch per rank (--mb 1 --reps 1)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.reps = 1, 1
     base = workdir("stream-leaders")
     records: List[Dict[str, Any]] = [emit("machine", **machine())]
     try:

@@ -271,6 +271,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--ranks-per-host", type=int, default=d.ranks_per_host)
     ap.add_argument("--value-bytes", type=int, default=d.value_bytes, choices=[1, 2, 4])
     ap.add_argument("--headroom", type=float, default=0.5, help="plan streams to run at this fraction of the ceiling")
+    ap.add_argument("--quick", action="store_true",
+                    help="accepted as every benchmark's smoke flag: this arithmetic is instant, nothing to shrink")
     args = ap.parse_args(argv)
     job = Job(ranks=args.ranks, rows_per_step=args.rows_per_step, rows_per_window=args.rows_per_window, dim=args.dim,
               window=args.window, steps_per_s=args.steps_per_s, mode=args.mode,

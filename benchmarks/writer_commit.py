@@ -1,7 +1,7 @@
 """The writer thread's CPU per EMBEDDING step, with no model (issue 34.2): ``commit_operations``
 alone, on one thread, before/after in the same run.
 
-    python -m benchmarks.writer_commit [--steps 100] [--rounds 3] [--base DIR]
+    python -m benchmarks.writer_commit [--steps 100] [--rounds 3] [--base DIR] [--quick]
 
 Each step commits 4 records (4 tables x 16,384 Zipf ids over 200k rows, float32 rows of dim
 64 in blocks reused from step to step, as EMBEDDING's capture holds them) through the window
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 from benchmarks._common import emit, log, machine
 
 CHILD = r"""
-import json, sys, tempfile, time, shutil
+import json, os, sys, tempfile, time, shutil
 import numpy as np, torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.log.deltalog import DeltaLog
@@ -36,12 +36,12 @@ from persistent_delta.trainer.operations import StepWrite
 from persistent_delta.trainer.window import WindowFilter
 from persistent_delta.trainer import writer as W
 torch.set_num_threads(1)
-steps, warmup, mode = int(sys.argv[1]), 20, UpdateMode.FIRST
+steps, warmup, mode = int(sys.argv[1]), int(sys.argv[2]), UpdateMode.FIRST
 rng = np.random.default_rng(0)
 tables = [f"t{i}" for i in range(4)]
 blocks = {t: torch.randn(16384, 64, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(tables)}
 ids = [[torch.from_numpy((rng.zipf(1.05, 16384) - 1) % 200_000) for _ in tables] for _ in range(steps + warmup)]
-root = tempfile.mkdtemp(prefix="pd-writer-commit-")
+root = tempfile.mkdtemp(prefix="pd-writer-commit-", dir=os.environ.get("PERSISTENT_DELTA_BENCH_DIR") or None)
 log = DeltaLog(root, update_mode=mode.value)
 log.write(lambda w: w.set_consumer("a", ConsumerEntry.new(0, "lookups", Delivery.IN_TRANSACTION)))
 window = WindowFilter(mode)
@@ -65,9 +65,9 @@ print(json.dumps({"library": W.__file__, "ms_per_step": 1000 * cpu / steps, "byt
 """
 
 
-def _child(lib: str, steps: int) -> Dict[str, float]:
+def _child(lib: str, steps: int, warmup: int) -> Dict[str, float]:
     env = dict(os.environ, PYTHONPATH=lib)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=env, cwd=lib, check=True, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(steps), str(warmup)], env=env, cwd=lib, check=True, capture_output=True,
                          text=True)  # cwd: "-c" puts it first on sys.path
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -77,14 +77,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--base", default=None, metavar="DIR", help="also run the library found in DIR")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 10 steps after 2 warm-up steps")
     args = ap.parse_args(argv)
+    warmup = 20
+    if args.quick:
+        args.steps, args.rounds, warmup = 10, 1, 2
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     libs = {"persistent": here, **({"base": os.path.abspath(args.base)} if args.base else {})}
     got: Dict[str, List[Dict[str, float]]] = {v: [] for v in libs}
     for r in range(args.rounds):
         order = list(libs) if r % 2 == 0 else list(reversed(libs))
         for v in order:
-            got[v].append(_child(libs[v], args.steps))
+            got[v].append(_child(libs[v], args.steps, warmup))
             log("round %d %s: %.2f ms/step", r + 1, v, got[v][-1]["ms_per_step"])
     emit("writer_commit", steps=args.steps, rounds=args.rounds,
          libraries={v: got[v][0]["library"] for v in libs},

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ def _batches(args: argparse.Namespace, n: int) -> List[KeyedJaggedTensor]:
     return out
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tables", type=int, default=2)
     ap.add_argument("--slots", type=int, default=20000)
@@ -91,7 +91,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=10)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 128 slots over 5,000 raw ids, batch 128, eviction every 2 batches, 1 round of 3 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.slots, args.raw_ids, args.batch, args.eviction_interval = 128, 5_000, 128, 2
+        args.rounds, args.block, args.warmup = 1, 3, 3
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     init_single_rank_pg()
@@ -134,7 +139,8 @@ def main() -> None:
          per_round_ms={n: [round(x * 1e3, 2) for x in ts] for n, ts in times.items()}, side_record_bytes=side)
     rmtree(root)
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
