@@ -146,14 +146,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--distinct", type=int, default=8, help="distinct step groups cycled through")
     ap.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for a quiet machine")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 10 steps, 1 repetition")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 10 steps of 2,048 ids per table, 1 repetition; a failing configuration fails the run")
     ap.add_argument("--tune-malloc", action="store_true",
                     help="opt in to LogOptions.tune_malloc (process-wide glibc thresholds) for every log opened here")
     args = ap.parse_args(argv)
     if args.tune_malloc:
         os.environ["PERSISTENT_DELTA_TUNE_MALLOC"] = "1"
     if args.quick:
-        args.steps, args.reps, args.distinct, args.wait_quiet = 10, 1, 4, 5.0
+        args.steps, args.reps, args.distinct, args.ids, args.wait_quiet = 10, 1, 4, 2048, 0.0
     steps = make_steps(args.distinct, args.tables, args.ids, args.dim, seed=7)
     per_step = payload(steps[0])
     total = per_step * args.steps
@@ -192,6 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 results[(name, d)].append(fn(sub))
                 foreign[(name, d)].append(mon.foreign_cpus() or 0.0)
             except Exception as exc:  # noqa: BLE001 - an API change in one config should not stop the rest
+                if args.quick:  # ... but a smoke run exists to show it
+                    raise
                 log("%s %s failed: %r", name, d, exc)
             rmtree(sub)
         log("rep %d done", rep + 1)

@@ -171,10 +171,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--read-every", type=int, default=10)
     ap.add_argument("--ids", type=int, default=4096, help="ids per table per step (store configs)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 500 steps, 1024 ids")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 100 steps, 1024 ids")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.ids = 500, 1024
+        args.steps, args.ids = 100, 1024
     for c in args.configs.split(","):
         c = c.strip()
         log("disk steady state: %s, %d steps", c, args.steps)

@@ -149,9 +149,14 @@ class Replica:
 # ------------------------------------------------------------------------------- trainer
 
 
+_QUICK = False  # --quick: the smoke run's small tables and batches (set by main)
+
+
 def _workload() -> Any:
     from benchmarks._model import Workload
 
+    if _QUICK:
+        return Workload(num_tables=4, rows=5_000, dim=64, batch=64, pooling=8)
     return Workload(num_tables=4, rows=100_000, dim=64, batch=1024, pooling=8)
 
 
@@ -437,13 +442,15 @@ def _run_cost(phase: str, rounds: int, block: int, batches: List[Any], variants:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tables of 5,000 rows, batch 64, 1 round of 10-step blocks, 20 freshness steps")
     ap.add_argument("--every1-steps", type=int, default=600)
     ap.add_argument("--every10-steps", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=50)
-    ap.add_argument("--only", default="cost,cost_trainer,cost_shared,every1,every10",
-                    help="comma-separated phases")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated phases (default: cost,cost_trainer,cost_shared,every1,every10; "
+                         "--quick: cost_trainer,every10, whose code covers the others)")
     ap.add_argument("--role", default="bench", choices=["bench", "replica"], help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--replica-out", help=argparse.SUPPRESS)
@@ -462,7 +469,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.role == "replica":
         return replica_main(args.root, args.replica_out, args.replica_stop, args.replica_from_stamp)
     if args.quick:
-        args.every1_steps, args.every10_steps, args.rounds, args.block, args.warmup = 60, 200, 3, 20, 10
+        global _QUICK
+        _QUICK = True
+        args.every1_steps, args.every10_steps, args.rounds, args.block, args.warmup = 10, 20, 1, 10, 10
+        args.only = args.only or "cost_trainer,every10"
+    args.only = args.only or "cost,cost_trainer,cost_shared,every1,every10"
     from benchmarks._model import make_batches
 
     if args.switch_interval is not None:

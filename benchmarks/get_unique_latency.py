@@ -127,10 +127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for a quiet machine")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 256 ids per record, 2 reps")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 256 ids per record, 2 reps, N = 10 and 100")
     args = ap.parse_args(argv)
     if args.quick:
-        args.ids, args.reps, args.wait_quiet = 256, 2, 5.0
+        args.ids, args.reps, args.wait_quiet, args.n = 256, 2, 0.0, "10,100"
     args.n = sorted(int(x) for x in args.n.split(","))
     for m in args.modes.split(","):
         run_mode(UpdateMode[m.strip()], args)

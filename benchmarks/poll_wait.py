@@ -63,10 +63,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commits", type=int, default=300)
     ap.add_argument("--idle-s", type=float, default=5.0)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 30 commits, 1 s idle")
     args = ap.parse_args(argv)
     if args.quick:
-        args.commits, args.idle_s = 60, 2.0
+        args.commits, args.idle_s = 30, 1.0
     base = workdir("poll-wait-")
     root = os.path.join(base, "log")
     try:

@@ -4,7 +4,7 @@
 
 Each benchmark prints one JSON line per configuration; they are passed through to stdout and
 also collected in ``<out>/results-<timestamp>.jsonl`` (default ``bench-out/``). Progress goes to
-stderr. ``--quick`` shrinks every benchmark for a smoke run (about two minutes in all).
+stderr. ``--quick`` shrinks every benchmark for a smoke run (one to two minutes in all).
 Benchmarks run sequentially on purpose: on a 2-core machine two at once measure each other.
 """
 

@@ -29,7 +29,12 @@ writer thread's CPU per step, bytes written per step, the read's time (``get_uni
 consumer's poll), resident memory (now and peak), disk.
 
 ``python -m benchmarks.scaling --sweep rows`` (or ``--sweep all``); ``--quick`` for a smoke run
-with fewer and smaller points; ``--no-plot`` to skip matplotlib.
+with fewer and smaller points; ``--no-plot`` to skip matplotlib; ``--out DIR`` for the results
+and plots (default ``benchmarks/results``). ``--smoke`` (the tests' smoke run, implies
+``--quick``): only the first point of each sweep, of the DMP points only the ``persistent``
+variant (the ``ranks`` child runs all three), smaller (``SMOKE_SIZES``), and by default only the sweeps ``rows``, ``ranks``,
+``consumers`` and ``loglen`` (one per kind of child; ``table`` and ``lag`` run the child of
+``rows``).
 """
 
 from __future__ import annotations
@@ -635,17 +640,26 @@ def plot(name: str, points: Sequence[Dict[str, Any]], png: str) -> None:
     plt.close(fig)
 
 
-def run_sweep(name: str, quick: bool, do_plot: bool) -> None:
+SMOKE_SWEEPS = ("rows", "ranks", "consumers", "loglen")  # one per kind of child
+SMOKE_SIZES = {"ranks": {"rows": 5_000}, "consumers": {"steps": 20}, "loglen": {"batches": 200, "reps": 2}}
+
+
+def run_sweep(name: str, quick: bool, do_plot: bool, out: str = RESULTS, smoke: bool = False) -> None:
     """Run the points one by one, rewriting the results file after each (a sweep cut short
-    keeps what it measured), then fit and plot."""
+    keeps what it measured), then fit and plot (into ``out``). ``smoke``: the first point only
+    (of a DMP point, only its ``persistent`` variant)."""
     from benchmarks._common import machine
 
     t0 = time.perf_counter()
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"scaling-{name}{'-quick' if quick else ''}.json")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"scaling-{name}{'-quick' if quick else ''}.json")
     points: List[Dict[str, Any]] = []
     res: Dict[str, Any] = {}
-    for kind, cfg, timeout in SWEEPS[name](quick):
+    todo = SWEEPS[name](quick)
+    if smoke:
+        todo = [(kind, {**cfg, **SMOKE_SIZES.get(kind, {})}, timeout) for kind, cfg, timeout in todo
+                if cfg["x"] == todo[0][1]["x"] and cfg.get("variant", "persistent") == "persistent"]
+    for kind, cfg, timeout in todo:
         points.append(_run_child(kind, cfg, timeout))
         res = {"sweep": name, "quick": quick, "points": points, "slopes": fit_all(name, points),
                "wall_s": time.perf_counter() - t0, "machine": machine()}
@@ -667,6 +681,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--big", action="store_true", help="add the 10^6 ids per step point to --sweep rows")
     ap.add_argument("--replot", default=None, help="redraw the PNG of a results JSON file")
+    ap.add_argument("--out", default=RESULTS, help="directory of the results and plots (default: benchmarks/results)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smoke run (implies --quick): the first point of each sweep; default sweeps "
+                         + ",".join(SMOKE_SWEEPS))
     ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--consumer-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -694,9 +712,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     global BIG
     BIG = args.big
-    names = list(SWEEPS) if args.sweep in (None, "all") else args.sweep.split(",")
+    if args.smoke:
+        args.quick = True
+    if args.sweep is None and args.smoke:
+        names = list(SMOKE_SWEEPS)
+    else:
+        names = list(SWEEPS) if args.sweep in (None, "all") else args.sweep.split(",")
     for name in names:
-        run_sweep(name, args.quick, not args.no_plot)
+        run_sweep(name, args.quick, not args.no_plot, args.out, args.smoke)
     return 0
 
 

@@ -40,14 +40,14 @@ from typing import Any, Dict, List, Tuple
 from benchmarks._common import emit, init_single_rank_pg, log, machine, pct, rmtree, workdir
 
 CONSUMER = "serving"
-TABLES, ROWS, DIM, POOLING = 4, 100_000, 64, 8
+TABLES, ROWS, DIM, POOLING, BATCH = 4, 100_000, 64, 8, 1024  # --quick: 5,000 rows, batch 64 (set by main)
 REQUEST_SAMPLES = 64
 
 
 def _workload() -> Any:
     from benchmarks._model import Workload
 
-    return Workload(num_tables=TABLES, rows=ROWS, dim=DIM, batch=1024, pooling=POOLING)
+    return Workload(num_tables=TABLES, rows=ROWS, dim=DIM, batch=BATCH, pooling=POOLING)
 
 
 # ------------------------------------------------------------------------------- replica
@@ -166,7 +166,7 @@ def run(kind: str, applying: bool, steps: int, warmup: int, interval_s: float, b
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving_latency", "--role", "replica", "--root", root,
                              "--kind", kind, "--replica-out", out, "--replica-stop", stop,
                              "--from-stamp", str(tracker.curr_batch_idx + warmup),
-                             "--interval-ms", str(interval_s * 1e3)])
+                             "--interval-ms", str(interval_s * 1e3), "--rows", str(ROWS)])
     deadline = time.monotonic() + 300
     while not os.path.exists(stop + ".ready"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -213,6 +213,7 @@ def run(kind: str, applying: bool, steps: int, warmup: int, interval_s: float, b
 
 
 def main(argv: Any = None) -> int:
+    global ROWS, BATCH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="driver", choices=["driver", "replica"])
     ap.add_argument("--root", default="")
@@ -223,20 +224,28 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--only", default="float,int8,fp16")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=None,
+                    help="replica kinds (default: float,int8,fp16; --quick: float,int8, fp16 being int8's code)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tables of 5,000 rows, batch 64, the float and int8 replicas once each, applying "
+                         "every step, 10 steps after 2")
+    ap.add_argument("--rows", type=int, default=ROWS, help=argparse.SUPPRESS)  # the replica's: the trainer's rows
     args = ap.parse_args(argv)
+    ROWS = 5_000 if args.quick else args.rows
+    if args.quick:
+        BATCH = 64
+    args.only = args.only or ("float,int8" if args.quick else "float,int8,fp16")
     if args.role == "replica":
         return replica_main(args.root, args.kind, args.replica_out, args.replica_stop, args.from_stamp,
                             args.interval_ms / 1e3)
     from benchmarks._model import make_batches
 
-    steps, warmup = (30, 5) if args.quick else (args.steps, args.warmup)
+    steps, warmup = (10, 2) if args.quick else (args.steps, args.warmup)
     init_single_rank_pg()
     emit("serving_latency.machine", **machine())
     batches = make_batches(_workload(), 32, seed=3)
     for kind in args.only.split(","):
-        for applying in (False, True):
+        for applying in ((True,) if args.quick else (False, True)):
             log("%s replica, %s", kind, "applying every step" if applying else "idle")
             emit("serving_latency", **run(kind, applying, steps, warmup, args.interval_ms / 1e3, batches))
     return 0

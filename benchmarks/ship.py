@@ -45,10 +45,10 @@ from torchrec.distributed.model_tracker.types import TrackingMode
 from benchmarks._common import init_single_rank_pg
 from benchmarks._model import Workload, build_dmp, make_batches, train_step
 from persistent_delta import PersistentTrackerConfig, attach
-root, steps, flag, out, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+root, steps, flag, out, batch, rows = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 torch.set_num_threads(1)
 init_single_rank_pg()
-w = Workload(num_tables=2, rows=100_000, dim=64, batch=batch, pooling=4)
+w = Workload(num_tables=2, rows=rows, dim=64, batch=batch, pooling=4)
 dmp = build_dmp(w)
 t = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.EMBEDDING, consumers=["serving"],
                                          delete_on_read=True))
@@ -118,8 +118,12 @@ def _throughput_once(mb: int, servers: Any, replicas: int, base: str, rep: int) 
             "messages": st["messages"], "retries": st["retries"]}
 
 
+TRAINER_ROWS = 100_000  # rows of each of the trainer's 2 tables (--quick: 5,000)
+
+
 def _trainer(root: str, steps: int, out: str, flag: str, batch: int = 512) -> subprocess.Popen:  # type: ignore[type-arg]
-    return subprocess.Popen([sys.executable, "-c", TRAINER, root, str(steps), flag, out, str(batch)], env=_env(),
+    return subprocess.Popen([sys.executable, "-c", TRAINER, root, str(steps), flag, out, str(batch), str(TRAINER_ROWS)],
+                            env=_env(),
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -216,7 +220,9 @@ def trainer_cost(steps: int, url: str, base: str, nice: int = 0) -> Dict[str, An
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 MiB shipped twice, 10 trainer steps on tables of 5,000 rows, one freshness "
+                         "batch size (the first)")
     ap.add_argument("--mb", type=int, default=256, help="row MiB shipped in each throughput run")
     ap.add_argument("--reps", type=int, default=4, help="throughput runs; the first is reported apart (cold)")
     ap.add_argument("--steps", type=int, default=300, help="trainer steps in the freshness and cost runs")
@@ -230,7 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
-        args.mb, args.steps, args.reps = 32, 60, 2
+        global TRAINER_ROWS
+        args.mb, args.steps, args.reps, args.batches, TRAINER_ROWS = 4, 10, 2, args.batches[:1], 5_000
     from persistent_delta.testing import LocalCluster, LocalServer
 
     emit("ship_machine", **machine())

@@ -466,7 +466,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--scrape-every", type=float, default=1.0)
     ap.add_argument("--only", default=None, help="comma list of variants besides 'a'")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole comparison this many times")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 40 steps, 50k rows, batch 512")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 10 steps after 5 in blocks of 5, 10k rows, batch 128, a read every 5 steps")
     ap.add_argument("--isolate", action="store_true",
                     help="each variant in a process of its own (its own allocator state), still interleaved")
     ap.add_argument("--base", default=None, metavar="DIR",
@@ -475,7 +476,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.rows, args.batch = 40, 10, 50_000, 512
+        args.steps, args.warmup, args.rows, args.batch, args.block, args.read_every = 10, 5, 10_000, 128, 5, 5
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)

@@ -318,10 +318,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--metrics", action="store_true",
                     help="the persistent tracker serves Prometheus metrics, scraped every --scrape-every seconds")
     ap.add_argument("--scrape-every", type=float, default=1.0, help="seconds between scrapes with --metrics")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 30 steps, 50k rows, batch 512")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 10 steps after 5, 10k rows, batch 128, a read every 5 steps")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.rows, args.batch, args.wait_quiet = 30, 10, 50_000, 512, 10.0
+        args.steps, args.warmup, args.rows, args.batch, args.wait_quiet = 10, 5, 10_000, 128, 0.0
+        args.read_every = 5
     if args.block is None:
         args.block = args.read_every
     if args.threads:
