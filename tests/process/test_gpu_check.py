@@ -18,10 +18,10 @@ def _gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.slow
 def test_the_dry_run_passes_every_check(tmp_path):
     """The quickest CPU dry run: each check passes and compared something (every tracking mode
-    against TorchRec's tracker, stock TorchRec too where it runs on CPU)."""
+    against TorchRec's tracker, stock TorchRec too where it runs on CPU). It is also the GPU
+    check's smoke run (tests/process/test_bench_smoke.py): not marked slow."""
     proc = _gpu_check("--device", "cpu", "--quick", "--workdir", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
