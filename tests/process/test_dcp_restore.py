@@ -116,7 +116,7 @@ def test_dcp_checkpoint_restores_each_rank_after_sigkill(tmp_path, sharding):
 
 def test_state_dict_marks_when_written_and_refuses_other_ranks_state(tmp_path):
     """``dmp.state_dict()`` holds one opaque value under a key of its rank's and marks nothing;
-    writing it (``dcp.save``, ``torch.save``) marks the checkpoint. On a restart, another rank's
+    writing it (``dcp.save``, ``torch.save``, ``dcp.async_save``) marks the checkpoint. On a restart, another rank's
     file and a DCP checkpoint without this rank's state are refused with a typed error (never
     loaded in its place), and a checkpoint in the older layout still restores."""
     out = str(tmp_path)
@@ -128,6 +128,7 @@ def test_state_dict_marks_when_written_and_refuses_other_ranks_state(tmp_path):
         assert s["floor_dcp_saved"] == s["dcp_batch"] + 1, s
         assert s["floor_taken_again"] == s["floor_dcp_saved"], s
         assert s["floor_torch_saved"] == s["torch_batch"] + 1, s
+        assert s["floor_async_saved"] == s["async_batch"] + 1, s
     loaded = run_spawn(refusals_case, 2, str(tmp_path / "log"), out, timeout=240)
     for r, res in enumerate(loaded):
         assert (res["other_rank_file"] or "").startswith("WorldSizeMismatchError"), res
@@ -135,7 +136,7 @@ def test_state_dict_marks_when_written_and_refuses_other_ranks_state(tmp_path):
         assert "Missing key" in (res["dcp_strict"] or ""), res
         assert f"persistent_delta_tracker.rank_{r}" in res["dcp_strict"], res
         assert (res["dcp_partial"] or "").startswith("WorldSizeMismatchError"), res
-        assert res["floor_after_targets"] == saved[r]["floor_torch_saved"], res  # load targets marked nothing
+        assert res["floor_after_targets"] == saved[r]["floor_async_saved"], res  # load targets marked nothing
         assert res["old_layout_unexpected"] == [] and res["old_layout_step"] is None, res
         assert res["after_step"] == res["last"] + 2, res  # the re-delivery batch, then the step
 

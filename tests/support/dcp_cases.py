@@ -44,7 +44,9 @@ def saved_case(rank: int, world_size: int, root: str, out: str) -> Dict[str, Any
     ``out/dcp`` (now it must), the same without the tracker's key to ``out/dcp-untracked``;
     train 2 more steps, ``torch.save(dmp.state_dict())`` to ``out/ckpt.<rank>`` (it must mark; its tracker entry
     alone to ``out/tracker.<rank>``);
-    train 2 more and close. Returns the floors and the state dict's tracker keys."""
+    train 2 more, ``dcp.async_save`` the tracker's entry to ``out/dcp-async`` (its staged copy
+    marks)
+    and close. Returns the floors and the state dict's tracker keys."""
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
     batches = make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank)
     t = attach(dmp, _config(root))
@@ -68,6 +70,12 @@ def saved_case(rank: int, world_size: int, root: str, out: str) -> Dict[str, Any
     out_["torch_batch"], out_["floor_torch_saved"] = t.curr_batch_idx, _floor(t)
     for b in batches[5:7]:
         train_step(dmp, b)
+    # the tracker's entry alone: DCP's async staging (torch 2.13) cannot copy TorchRec's ShardedTensors
+    entry = {k: v for k, v in dmp.state_dict().items() if k.startswith(STATE_KEY)}
+    future = dcp.async_save({"model": entry}, checkpoint_id=os.path.join(out, "dcp-async"))
+    out_["async_batch"] = t.curr_batch_idx
+    future.result()  # staged (a copy of the entry) and written on DCP's thread: that copy marked
+    out_["floor_async_saved"] = _floor(t)
     t.close()
     return out_
 
