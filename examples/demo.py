@@ -17,16 +17,21 @@ What it does, end to end, on CPU:
    (``<out>/initial/`` and ``<out>/final/``, one ``rank-<r>.safetensors`` per rank) and
    assembled into full tables with ``load_base``;
 4. at ``--kill-at`` the demo SIGKILLs the trainer (both ranks) and restarts it from its last
-   checkpoint; ``tracker.load_state_dict`` re-delivers the rows touched after it;
+   checkpoint; ``tracker.load_state_dict`` re-delivers the rows touched after it (the restarted
+   ranks warn when they drop a batch the SIGKILL left unfinished: the demo announces those
+   warnings on the line before them, and they are its only warnings);
 5. at the end it checks that the replica equals the trainer's tables bit for bit, prints the
-   check, the ``offsets`` table and a one-line summary; the exit code is nonzero if it fails.
+   check, the ``offsets`` table and a one-line summary; the exit code is nonzero if the check or
+   a command it shows fails.
 
 ``--fleet`` (``make demo-fleet``) runs the same job across "hosts": the driver starts a local
 NATS JetStream server (``persistent_delta.testing``, 127.0.0.1, a fresh store under the
 output directory), a shipper process (``persistent-delta ship``) beside the trainer, and the
 serving replica reads **only from the stream** (``RemoteConsumer``; an audit hook fails any
-open under the log directory). The shipper is SIGKILLed and restarted once too. The plain
-``make demo`` needs no server.
+open under the log directory). The shipper is SIGKILLed and restarted once too. The driver writes
+the job's stream key (``<out>/stream.key``, what ``persistent-delta keygen`` writes) and passes it
+to the shipper, the replica and every command it prints (``--key-file``), so each printed command
+can be copied as is while the server runs. The plain ``make demo`` needs no server.
 
 ``python examples/demo.py --help`` (from the repository root) lists the flags. Third-party
 FutureWarnings/UserWarnings from torch and TorchRec internals are silenced in the demo's own
@@ -41,6 +46,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -55,6 +61,11 @@ import torch
 SPARSE = "sparse_arch.embedding_bag_collection"  # DLRM's EBC path
 DENSE_IN = 13
 THIRD_PARTY = r"(torch|torchrec|fbgemm_gpu)(\.|$)"  # modules whose warnings the demo does not show
+# Printed right before the restarted trainer starts: when the SIGKILL left batches unfinished on some
+# rank, each rank logs (persistent_delta.trainer.restore.resume_at) that they are dropped, indices skipped.
+RESTART_WARNINGS = ("the restarted trainer now warns if the SIGKILL left batches unfinished on some rank: the "
+                    "ranks drop them and skip their indices; the restore from the checkpoint re-delivers their rows "
+                    "(expected)")
 
 
 def _quiet_third_party_warnings() -> None:
@@ -301,11 +312,24 @@ def _forbid(root: str) -> None:
     sys.addaudithook(hook)
 
 
+def _ship_argv(args: argparse.Namespace) -> List[str]:
+    """The shipper's ``persistent-delta`` arguments, with the job's stream key."""
+    return ["ship", os.path.join(args.out, "log"), "--server", args.server, "--job", "demo", "--channels", "snapshots",
+            "--key-file", args.key_file]
+
+
 def _shipper(args: argparse.Namespace) -> subprocess.Popen:  # type: ignore[type-arg]
-    return subprocess.Popen([sys.executable, "-m", "persistent_delta", "ship", os.path.join(args.out, "log"),
-                             "--server", args.server, "--job", "demo", "--channels", "snapshots",
-                             "--key-file", args.key_file],
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "persistent_delta", *_ship_argv(args)], start_new_session=True)
+
+
+def _show_and_run(argv: List[str]) -> bool:
+    """Print ``persistent-delta ARGS`` as a user would copy it, run it in this process; whether it succeeded."""
+    from persistent_delta.cli import main as cli_main
+
+    print("\n[demo] persistent-delta " + shlex.join(argv), flush=True)
+    rc = cli_main(argv)
+    sys.stdout.flush()
+    return rc == 0
 
 
 def _stream_caught_up(args: argparse.Namespace) -> bool:
@@ -352,10 +376,12 @@ def drive(args: argparse.Namespace) -> int:
 
         nats = LocalServer(os.path.join(out, "nats")).start()
         args.server = nats.url
-        args.key_file = os.path.join(out, "stream.key")  # `persistent-delta keygen`: shipper and replica share it
+        args.key_file = os.path.join(out, "stream.key")  # `persistent-delta keygen`: for the shipper, replica, commands
         write_key_file(args.key_file)
         print(f"[demo] fleet: JetStream server at {nats.url}; shipper -> stream -> replica (no access to the log)",
               flush=True)
+        print(f"[demo] the job's stream key, as `persistent-delta keygen PATH` writes it: {args.key_file}", flush=True)
+        print("[demo] persistent-delta " + shlex.join(_ship_argv(args)), flush=True)
     try:
         return _drive(args, t_start, nats)
     finally:
@@ -364,8 +390,6 @@ def drive(args: argparse.Namespace) -> int:
 
 
 def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
-    from persistent_delta.cli import main as cli_main
-
     out = args.out
     shipper = _shipper(args) if args.fleet else None
     server = _child(args, "serve")
@@ -385,6 +409,8 @@ def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
             killed = True
             print(f"[demo] SIGKILLed the trainer at step {open(kill_file).read()}; restarting from its last checkpoint",
                   flush=True)
+            # announced, so that a reader (and tests/process/test_demo.py) knows the warnings below are no fault
+            print(f"[demo] {RESTART_WARNINGS}", flush=True)
             trainer = _child(args, "train")
         time.sleep(0.05)
     if trainer.returncode != 0:
@@ -406,17 +432,16 @@ def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
     trainer_tables = assemble(os.path.join(out, "final"))
     replica = load_file(os.path.join(out, "replica.safetensors"))
     ok = True
-    print("\n[demo] replica check (bit for bit, every row of every table):")
+    print("\n[demo] replica check (bit for bit, every row of every table):", flush=True)
     for fqn in sorted(trainer_tables):
         want, got = trainer_tables[fqn], replica[fqn]
         bad = int((want != got).any(dim=1).sum())
         ok &= bad == 0
-        print(f"  {fqn:<45} rows {want.shape[0]:>7}  mismatched {bad:>6}  {'OK' if bad == 0 else 'FAIL'}")
-    print("\n[demo] persistent-delta offsets " + os.path.join(out, "log"))
-    cli_main(["offsets", os.path.join(out, "log")])
+        print(f"  {fqn:<45} rows {want.shape[0]:>7}  mismatched {bad:>6}  {'OK' if bad == 0 else 'FAIL'}", flush=True)
+    ok &= _show_and_run(["offsets", os.path.join(out, "log")])  # a command that fails fails the demo
     if shipper is not None:
-        print(f"\n[demo] persistent-delta offsets --server {args.server} --job demo")
-        cli_main(["offsets", "--server", args.server, "--job", "demo"])
+        ok &= _show_and_run(["offsets", "--server", args.server, "--job", "demo", "--key-file", args.key_file])
+        print("\n[demo] stopping the shipper (SIGTERM); it prints what it shipped:", flush=True)
         shipper.send_signal(signal.SIGTERM)
         shipper.wait(30)
     stats = [json.load(open(os.path.join(out, f"trainer-rank-{r}.json"))) for r in range(args.world_size)]
@@ -428,7 +453,7 @@ def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
         f"{sum(s['published'] for s in stats)} rows published after the restart, {applied} rows applied by the replica, "
         f"{sum(s['bytes_written'] for s in stats)} bytes logged after the restart ({logged} bytes on disk), "
         f"{max(s['tracking_s'] for s in stats):.2f}s spent tracking (publish/checkpoint/flush), "
-        f"{time.perf_counter() - t_start:.1f}s in all"
+        f"{time.perf_counter() - t_start:.1f}s in all", flush=True
     )
     return 0 if ok else 1
 
