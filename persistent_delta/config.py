@@ -98,6 +98,13 @@ def stall_after_s(value: Optional[float] = None) -> float:
 #: server -- is interrupted (:mod:`persistent_delta.cli.stopping`), so it exits within a second.
 STOP_GRACE_S = 0.5
 
+#: The metrics endpoint (:mod:`persistent_delta.ops.endpoint`): handler threads (beside its one
+#: acceptor thread), how long a connection may stay silent before it is closed, and how many may be
+#: open at once (past it the oldest idle one is closed to admit a new one).
+METRICS_HANDLER_THREADS = 4
+METRICS_READ_TIMEOUT_S = 10.0
+METRICS_MAX_CONNECTIONS = 64
+
 STREAM_KEY_FILE_ENV = "PERSISTENT_DELTA_STREAM_KEY_FILE"
 
 

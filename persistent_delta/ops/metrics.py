@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -42,6 +42,7 @@ from persistent_delta.fleet.auth import KeySpec
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec
 from persistent_delta.log.layout import DATA_FILE, EMPTY_RANK_GRACE_S, PathLike
 from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS
+from persistent_delta.ops.endpoint import BoundedWSGIServer
 from persistent_delta.ops.health import Health
 from persistent_delta.ops.positions import describe
 from persistent_delta.ops.remote_positions import describe_remote, stream_ends_of
@@ -359,9 +360,12 @@ def serve_metrics(
     stall_after_s: Optional[float] = None,
     key: KeySpec = None,
     insecure: bool = False,
+    read_timeout_s: Optional[float] = None,
 ) -> MetricsServer:
-    """Serve the metrics of the sources given over HTTP, from a daemon thread (opt-in: nothing
-    is collected until Prometheus scrapes, and then only read).
+    """Serve the metrics of the sources given over HTTP, from daemon threads (opt-in: nothing
+    is collected until Prometheus scrapes, and then only read): an acceptor and a small fixed
+    pool of handlers, whatever the clients do; a connection silent for ``read_timeout_s`` is
+    closed (:class:`~persistent_delta.ops.endpoint.BoundedWSGIServer`).
 
     Call it in the process that owns a tracker or a shipper for their in-memory counters; give
     ``root`` (and ``server``) to also export the log and stream positions read from outside, as
@@ -381,6 +385,8 @@ def serve_metrics(
         key: with ``server``, the job's stream key (default ``PERSISTENT_DELTA_STREAM_KEY_FILE``):
             the stream's ends shown are its authenticated range markers'.
         insecure: with ``server``, read the stream without a key (nothing verified).
+        read_timeout_s: how long a connection may stay silent (default
+            :data:`persistent_delta.config.METRICS_READ_TIMEOUT_S`).
 
     Returns:
         The running :class:`MetricsServer`.
@@ -390,8 +396,8 @@ def serve_metrics(
         StreamKeyError: ``server`` without a key and not ``insecure``.
     """
     reg = build_registry(tracker, shipper, root, server, job, options, tables, stall_after_s, key, insecure)
-    httpd, thread = start_http_server(port, addr=addr, registry=reg)
-    return MetricsServer(reg, addr, int(httpd.server_port), httpd, thread)
+    httpd = BoundedWSGIServer(addr, port, make_wsgi_app(reg), read_timeout_s=read_timeout_s)
+    return MetricsServer(reg, addr, int(httpd.server_port), httpd, httpd.start())
 
 
 __all__ = [

@@ -5,6 +5,9 @@ metrics endpoint serves them over HTTP."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 import urllib.request
 from typing import Dict, Tuple
 
@@ -86,3 +89,38 @@ def test_the_endpoint_serves_them(root):
     with serve_metrics(root=root, job="j", port=0) as srv:
         text = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
     assert 'persistent_delta_consumer_lag_batches{channel="lookups",consumer="slow",job="j",rank="1"} 9.0' in text
+
+
+def _endpoint_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("pd-metrics") or "process_request" in t.name)
+
+
+def test_idle_connections_cost_no_thread_and_time_out(root):
+    """300 loopback connections that send nothing: the endpoint keeps its threads bounded (an
+    acceptor and a fixed pool; prometheus_client's server kept one per connection, forever),
+    a scrape succeeds while they are open and after, and they are closed after the read
+    timeout (the client reads EOF)."""
+    before = threading.active_count()
+    with serve_metrics(root=root, job="j", port=0, read_timeout_s=1.0) as srv:
+        url = f"http://127.0.0.1:{srv.port}/metrics"
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(300)]
+        try:
+            time.sleep(0.2)
+            assert urllib.request.urlopen(url, timeout=5).read().decode().count("persistent_delta_log_end") >= 1
+            grown = threading.active_count() - before
+            assert grown <= 1 + 4, f"{grown} threads for 300 idle connections"
+            assert _endpoint_threads() <= 1 + 4
+            # a request sent slowly (headers never finished) holds a handler at most the timeout
+            slow = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+            began = time.monotonic()
+            closed = 0
+            for s in idle[-40:] + [slow]:  # the newest idle ones survived the cap; all time out
+                closed += s.recv(1) == b""
+            assert closed == 41 and time.monotonic() - began < 5
+        finally:
+            for s in idle:
+                s.close()
+        for _ in range(3):
+            assert "persistent_delta_log_end" in urllib.request.urlopen(url, timeout=5).read().decode()
+        assert threading.active_count() - before <= 1 + 4
