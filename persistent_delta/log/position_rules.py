@@ -26,7 +26,7 @@ Design note
   (:func:`served_from`) can be served, so a snapshots consumer whose publishes were deleted
   (the retention bound expired it) is told, never silently served only the later ones.
 * a rank is **behind** on the snapshots channel (:func:`snapshots_behind`) when another
-  rank's snapshots end is above its own while its lookups end is already past that rank's
+  rank's snapshots end is above its own while the batches it ended (:func:`batches_ended`) already pass that rank's
   newest stamp: it completed that batch without publishing in it (``publish()`` called on
   some ranks only, or at other steps), and a poll of the job stops at its end for good.
 
@@ -119,11 +119,16 @@ def update_mode(r: ReadTxn, channel: str = LOOKUPS) -> UpdateMode:
 
 def lookups_end(r: ReadTxn) -> int:
     """One past the last complete lookups batch (see the module docs); never below the start."""
+    return max(batches_ended(r), log_start(r))
+
+
+def batches_ended(r: ReadTxn) -> int:
+    """One past the last batch the trainer ended: :func:`lookups_end` before it is raised to
+    the log start (retention may delete up to the trainer's own consumers' positions, past the
+    open batch). What :func:`snapshots_behind` compares publish stamps with."""
     if r.meta(META_TRACKER) is not None:
-        end = max(int(r.meta(META_CURR_BATCH, 0)), int(r.meta(META_CLOSED_END, 0)))
-    else:
-        end = last_appended(r) + 1
-    return max(end, log_start(r))
+        return max(int(r.meta(META_CURR_BATCH, 0)), int(r.meta(META_CLOSED_END, 0)))
+    return last_appended(r) + 1
 
 
 def restart_generation(r: ReadTxn) -> int:
@@ -191,7 +196,8 @@ def snapshots_behind(ends: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
     """The ranks behind on the snapshots channel (see the module docs).
 
     Args:
-        ends: rank -> ``(snapshots end, lookups end)`` of each rank of the job.
+        ends: rank -> ``(snapshots end, batches ended)`` of each rank of the job
+            (:func:`batches_ended`).
 
     Returns:
         rank -> the newest publish stamp another rank holds and this one completed the batch of

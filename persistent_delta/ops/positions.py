@@ -182,7 +182,7 @@ def describe(root: PathLike, tables: bool = False, stall_after_s: Optional[float
     ends: Dict[int, Tuple[int, int]] = {}
     for rank, path in paths.items():  # every rank's ends first: the rule is over the job's ranks
         with DeltaLog(path, readonly=True) as log:
-            ends[rank] = log.read(lambda r: (position_rules.bounds(r, SNAPSHOTS)[1], position_rules.lookups_end(r)))
+            ends[rank] = log.read(lambda r: (position_rules.bounds(r, SNAPSHOTS)[1], position_rules.batches_ended(r)))
     behind = position_rules.snapshots_behind(ends)
     out = []
     for rank, path in paths.items():

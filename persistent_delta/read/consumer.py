@@ -354,7 +354,7 @@ class DeltaReader:
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
         bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel),
-                                            position_rules.restart_generation(r), position_rules.lookups_end(r)))
+                                            position_rules.restart_generation(r), position_rules.batches_ended(r)))
                   for rank, log in self._logs.items()}
         behind = self._behind({rank: (b[1], b[4]) for rank, b in bounds.items()})
         generations = {rank: b[3] for rank, b in bounds.items()}
@@ -381,7 +381,7 @@ class DeltaReader:
                          read_threads=self._options.read_threads, format=self.format, behind=behind)
 
     def _behind(self, ends: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
-        """The job's ranks behind on the snapshots channel (rank -> (snapshots end, lookups end)
+        """The job's ranks behind on the snapshots channel (rank -> (snapshots end, batches ended)
         of the ranks read; :func:`~persistent_delta.log.position_rules.snapshots_behind`), told
         once per rank as it falls behind: a log warning and a :class:`RanksBehindWarning`."""
         if self.channel != SNAPSHOTS or self._expected is None or self.missing_ranks():
@@ -390,7 +390,8 @@ class DeltaReader:
         new = {r: s for r, s in behind.items() if r not in self._told_behind}
         self._told_behind = set(behind)
         if new:
-            msg = f"{self.root}: {position_rules.behind_note(behind)}"
+            msg = (f"{self.root}: {position_rules.behind_note(behind)} [each rank's snapshots end and batch end: "
+                   f"{dict(sorted(ends.items()))}]")
             logger.warning("%s", msg)
             warnings.warn(msg, RanksBehindWarning, stacklevel=4)
         return behind
