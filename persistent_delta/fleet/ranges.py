@@ -14,7 +14,10 @@ so repeated calls read only what is new). A marker that does not authenticate or
 reported (``on_reject``) and skipped. Within an epoch, a marker whose end is not past the
 latest one is a re-send or a replay and changes nothing. Another epoch takes over only by an
 explicit, authenticated epoch start (a marker with ``prev`` None: its shipper registered
-afresh); once left, an epoch never comes back (its markers are replays).
+afresh); once left, an epoch never comes back (its markers are replays). Across logs the
+order is the logs' (:class:`~persistent_delta.log.schema.LogIdentity`): a marker of an older
+log of the rank than the newest seen (the scan's ``floor``, or the latest marker's) is the
+previous run's, replayed, and is reported and skipped; a newer log's marker takes over.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Set
 
-from persistent_delta.errors import CorruptRecordError, FormatMismatchError, PersistentDeltaError
+from persistent_delta.errors import CorruptRecordError, FormatMismatchError, OlderLogError, PersistentDeltaError
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.auth import Keyring, verify_message
 from persistent_delta.fleet.transport import Transport
 from persistent_delta.fleet.wire import Marker, check_format
+from persistent_delta.log.schema import LogIdentity
 
 _BATCH = 512
 _BYTES = 8 << 20
@@ -41,18 +45,34 @@ class MarkerScan:
         latest: the latest genuine range marker found (None: none yet).
         left: epochs a later epoch start replaced (their markers are replays).
         rejected: markers that did not authenticate or decode.
+        floor: the newest log identity of the rank seen (its table metadata's, the latest
+            marker's): markers of an older log are skipped.
     """
 
     seq: int = 1
     latest: Optional[Marker] = None
     left: Set[str] = field(default_factory=set)
     rejected: int = 0
+    floor: Optional[LogIdentity] = None
+
+    def adopt(self, ident: Optional[LogIdentity]) -> None:
+        """Raise the floor to ``ident`` when it is newer (never back)."""
+        if ident is not None and (self.floor is None or self.floor.older_than(ident)):
+            self.floor = ident
 
 
 def accept(scan: MarkerScan, m: Marker) -> bool:
     """Whether genuine marker ``m`` moves ``scan`` forward (and move it); False for a re-send,
-    a replay, or a marker of another epoch that does not start it."""
+    a replay, a marker of an older log than the scan's floor, or a marker of another epoch
+    that does not start it."""
+    if m.log is not None and m.log.older_than(scan.floor):
+        return False
+    scan.adopt(m.log)
     cur = scan.latest
+    if cur is not None and cur.log is not None and cur.log.older_than(m.log):
+        scan.left.add(cur.epoch)  # a newer log of the rank (started afresh): its markers take over
+        scan.latest = m
+        return True
     if cur is None:
         scan.latest = m
         return True
@@ -109,6 +129,10 @@ def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: i
                 scan.rejected += 1
                 on_reject(exc)
                 continue
+            if m.log is not None and m.log.older_than(scan.floor):
+                on_reject(OlderLogError(
+                    f"{where}: range marker {seq} [{m.start}, {m.end}) is of {m.log.describe()}, older than the rank's "
+                    f"{scan.floor.describe() if scan.floor else '?'}: the previous run's, replayed", subject=subj, seq=seq))
             accept(scan, m)
         if not msgs or not more:
             return scan

@@ -71,6 +71,7 @@ from persistent_delta.errors import (
     LogLockedError,
     NotALogError,
     OffsetOutOfRangeError,
+    OlderLogError,
     PersistentDeltaError,
     StreamDataError,
     TransportError,
@@ -87,6 +88,7 @@ from persistent_delta.log.schema import (
     LOOKUPS,
     SNAPSHOTS,
     CommitPoint,
+    LogIdentity,
     ShardInfo,
     TableEntry,
     check_batch_idx,
@@ -137,6 +139,8 @@ class _RankState:
     left: Set[str] = field(default_factory=set)  # epochs an explicit epoch start replaced: their markers are replays
     history: Tuple[CommitPoint, ...] = ()  # its last commits (the health window), stored with the position
     deferred: Optional[int] = None  # snapshots: the newest delivered range's count of deferred rows
+    log: Optional[LogIdentity] = None  # the rank's log the position counts batches of (None: not known)
+    stale: str = ""  # why the stored position is of an older log than the rank's newest (reset=None: raised)
 
 
 def _check_ids(ids: torch.Tensor, shard: Optional[ShardInfo], where: str, seq: int) -> None:
@@ -279,6 +283,7 @@ class RemoteConsumer:
         self._wake = threading.Event()
         self._ranks: Dict[int, _RankState] = {}
         self._meta: Dict[int, RankTables] = {}
+        self._logs: Dict[int, LogIdentity] = {}  # rank -> the newest identity of its log seen authenticated
         self._expected: Optional[Set[int]] = None
         self._layout = Layout(self.job)  # the job's streams (read from its meta bucket at open)
         self._stream_ids: Dict[str, str] = {}  # stream name -> its identity when last looked (Transport.stream_id)
@@ -407,6 +412,7 @@ class RemoteConsumer:
                 if key != subjects.tables_key(rt.rank) or (self._expected is not None and rt.rank not in self._expected):
                     raise StreamDataError(f"job {self.job} {key}: holds the table metadata of rank {rt.rank}",
                                           subject=key)
+                self._newest(rt.rank, rt.identity, f"the table metadata {key}", key)
             except CorruptRecordError as exc:
                 self._reject(exc)
                 continue
@@ -419,6 +425,25 @@ class RemoteConsumer:
                 if stream not in self._stream_ids:
                     self._stream_ids[stream] = self.conn.stream_id(self.job, stream=stream)
                 self._ranks[rank] = self._new_state(rank)
+
+    def _newest(self, rank: int, ident: Optional[LogIdentity], what: str, subject: str = "", seq: int = 0) -> None:
+        """Adopt ``ident`` as rank ``rank``'s log when it is newer than the newest seen (a
+        consumer never goes back to an older one).
+
+        Raises:
+            OlderLogError: ``ident`` is of an older log of the rank (``what`` names the message).
+        """
+        if ident is None:
+            return
+        cur = self._logs.get(rank)
+        if ident.older_than(cur):
+            assert cur is not None
+            raise OlderLogError(f"{self._where(rank)}: {what} is of {ident.describe()}, older than the rank's "
+                                f"{cur.describe()}: the previous run's data (before a start afresh), replayed or left "
+                                "on the stream; skipped", subject=subject, seq=seq)
+        if cur is None or cur.older_than(ident):
+            self._logs[rank] = ident
+            self._scans.setdefault(rank, MarkerScan()).adopt(ident)
 
     def _reject(self, exc: PersistentDeltaError) -> None:
         """Report a message, value or range that is skipped (never applied)."""
@@ -464,10 +489,43 @@ class RemoteConsumer:
                 if was is not None and was.get(stream) != self._stream_ids.get(stream):
                     st.seq = 1  # committed on a stream since deleted and created again: read the new one from its start
                 st.resume_seq = st.seq
+                self._stored_log(st, entry)
             elif self.reset == "latest":
                 self._to_latest(st)
             else:
                 self._to_earliest(st)
+
+    def _stored_log(self, st: _RankState, entry: Dict[str, Any]) -> None:
+        """The identity stored with rank ``st``'s position: adopted when it is the newest seen;
+        when the rank's table metadata is of a newer log (the job was started afresh since the
+        commit), the position counts batches of a log that is gone: reset by the reset policy,
+        or (``reset=None``) the next poll raises :class:`OffsetOutOfRangeError`. A position
+        stored before identities has none (nothing to compare)."""
+        try:
+            st.log = LogIdentity.from_value(entry)
+        except ValueError as exc:
+            raise StreamDataError(f"the stored position of remote consumer {self.name!r} ({self.channel}) for "
+                                  f"{self._where(st.rank)} is malformed ({exc}); reset it with `persistent-delta offsets "
+                                  "--server ... --reset`") from exc
+        newest = self._logs.get(st.rank)
+        if st.log is None or not st.log.older_than(newest):
+            try:
+                self._newest(st.rank, st.log, "the stored position")
+            except OlderLogError:  # not reached: checked above
+                pass
+            return
+        assert newest is not None
+        st.stale = (f"remote consumer {self.name!r} committed batch {st.pos} of {st.log.describe()}, and "
+                    f"{self._where(st.rank)} is now {newest.describe()} (the job was started afresh): that position "
+                    "counts batches of a log that is gone")
+        if self.reset is None:
+            return
+        logger.warning("%s; reset to %s", st.stale, self.reset)
+        st.stale = ""
+        if self.reset == "latest":
+            self._to_latest(st)
+        else:
+            self._to_earliest(st)
 
     def _stored_position(self, entry: object, rank: int) -> "tuple[Optional[int], int, Optional[str]]":
         """(pos, seq, epoch) of a stored position entry, checked.
@@ -494,12 +552,14 @@ class RemoteConsumer:
     def _scan(self, rank: int) -> MarkerScan:
         """Rank ``rank``'s latest genuine range, read forward (the last message may be a replay)."""
         scan = self._scans.setdefault(rank, MarkerScan())
+        scan.adopt(self._logs.get(rank))
         return self._retrying(lambda: scan_markers(self.conn, self._ring, self.job, self.channel, rank, scan,
                                                    self._reject, stream=self._layout.stream(rank)))
 
     def _to_latest(self, st: _RankState) -> None:
         m = self._scan(st.rank).latest
         self._clear(st)
+        st.log = self._logs.get(st.rank)
         if m is None:
             st.pos, st.seq, st.epoch = None, 1, None
             return
@@ -509,8 +569,10 @@ class RemoteConsumer:
     def _to_earliest(self, st: _RankState) -> None:
         self._clear(st)
         st.pos, st.seq, st.epoch, st.resume_seq = None, 1, None, 1
+        st.log = self._logs.get(st.rank)
 
     def _clear(self, st: _RankState) -> None:
+        st.stale = ""  # the position is set anew
         st.ranges.clear()
         st.buffered = 0
         st.gap = None
@@ -532,6 +594,7 @@ class RemoteConsumer:
         for st in [self._ranks[rank]] if rank is not None else list(self._ranks.values()):
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = batch_idx, 1, None, 1
+            st.log = self._logs.get(st.rank)  # a batch of the rank's newest log
 
     def bootstrap(self, progress: Optional[Callable[[int, int], None]] = None,
                   wait: float = 0.0) -> BaseTables:
@@ -556,6 +619,8 @@ class RemoteConsumer:
                 after ``wait``.
             InvalidInputError: the ranks' bases were taken at different publishes.
             AuthenticationError: a base does not authenticate with the job's key.
+            OlderLogError: a rank's base is of an older log than the newest this consumer has seen
+                for it (the previous run's base, put back), after ``wait``.
             StreamDataError: a base does not match the job's table metadata (a table missing or
                 unknown, another shape or dtype, a stamp out of bounds). Nothing moves.
         """
@@ -566,7 +631,7 @@ class RemoteConsumer:
         while True:
             try:
                 return self._bootstrap(progress)
-            except NotALogError:
+            except (NotALogError, OlderLogError):  # no base of the rank's newest log yet
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -579,6 +644,11 @@ class RemoteConsumer:
         stamps: Dict[int, int] = {}
         full: Dict[str, torch.Tensor] = {}
         bases: Dict[int, Dict[str, torch.Tensor]] = {}
+        logs: Dict[int, Optional[LogIdentity]] = {}
+        try:
+            self._refresh_meta()  # the ranks' newest logs, as their shippers stored them
+        except TransportError:
+            pass
         ranks = sorted(self._expected or self._meta)
         for done, rank in enumerate(ranks):
             if progress is not None:
@@ -589,7 +659,11 @@ class RemoteConsumer:
                 raise NotALogError(f"job {self.job!r}: rank {rank} has no base (or no table metadata) on {self.server}; "
                                    "upload one with persistent_delta.fleet.ship.upload_base on every rank")
             body = open_value(self._ring, self.job, subjects.BASE, name, buf)
-            stamps[rank], bases[rank] = wire.decode_base(body, self._where(rank))
+            stamps[rank], bases[rank], logs[rank] = wire.decode_base(body, self._where(rank))
+            self._newest(rank, logs[rank], f"the base (batch {stamps[rank]})", subject=name)
+            if logs[rank] is None:
+                logger.warning("%s: the base carries no log identity (uploaded without one): it cannot be checked "
+                               "against the rank's newest log", self._where(rank))
             self._check_base(rank, stamps[rank], bases[rank])
         for rank, tables in bases.items():
             meta = self._meta[rank]
@@ -612,6 +686,7 @@ class RemoteConsumer:
             st = self._ranks[rank]
             self._clear(st)
             st.pos, st.seq, st.epoch, st.resume_seq = stamp + 1, 1, None, 1
+            st.log = logs.get(rank) or self._logs.get(rank)
         return BaseTables(full, positions={rank: stamp + 1 for rank, stamp in stamps.items()}, batches=stamps,
                           source=f"the base of job {self.job!r} (bootstrap)")
 
@@ -678,7 +753,8 @@ class RemoteConsumer:
         histories = {r: (*self._ranks[r].history, CommitPoint(now, pos, self._seen_end(self._ranks[r], pos))
                          )[-COMMIT_HISTORY:] for r, pos in positions.items()}
         ranks = {str(r): {"pos": pos, "seq": self._ranks[r].resume_seq, "epoch": self._ranks[r].epoch,
-                          HISTORY_KEY: [[p.time, p.offset, p.end] for p in histories[r]]}
+                          HISTORY_KEY: [[p.time, p.offset, p.end] for p in histories[r]],
+                          **(self._ranks[r].log.to_value() if self._ranks[r].log is not None else {})}
                  for r, pos in positions.items()}
         streams: Dict[str, Any] = ({"stream": self._stream_ids.get(subjects.stream_name(self.job), "")}
                                    if self._layout.single else {"streams": dict(self._stream_ids)})
@@ -799,6 +875,11 @@ class RemoteConsumer:
             is_managed(TableEntry.from_bytes(fqn, b)) for fqn, b in meta.entries.items())
 
     def _on_marker(self, st: _RankState, m: Marker) -> None:
+        try:  # a range of an older log of the rank than the newest seen: the previous run's, replayed
+            self._newest(st.rank, m.log, f"range marker {m.seq} [{m.start}, {m.end})", seq=m.seq)
+        except OlderLogError as exc:
+            self._reject(exc)
+            return  # its parts stay pending until the next marker takes its own (and drops the others)
         if st.epoch is not None and m.epoch != st.epoch and (m.epoch in st.left or (m.prev is not None and any(
                 r.marker.epoch == m.epoch for r in st.ranges))):
             return  # a replay of an epoch an explicit epoch start replaced
@@ -815,12 +896,14 @@ class RemoteConsumer:
             return  # as if never sent: never applied, and no position moves past it
         tables, side, stamps = (None, {}, {}) if got is None else (got.tables, got.side, got.stamps)
         expected = st.ranges[-1].marker.end if st.ranges else st.pos
-        restarted = (st.epoch is not None and m.epoch != st.epoch and expected is not None
-                     and int(m.info.get("log_end", m.end)) < expected)
+        restarted = expected is not None and (
+            (st.epoch is not None and m.epoch != st.epoch and int(m.info.get("log_end", m.end)) < expected)
+            or (st.log is not None and st.log.older_than(m.log)))  # a newer log of the rank: batches count anew
         if expected is None:  # a new consumer at "earliest": the first range on the stream
             if tables is None:
                 return
             st.pos = expected = m.start
+            st.log = m.log
         nbytes = 0 if tables is None else sum(
             int(u.ids.nbytes) + (0 if u.states is None else int(u.states.nbytes)) for u in tables.values()) + sum(
             int(ids.nbytes) + int(states.nbytes) for recs in side.values() for _, ids, states in recs)
@@ -834,6 +917,8 @@ class RemoteConsumer:
         assert tables is not None
         st.ranges.append(_Range(m, tables, nbytes, side, stamps))
         st.buffered += nbytes
+        if m.log is not None:
+            st.log = m.log
         if st.epoch is not None and m.epoch != st.epoch and m.prev is None:
             st.left.add(st.epoch)  # an explicit epoch start: the old epoch's markers are replays from now on
         st.epoch = m.epoch
@@ -914,8 +999,10 @@ class RemoteConsumer:
             return  # read again from the new stream's start (the caller fills)
         gap, m = st.gap, st.gap.marker
         if self.reset is None:
+            afresh = st.log is not None and st.log.older_than(m.log)
             why = (f"batches [{st.pos}, {m.start}) are not on the stream: dropped by its limits, or never shipped "
-                   "because the shipper fell past the trainer's retention bound" if st.pos is None or m.start > st.pos
+                   "because the shipper fell past the trainer's retention bound"
+                   if (st.pos is None or m.start > st.pos) and not afresh
                    else f"the log was started afresh: a new shipper epoch, its batch numbers restarted at {m.start}")
             raise OffsetOutOfRangeError(
                 f"remote consumer {self.name!r} is at batch {st.pos} of {self._where(st.rank)}, but the stream's next "
@@ -929,7 +1016,7 @@ class RemoteConsumer:
         # "earliest": the first complete range on the stream from here on
         seq = st.seq
         self._clear(st)
-        st.seq, st.epoch = seq, m.epoch
+        st.seq, st.epoch, st.log = seq, m.epoch, m.log
         if st.gap_complete:
             st.pos = m.start
             st.ranges.append(gap)
@@ -954,11 +1041,13 @@ class RemoteConsumer:
         until its timeout (``last_error`` says why); ``commit`` retries up to ``retry_s``.
 
         Raises:
-            OffsetOutOfRangeError: batches at the position are missing from the stream and no
-                reset policy was chosen.
+            OffsetOutOfRangeError: batches at the position are missing from the stream, or the
+                stored position counts batches of an older log of a rank than its newest (the job
+                was started afresh since the commit), and no reset policy was chosen.
         """
         self._check()
         check_poll_args(max_batches, timeout, max_bytes)
+        self._check_stale()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wake.clear()
@@ -982,6 +1071,14 @@ class RemoteConsumer:
             if not result.empty or deadline is None or time.monotonic() >= deadline:
                 return result
             self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
+
+    def _check_stale(self) -> None:
+        """Raise for a stored position of an older log than the rank's newest (see :meth:`_stored_log`)."""
+        for st in self._ranks.values():
+            if st.stale:
+                raise OffsetOutOfRangeError(f"{st.stale}. Pass reset='earliest' or 'latest', or seek(); or reset it: "
+                                            f"persistent-delta offsets --server {self.server} --job {self.job} --reset "
+                                            f"{self.name} --to-earliest --execute")
 
     def _poll_once(self, max_batches: Optional[int], max_bytes: Optional[int] = None) -> DeltaPoll:
         for st in self._ranks.values():

@@ -61,7 +61,7 @@ import torch
 
 from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import subjects, wire
-from persistent_delta.fleet.auth import KeySpec, Keyring, resolve_keyring, seal_value
+from persistent_delta.fleet.auth import KeySpec, Keyring, open_value, resolve_keyring, seal_value
 from persistent_delta.fleet.ranges import MarkerScan, scan_markers
 from persistent_delta.fleet.streams import Layout, check_ranks_per_stream, settle_layout
 from persistent_delta.config import LogOptions
@@ -69,7 +69,9 @@ from persistent_delta.read.consumer import DeltaConsumer
 from persistent_delta.read.polling import check_max_batches
 from persistent_delta.errors import (
     ConfigMismatchError,
+    CorruptRecordError,
     DamagedLogError,
+    FormatMismatchError,
     InvalidInputError,
     KeyConflictError,
     NotALogError,
@@ -79,7 +81,7 @@ from persistent_delta.errors import (
 )
 from persistent_delta.log.layout import DATA_FILE, EMPTY_RANK_GRACE_S, PathLike, check_root, rank_paths
 from persistent_delta.log.deltalog import DeltaLog
-from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_LOG_ID, META_TRACKER, SNAPSHOTS, TrackerMeta, check_channel
+from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_TRACKER, SNAPSHOTS, LogIdentity, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
 from persistent_delta.fleet.wire import RankTables
@@ -96,7 +98,7 @@ _COMMIT_EVERY_S = 0.1
 def upload_base(
     server: Optional[ServerSpec], job: str, rank: int, stamp: int, tables: Dict[str, torch.Tensor],
     connect: Optional[ConnectOptions] = None, replicas: int = 1, transport: Optional[Transport] = None,
-    key: KeySpec = None, insecure: bool = False,
+    key: KeySpec = None, insecure: bool = False, log: Optional[str] = None,
 ) -> None:
     """Upload a rank's **base** (its full tables) to the job's object store, so that a replica
     joining late (or after its position expired) can start from a full state without the
@@ -122,6 +124,11 @@ def upload_base(
         key: the job's stream key (a :class:`~persistent_delta.fleet.auth.StreamKey`, a key
             file, or several: the first signs); default ``PERSISTENT_DELTA_STREAM_KEY_FILE``.
         insecure: upload unsigned when no key is found (consumers with a key refuse it).
+        log: the rank's log directory (``tracker.path``): the base carries its identity
+            (:class:`~persistent_delta.log.schema.LogIdentity`), and ``bootstrap()`` never
+            returns a base of an older log than the newest it has seen for the rank (the
+            previous run's base, put back). Default: the identity in the rank's table metadata
+            its shipper stored (authenticated with ``key``); a base with neither carries none.
 
     Raises:
         TransportError: the server is unreachable.
@@ -130,17 +137,35 @@ def upload_base(
     """
     ring = resolve_keyring(key, insecure, f"upload_base of job {job!r}")
     name = subjects.base_name(rank)
-    data = seal_value(ring, subjects.check_job(job), subjects.BASE, name, wire.encode_base(stamp, tables))
-    if transport is not None:
-        transport.object_put(subjects.check_job(job), name, data, replicas=replicas)
-        return
-    if server is None:
+    job = subjects.check_job(job)
+    if transport is None and server is None:
         raise InvalidInputError("upload_base needs a server URL or a transport")
-    conn = open_transport(server, connect)
+    conn = transport if transport is not None else open_transport(server, connect)
     try:
-        conn.object_put(subjects.check_job(job), name, data, replicas=replicas)
+        data = seal_value(ring, job, subjects.BASE, name, wire.encode_base(stamp, tables, _base_identity(conn, ring, job, rank, log)))
+        conn.object_put(job, name, data, replicas=replicas)
     finally:
-        conn.close()
+        if transport is None:
+            conn.close()
+
+
+def _base_identity(conn: Transport, ring: Keyring, job: str, rank: int, log: Optional[str]) -> Optional[LogIdentity]:
+    """The identity a rank's base carries: its log's (``log``: the rank's log directory), else
+    the one in the rank's table metadata on the stream when it authenticates, else None."""
+    if log is not None:
+        with DeltaLog(log, readonly=True, writer_lock=False) as opened:
+            return opened.read(lambda r: r.identity())
+    try:
+        got = conn.kv_get(job, subjects.META, subjects.tables_key(rank))
+    except TransportError:  # the job's buckets do not exist yet: no shipper has stored anything
+        return None
+    if got is None:
+        return None
+    try:
+        rt = RankTables.decode(open_value(ring, job, subjects.META, subjects.tables_key(rank), got.value), job)
+    except (CorruptRecordError, FormatMismatchError):
+        return None
+    return rt.identity if rt.rank == rank else None
 
 
 def shipper_name(job: str, channel: str) -> str:
@@ -181,6 +206,7 @@ class _Feed:
     epoch: str = ""
     synced: bool = False
     log_id: str = ""
+    log_stamp: int = 0  # the log's creation stamp (with log_id, its LogIdentity)
     stats_sent: float = 0.0
     dirty: bool = False  # shipped and acknowledged, not yet committed locally
     committed_at: float = 0.0
@@ -315,10 +341,11 @@ class Shipper:
             consumer.close()
             raise NotALogError(f"{path}: rank {rank} is not (yet) a log of the job")
         with DeltaLog(path, readonly=True, writer_lock=False, options=self._options) as log:
-            log_id = str(log.read(lambda r: r.meta(META_LOG_ID)))
+            ident = log.read(lambda r: r.identity())
         logger.info("shipper %s: rank %d %s from batch %d%s", self.job, rank, channel, consumer.position()[rank],
                     " (new registration)" if new else "")
-        return _Feed(rank, channel, path, consumer, new, FeedStats(rank, channel), log_id=log_id)
+        return _Feed(rank, channel, path, consumer, new, FeedStats(rank, channel), log_id=ident.log_id,
+                     log_stamp=ident.stamp)
 
     # ------------------------------------------------------------------ the stream
     def _connected(self) -> bool:
@@ -405,11 +432,12 @@ class Shipper:
         with DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options) as log:
             def read(r: Any) -> RankTables:
                 meta = TrackerMeta.from_value(r.meta(META_TRACKER))
+                ident = r.identity()
                 return RankTables(
-                    rank=feed.rank, log_id=str(r.meta(META_LOG_ID)), world_size=None if meta is None else meta.world_size,
+                    rank=feed.rank, log_id=ident.log_id, world_size=None if meta is None else meta.world_size,
                     tracker=None if meta is None else meta.to_value(),
                     modes={c: position_rules.update_mode(r, c).value for c in CHANNELS},
-                    entries={fqn: e.to_bytes() for fqn, e in r.tables().items()})
+                    entries={fqn: e.to_bytes() for fqn, e in r.tables().items()}, log_stamp=ident.stamp)
             tables = log.read(read)
         key = subjects.tables_key(feed.rank)
         feed.table_fqns = set(tables.entries)
@@ -500,7 +528,7 @@ class Shipper:
             self._store_tables(feed)  # a table new since the last store: consumers validate against it
         rows = {fqn: t.rows for fqn, t in d.tables.items()}
         chunk = wire.chunk_size(self._conn.max_payload)
-        info: Dict[str, Any] = {"log_id": feed.log_id, "log_end": end,
+        info: Dict[str, Any] = {"log_id": feed.log_id, "log_stamp": feed.log_stamp, "log_end": end,
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
         if d.deferred is not None:  # snapshots: rows capped publishes left pending, as the log stood at this read
             info["deferred"] = int(d.deferred)

@@ -63,7 +63,7 @@ from persistent_delta.errors import CorruptRecordError, FormatMismatchError, Str
 from persistent_delta.fleet.auth import Keyring, digest, sign_message
 from persistent_delta.fleet.subjects import data_subject, end_subject, msg_id, stream_name
 from persistent_delta.log import codec
-from persistent_delta.log.schema import SNAPSHOTS, TableEntry
+from persistent_delta.log.schema import SNAPSHOTS, LogIdentity, TableEntry
 
 FORMAT_VERSION = 1
 FORMAT_HEADER = "PD-Format"
@@ -130,7 +130,7 @@ def encode_range(
         end: the range's end, ``[start, end)``.
         rows: fqn -> the range's unique rows of the table.
         chunk_bytes: the largest chunk (:func:`chunk_size` of the transport's max payload).
-        info: extra marker fields (``log_id``, ``log_end``, ``publishes``, ``deferred``).
+        info: extra marker fields (``log_id``, ``log_stamp``, ``log_end``, ``publishes``, ``deferred``).
         side: the managed-collision tables' side records (None: not shipped on this channel).
         stamps: the replicated tables' per-row publish stamps.
         ring: the shipper's keyring: every message is signed with its first key (None or an
@@ -262,6 +262,8 @@ class Marker:
     publishes: Dict[int, float] = field(default_factory=dict)  # publish stamp -> time, within [start, end)
     # snapshot rows of other row formats (and their stamps), numbered after ``stamps``
     formats: List[Listing] = field(default_factory=list)
+    # the identity of the log the range was read from (None: a marker without a log id)
+    log: Optional[LogIdentity] = None
 
     @property
     def listing(self) -> List[Listing]:
@@ -318,10 +320,12 @@ class Marker:
                 _bounded_int(deferred, 0, MAX_DEFERRED, "deferred")
             if headers is not None and (headers.get("PD-Epoch") != epoch or headers.get("PD-Range") != f"{start}-{end}"):
                 raise ValueError("its headers name another epoch or range than its body")
-            info = {k: v for k, v in d.items() if k in ("log_id", "log_end", "v", "job", "channel", "rank", "deferred")}
+            log = LogIdentity.from_value(d)
+            info = {k: v for k, v in d.items() if k in ("log_id", "log_stamp", "log_end", "v", "job", "channel", "rank",
+                                                        "deferred")}
             info["publishes"] = [[b, t] for b, t in publishes.items()]
             return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes,
-                          formats)
+                          formats, log)
         except (AssertionError, KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError,
                 CorruptRecordError) as exc:
             raise StreamDataError(f"range marker {seq} in {where} is malformed: {str(exc)[:300]}", seq=seq) from exc
@@ -480,7 +484,9 @@ class RangeAssembler:
 class RankTables:
     """What a remote consumer needs of one rank's log (stored by its shipper in the
     ``meta`` bucket, key ``tables.<rank>``): the table entries (shard info, dtypes, row
-    shapes), the channels' update modes, the tracker's world size, tracking mode and table set."""
+    shapes), the channels' update modes, the tracker's world size, tracking mode and table set,
+    and the log's creation stamp (``log_stamp``: with ``log_id``, its :class:`LogIdentity`; 0
+    in metadata written before stamps)."""
 
     rank: int
     log_id: str
@@ -488,11 +494,18 @@ class RankTables:
     tracker: Optional[Dict[str, Any]]
     modes: Dict[str, str]
     entries: Dict[str, bytes]  # fqn -> TableEntry.to_bytes()
+    log_stamp: int = 0
+
+    @property
+    def identity(self) -> LogIdentity:
+        """The identity of the rank's log this metadata was read from."""
+        return LogIdentity(self.log_id, self.log_stamp)
 
     def encode(self) -> bytes:
         """The bytes stored in the ``meta`` bucket."""
         return codec.pack({"v": FORMAT_VERSION, "rank": self.rank, "log_id": self.log_id, "world_size": self.world_size,
-                           "tracker": self.tracker, "modes": self.modes, "entries": self.entries})
+                           "tracker": self.tracker, "modes": self.modes, "entries": self.entries,
+                           "log_stamp": self.log_stamp})
 
     @staticmethod
     def decode(buf: bytes, where: str) -> "RankTables":
@@ -511,6 +524,8 @@ class RankTables:
             rt = RankTables(int(d["rank"]), str(d["log_id"]), None if ws is None else int(ws), d.get("tracker"),
                               {str(k): str(v) for k, v in d["modes"].items()},
                               {str(k): bytes(v) for k, v in d["entries"].items()})
+            ident = LogIdentity.from_value(d)
+            rt.log_stamp = 0 if ident is None else ident.stamp
             if ws is not None and not 1 <= int(ws) <= 1 << 20:
                 raise ValueError(f"world_size {ws} out of [1, 2**20]")
             if not 0 <= rt.rank < (rt.world_size or 1 << 20):
@@ -524,18 +539,20 @@ class RankTables:
             raise StreamDataError(f"table metadata in {where} is malformed: {str(exc)[:300]}") from exc
 
 
-def encode_base(stamp: int, tables: Dict[str, torch.Tensor]) -> bytes:
+def encode_base(stamp: int, tables: Dict[str, torch.Tensor], log: Optional[LogIdentity] = None) -> bytes:
     """A rank's base: its shards' full values as of publish ``stamp`` (each table a record
-    of the log's encoding, ids = every local row)."""
-    body: Dict[str, Any] = {"v": FORMAT_VERSION, "stamp": int(stamp), "tables": {}}
+    of the log's encoding, ids = every local row), and the identity of the rank's log it
+    belongs to (``log_id``/``log_stamp``; None: none, a base a reader cannot check)."""
+    body: Dict[str, Any] = {"v": FORMAT_VERSION, "stamp": int(stamp), "tables": {}, **(log.to_value() if log else {})}
     for fqn, w in sorted(tables.items()):
         ids = torch.arange(w.shape[0], dtype=torch.int64)
         body["tables"][fqn] = bytes(codec.encode_record(ids, w.detach().contiguous(), codec.KIND_SNAPSHOT))
     return codec.pack(body)
 
 
-def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
-    """(stamp, fqn -> local shard values) of a base (:func:`encode_base`).
+def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor], Optional[LogIdentity]]:
+    """(stamp, fqn -> local shard values, the identity of its log or None) of a base
+    (:func:`encode_base`).
 
     Raises:
         FormatMismatchError: another format version.
@@ -547,6 +564,7 @@ def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
     out = {}
     try:
         stamp = _bounded_int(d["stamp"], 0, MAX_BATCH_IDX, "stamp")
+        log = LogIdentity.from_value(d)
         tables = d["tables"]
         if not isinstance(tables, dict):
             raise ValueError("tables must be a map")
@@ -559,7 +577,7 @@ def decode_base(buf: bytes, where: str) -> Tuple[int, Dict[str, torch.Tensor]]:
             out[fqn] = rec.states.clone()
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as exc:
         raise StreamDataError(f"{where}: base is malformed: {str(exc)[:300]}") from exc
-    return stamp, out
+    return stamp, out, log
 
 
 __all__ = ["FORMAT_VERSION", "FORMAT_HEADER", "HEADROOM", "chunk_size", "Message", "SideRecord", "encode_range",
