@@ -57,6 +57,7 @@ from persistent_delta.log.schema import (
     META_LOG_START,
     META_RESTART_GEN,
     META_SNAPSHOT_END,
+    META_SNAPSHOT_OPEN,
     META_SNAPSHOT_START,
     META_TRACKER,
     META_UPDATE_MODE,
@@ -200,8 +201,8 @@ def _wipe(w: WriteTxn) -> None:
     numbers start again at 0."""
     delete_below(w, None)
     delete_below(w, None, SNAPSHOTS)
-    for key in (META_LOG_START, META_SNAPSHOT_START, META_SNAPSHOT_END, META_CHECKPOINT_FLOOR, META_DEFERRED,
-                META_DEFERRED_ROWS):
+    for key in (META_LOG_START, META_SNAPSHOT_START, META_SNAPSHOT_END, META_SNAPSHOT_OPEN, META_CHECKPOINT_FLOOR,
+                META_DEFERRED, META_DEFERRED_ROWS):
         w.delete_meta(key)  # what the previous run's batches left (its starts would hide the new run's)
     for name in list(w.consumers()):
         w.delete_consumer(name)
