@@ -90,10 +90,16 @@ def test_a_forged_history_reads_as_none_and_the_history_is_bounded(tmp_path):
     forged["x"] = {"pos": 1}
     forged["9"] = "not a map"
     conn.kv_put(JOB, subjects.OFFSETS, offsets_key("forged", "lookups"),
-                codec.pack({"name": "forged", "channel": "lookups", "ranks": forged, "time": "yesterday"}))
-    rows = [c for c in describe_stream(broker.connect("ops"), JOB, _ends(), STALL)["consumers"] if c.consumer == "forged"]
+                codec.pack({"name": "forged", "channel": "lookups", "ranks": forged, "time": time.time()}))
+    # a commit time that is not one: the entry shows as malformed, its commit time unset
+    conn.kv_put(JOB, subjects.OFFSETS, offsets_key("dated", "lookups"),
+                codec.pack({"name": "dated", "channel": "lookups", "ranks": {"0": {"pos": 1, "seq": 1}},
+                            "time": "yesterday"}))
+    found = describe_stream(broker.connect("ops"), JOB, _ends(), STALL)["consumers"]
+    rows = [c for c in found if c.consumer == "forged"]
     assert sorted(r.rank for r in rows) == list(range(0, 9))
     assert all(r.health in ("ok", "stalled") for r in rows)
+    assert [(c.health, c.commit_time) for c in found if c.consumer == "dated"] == [("malformed", None)]
     assert len(stored_history(forged["0"])) == COMMIT_HISTORY
     assert all(stored_history(forged[str(i + 1)]) == () for i in range(len(garbage)))
     # a consumer taking that name over reads its rank-0 position, and its commit keeps a bounded history
