@@ -1,9 +1,22 @@
-"""The tools: ``persistent-delta offsets | replay | verify | vacuum``.
+"""The ``persistent-delta`` command: eleven subcommands, one module each.
 
-Each tool is a data function in its own module (:mod:`.offsets`, :mod:`.replay`,
-:mod:`.verify`, :mod:`.vacuum`) returning dataclasses; :mod:`.main` parses arguments and
-renders results. The tools read logs through the reader side of the package (log, delivery,
-results, consumer) and import nothing of the trainer.
+* ``offsets`` (:mod:`.offsets`; ``--server``: :mod:`.remote`): consumers' positions, lag and
+  health; reset, register or delete a position.
+* ``verify`` (:mod:`.verify`): check every record, key, position and meta value.
+* ``replay`` (:mod:`.replay`): export a batch range, all ranks merged, as safetensors.
+* ``apply`` (:mod:`.apply`): apply a base and replay outputs to a replica, in order.
+* ``vacuum`` (:mod:`.vacuum`): reclaim disk space while no process has the log open.
+* ``upgrade`` (:mod:`.upgrade`): rewrite logs of an older format version in place.
+* ``report`` (:mod:`.report`): PNG plots of a job computed from its log.
+* ``ship`` (:mod:`.ship`): ship a host's rank logs to a NATS JetStream stream.
+* ``keygen`` (:mod:`.keygen`): create a job's stream key file.
+* ``exporter`` (:mod:`.exporter`): serve a job's metrics to Prometheus.
+* ``top`` (:mod:`.top`): a live view of ranks, consumers and shippers.
+
+:mod:`.main` parses arguments and renders results (``--format text|json``); :mod:`.stopping`
+ends the long-running ones (ship, exporter, top) on SIGTERM. The tools import nothing of the
+trainer (``tests/unit/test_packages.py``), and ``tests/unit/test_cli_docs.py`` keeps this list
+and :mod:`.main`'s equal to the parser's subcommands.
 """
 
 from persistent_delta.cli.main import build_parser, main, run_subcommand

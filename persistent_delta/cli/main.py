@@ -1,9 +1,11 @@
-"""The ``persistent-delta`` command line: offsets, replay, verify, vacuum, upgrade, ship.
+"""The ``persistent-delta`` command line: offsets, verify, replay, apply, vacuum, upgrade, report,
+ship, keygen, exporter, top.
 
 Owns: argument parsing and rendering; no tool logic.
 
-Each subcommand calls a data function of the package (:mod:`.offsets`, :mod:`.replay`,
-:mod:`.verify`, :mod:`.vacuum`) and turns its result into a :class:`Output`: the JSON form and
+Each subcommand calls a data function of its module (``offsets``: :mod:`.offsets` and, with
+``--server``, :mod:`.remote`; the others: the module of their name, listed in
+:mod:`persistent_delta.cli`) and turns its result into a :class:`Output`: the JSON form and
 the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as
 ``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). The long-running
 commands (ship, exporter, top) exit 0 within a second of SIGTERM/SIGINT (:mod:`.stopping`).
