@@ -11,7 +11,8 @@ shard placement (row/column offsets and sizes), a managed-collision table's raw 
 (``batch_idx``: the tracker's ``curr_batch_idx``; the weights hold every batch up to it, so an
 increment applied on top must start at ``batch_idx + 1``: :func:`shard_batches`), and the first
 stamp a publish after the save can carry (``next_stamp``: a snapshots poll applied onto the
-tables must start at or before it, :func:`shard_positions`) in the file's metadata. Every rank calls it with
+tables must start at or before it, :func:`shard_positions`) in the file's metadata, with the
+identity of the rank's log they belong to (``log_id``, ``log_stamp``: :func:`shard_identities`). Every rank calls it with
 the same directory. ``replay`` reads the files of all ranks to assemble the current values of
 changed rows as full rows in global row ids (an incremental snapshot).
 
@@ -30,7 +31,7 @@ from safetensors import safe_open
 
 from persistent_delta.errors import InvalidInputError, NotALogError
 from persistent_delta.log.layout import PathLike
-from persistent_delta.log.schema import ShardInfo
+from persistent_delta.log.schema import LogIdentity, ShardInfo
 
 SHARD_FILES_FORMAT = "persistent_delta.shards/1"
 # a managed-collision table's (admitted raw id -> global slot) map of the rank, as two tensors
@@ -73,10 +74,33 @@ def shard_positions(ckpt_dir: PathLike) -> Dict[int, Optional[int]]:
     return _recorded(ckpt_dir, ("next_stamp", "batch_idx"))
 
 
-def _recorded(ckpt_dir: PathLike, keys: Tuple[str, ...]) -> Dict[int, Optional[int]]:
-    """rank -> the first of the metadata ``keys`` each rank file records, as an int (None: none)."""
-    ckpt_dir = os.fspath(ckpt_dir)
-    out: Dict[int, Optional[int]] = {}
+def shard_identities(ckpt_dir: PathLike) -> Dict[int, Optional[LogIdentity]]:
+    """rank -> the identity of the rank's log each rank file was taken from (None: written
+    before files recorded it), to tell the files of a run before a start afresh.
+
+    Raises:
+        NotALogError: no shard files in ``ckpt_dir``.
+        InvalidInputError: a malformed file.
+    """
+    out: Dict[int, Optional[LogIdentity]] = {}
+    for rank, path, meta in _metas(os.fspath(ckpt_dir)):
+        try:
+            stamp = meta.get("log_stamp")
+            out[rank] = LogIdentity.from_value({"log_id": meta.get("log_id"),
+                                                "log_stamp": None if stamp is None else int(stamp)})
+        except ValueError as exc:
+            raise InvalidInputError(f"{path}: malformed log identity ({exc})") from exc
+    return out
+
+
+def _metas(ckpt_dir: str) -> List[Tuple[int, str, Dict[str, str]]]:
+    """(rank, path, metadata) of each rank file.
+
+    Raises:
+        NotALogError: no shard files, or a file of another format.
+        InvalidInputError: a malformed file.
+    """
+    out = []
     for name in _rank_files(ckpt_dir):
         path = os.path.join(ckpt_dir, name)
         try:
@@ -86,10 +110,18 @@ def _recorded(ckpt_dir: PathLike, keys: Tuple[str, ...]) -> Dict[int, Optional[i
             raise InvalidInputError(f"{path}: malformed shard file ({type(exc).__name__}: {exc})") from exc
         if meta.get("format") != SHARD_FILES_FORMAT:
             raise NotALogError(f"{path} is not a shard file (format {meta.get('format')!r})")
+        out.append((int(_RANK_FILE.match(name).group(1)), path, meta))  # type: ignore[union-attr]
+    return out
+
+
+def _recorded(ckpt_dir: PathLike, keys: Tuple[str, ...]) -> Dict[int, Optional[int]]:
+    """rank -> the first of the metadata ``keys`` each rank file records, as an int (None: none)."""
+    out: Dict[int, Optional[int]] = {}
+    for rank, path, meta in _metas(os.fspath(ckpt_dir)):
         key = next((k for k in keys if meta.get(k) is not None), keys[0])
         b = meta.get(key)
         try:
-            out[int(_RANK_FILE.match(name).group(1))] = None if b is None else int(b)  # type: ignore[union-attr]
+            out[rank] = None if b is None else int(b)
         except ValueError as exc:
             raise InvalidInputError(f"{path}: malformed {key} {b!r}") from exc
     return out

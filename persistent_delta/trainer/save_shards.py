@@ -34,7 +34,10 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
     The file records the batch it was taken at and the stamp of the next publish
     (``tracker.next_stamp``): a replica starting from these files
     (:func:`persistent_delta.read.apply.load_base`) must read the snapshots from that stamp or
-    earlier, and its first poll is checked for it (:mod:`persistent_delta.read.base`).
+    earlier, and its first poll is checked for it (:mod:`persistent_delta.read.base`). It also
+    records the identity of the rank's log (``log_id``, ``log_stamp``:
+    :class:`~persistent_delta.log.schema.LogIdentity`; :func:`~persistent_delta.log.shard_files.shard_identities`):
+    files of a run before a start afresh say so.
 
     Args:
         tracker: the rank's tracker (its ``local_tables`` and ``rank`` are used).
@@ -60,6 +63,10 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
     next_stamp = getattr(tracker, "next_stamp", None)  # a tracker that publishes: its next publish's stamp
     if next_stamp is not None:
         meta["next_stamp"] = str(int(next_stamp))
+    log = getattr(tracker, "log", None)  # a tracker: the identity of the rank's log the shards belong to
+    if log is not None:
+        ident = log.read(lambda r: r.identity())
+        meta["log_id"], meta["log_stamp"] = ident.log_id, str(ident.stamp)
     path = os.path.join(os.fspath(shard_dir), f"rank-{tracker.rank}.safetensors")
     atomic_write_bytes(path, safetensors_save(tensors, metadata=meta))
     return path

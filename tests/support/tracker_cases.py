@@ -217,6 +217,7 @@ def config_checks(rank: int, world_size: int, root: str) -> List[str]:
         t.get_unique("nobody")
     with pytest.raises(AssertionError, match="not found"):
         t.clear("nobody")
+    old_log = t.log.read(lambda r: r.identity())
     t.close()
     done.append("attach twice refused; unknown consumer refused")
 
@@ -232,6 +233,8 @@ def config_checks(rank: int, world_size: int, root: str) -> List[str]:
     # the explicit option starts a fresh log
     t = attach(dmp3, PersistentTrackerConfig(tracking_mode=TrackingMode.EMBEDDING, path=root, fresh=True))
     assert t.curr_batch_idx == 0 and t.get_unique() == {}
+    new_log = t.log.read(lambda r: r.identity())  # a new log: the old run's shipped data reads as older
+    assert new_log.log_id != old_log.log_id and old_log.older_than(new_log)
     t.close()
     done.append("fresh=True starts over")
 
