@@ -85,6 +85,10 @@ WHAT_TO_DO: Dict[str, str] = {
                           "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
+    "OlderLogError": "Nothing to undo: the reader skipped it and applied nothing of it. Someone publishes the "
+                     "previous run's data again (or a stream kept across a fresh start still holds it): check who "
+                     "may publish on the job's subjects (guides/security.md), and delete the old stream when a job "
+                     "starts afresh.",
     "ServingLockError": "Apply from the consumer loop's thread, never from inside `replica.serving()` or a "
                         "request (the thread would wait for itself); nothing was written.",
     "StaleBaseError": "Start the replica from a fresh base: `save_local_shards` again on every rank of the trainer "
