@@ -142,10 +142,13 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
     (:func:`persistent_delta.log.position_rules.restart_generation`): the ranks commit one
     after the other, and polls wait until they all have. Returns the index to continue from.
 
-    ``dropped_ids``: filled with fqn -> the ids of the dropped lookups records. A shipper may
-    have shipped a dropped batch of this rank before the restart (it ships each rank's log on
-    its own), so a remote replica may hold that batch's published values: a restore
-    re-delivers these ids too (:func:`redeliver`)."""
+    ``dropped_ids``: filled with fqn -> the ids of the dropped records of both channels. A
+    shipper may have shipped a dropped batch of this rank before the restart (it ships each
+    rank's log on its own), so a remote replica may hold that batch's published values. And a
+    dropped publish had moved its consumer past every row it carried, rows of earlier, kept
+    batches included (those changed between the consumer's previous publish and the batch):
+    nothing else would publish them again. A restore re-delivers these ids (:func:`redeliver`),
+    so the next publish carries them."""
     complete = batch_idx + 1 if complete is None else complete
     lo, hi, gen = complete, batch_idx, None
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -159,7 +162,7 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
         if drop:
             for fqn, entry in w.tables().items():
                 if dropped_ids is not None:
-                    ids = [r.ids for r in w.iter_records(entry.table_id, lo, None)]
+                    ids = [r.ids for ch in CHANNELS for r in w.iter_records(entry.table_id, lo, None, channel=ch)]
                     if ids:
                         dropped_ids[fqn] = torch.unique(torch.cat([i.reshape(-1).long() for i in ids]))
                 for channel in CHANNELS:

@@ -211,3 +211,73 @@ def model_state_case(rank: int, world_size: int, root: str, how: str) -> Dict[st
     result = plain.load_state_dict(torch.load(ckpt_file, weights_only=False), strict=True)
     out["plain_unexpected"] = list(result.unexpected_keys)
     return out
+
+
+
+def dropped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Two ranks (row-wise and column-wise tables, a publishing consumer "serving", each step
+    committed at once): publish, train, checkpoint, train a step, publish again -- and a
+    SIGKILL leaves rank 1's log as it was at the checkpoint (its writer had committed nothing
+    later: neither the step nor the publish) and rank 0's right after the publish (committed,
+    its stamp still open: the demo's SIGKILL right after a publish). The restart drops rank 0's
+    publish (its batch is not complete on rank 1); the restore, training on and a publish
+    follow. A replica of the initial tables that applies every publish (``complete_only=True``)
+    must equal the trainer's tables: the dropped publish carried rows changed *before* the
+    checkpoint, which no other publish carries. Returns (each rank) whether its shards match,
+    and whether the restart dropped records on this rank."""
+    import logging
+    import shutil
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.read.apply import apply_poll
+    from publish_rules_cases import _initial_replica, _replica_matches
+
+    cfg = PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                  async_writes=False)
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    batches = make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank)
+    t = attach(dmp, cfg)
+    replica = _initial_replica(t, 100, 8, 0)
+    for b in batches[:3]:
+        train_step(dmp, b)
+    t.publish("serving")
+    for b in batches[3:6]:  # rows changed here are carried by the next publish only
+        train_step(dmp, b)
+    ckpt = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+    tstate = t.state_dict()
+    rank_dir = os.path.join(root, f"rank-{rank}")
+    killed = os.path.join(os.path.dirname(root), f"killed-rank-{rank}")
+    os.makedirs(killed)
+    if rank == 1:  # rank 1's log as the SIGKILL leaves it: its writer committed nothing after the checkpoint
+        t._log.copy_compacted(killed)
+    train_step(dmp, batches[6])
+    t.publish("serving")  # committed at once (async_writes=False), its stamp open until the batch ends
+    if rank == 0:  # rank 0's log as the SIGKILL leaves it: the publish committed
+        t._log.copy_compacted(killed)
+    t.close()
+    for name in ("data.mdb", "lock.mdb"):
+        os.remove(os.path.join(rank_dir, name))
+    shutil.move(os.path.join(killed, "data.mdb"), os.path.join(rank_dir, "data.mdb"))
+    dist.barrier()
+    seen: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("persistent_delta.trainer.restore").addHandler(handler)
+    t = attach(dmp, cfg)  # the restart: drops what is not complete on every rank
+    logging.getLogger("persistent_delta.trainer.restore").removeHandler(handler)
+    with torch.no_grad():
+        for fqn, w in ckpt.items():
+            t.local_tables[fqn].weights().copy_(w)
+    t.load_state_dict(tstate)
+    for b in batches[6:8]:
+        train_step(dmp, b)
+    t.publish("serving")
+    t.flush()
+    dist.barrier()
+    with DeltaReader(root, channel="snapshots") as reader:
+        apply_poll(replica, reader.poll(), complete_only=True)
+    out = {"matches": _replica_matches(t, replica),
+           "dropped": any("dropped" in m and "dropped 0 " not in m for m in seen)}
+    dist.barrier()
+    t.close()
+    return out
