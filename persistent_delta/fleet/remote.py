@@ -170,7 +170,8 @@ def stored_history(entry: object) -> Tuple[CommitPoint, ...]:
     :data:`~persistent_delta.log.schema.COMMIT_HISTORY`.
 
     The history only feeds the health rule, so a missing one (an entry written before it) and a
-    malformed one (not a list, or a point that is not ``[number, int, int]``) read as no history
+    malformed one (not a list, or a point that is not ``[time, int, int]``, the time as
+    :func:`~persistent_delta.log.schema.valid_commit_time` bounds it) read as no history
     rather than failing the consumer or the tools.
     """
     raw = entry.get(HISTORY_KEY) if isinstance(entry, dict) else None
