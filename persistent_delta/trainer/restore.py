@@ -167,6 +167,7 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
                         dropped_ids[fqn] = torch.unique(torch.cat([i.reshape(-1).long() for i in ids]))
                 for channel in CHANNELS:
                     dropped += delete_table_records(w, entry, lo, None, channel)[0]
+            forget_dropped_stamps(w, lo)
             w.set_meta(META_CURR_BATCH, hi)
         w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), hi + 1))
         if gen is not None:
@@ -180,6 +181,18 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
                        "are never reused, so batches [%d, %d) read as empty on every rank", log.path, hi,
                        batch_idx, lo, dropped, lo, hi + 1)
     return hi
+
+
+def forget_dropped_stamps(w: WriteTxn, lo: int) -> None:
+    """After a restart dropped the publishes stamped ``lo`` and later: the snapshots end goes
+    back to where what is still stored ends (a dropped stamp is no publish: kept, it made this
+    rank's end pass the others', which then read as behind), and an open stamp among them is
+    forgotten. No reader read a dropped stamp: a poll stops at the lowest end over the ranks,
+    and every rank dropped the same batches."""
+    if int(w.meta(META_SNAPSHOT_END, 0)) > lo:
+        w.set_meta(META_SNAPSHOT_END, position_rules.snapshots_covered_from(w, lo))
+    if int(w.meta(META_SNAPSHOT_OPEN, -1)) >= lo:
+        w.set_meta(META_SNAPSHOT_OPEN, -1)
 
 
 def _difference(have: TrackerMeta, want: TrackerMeta) -> str:

@@ -128,3 +128,4 @@ def test_publish_dropped_by_the_restart_is_published_again(tmp_path):
     assert r0["dropped"], r0  # the restart did drop rank 0's publish
     for r in (r0, r1):
         assert all(r["matches"].values()), r
+        assert r["behind"] == {}, r  # the dropped stamp is no publish end: no rank reads as behind

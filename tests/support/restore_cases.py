@@ -271,12 +271,17 @@ def dropped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any
     t.load_state_dict(tstate)
     for b in batches[6:8]:
         train_step(dmp, b)
+    t.flush()
+    dist.barrier()
+    with DeltaReader(root, channel="snapshots") as reader:  # before the next publish: no rank is behind
+        behind = dict(reader.poll().behind)
+    dist.barrier()
     t.publish("serving")
     t.flush()
     dist.barrier()
     with DeltaReader(root, channel="snapshots") as reader:
         apply_poll(replica, reader.poll(), complete_only=True)
-    out = {"matches": _replica_matches(t, replica),
+    out = {"matches": _replica_matches(t, replica), "behind": behind,
            "dropped": any("dropped" in m and "dropped 0 " not in m for m in seen)}
     dist.barrier()
     t.close()
