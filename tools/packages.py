@@ -48,12 +48,12 @@ def modules(pkg_dir: str = PKG) -> Dict[str, str]:
 
 
 def package_of(module: str) -> str:
-    """The package a module belongs to: its folder, ``base`` for a top-level module, ``root``
+    """The package a module belongs to: its folder, ``core`` for a top-level module, ``root``
     for ``__init__``/``__main__``."""
     if module in ROOT_MODULES:
         return "root"
     head, _, rest = module.partition(".")
-    return head if rest else "base"
+    return head if rest else "core"
 
 
 def imports(path: str) -> List[Tuple[int, str, List[str]]]:
@@ -166,7 +166,7 @@ def picture(rules: Dict[str, Rule], pkg_dir: str = PKG) -> str:
         by_pkg.setdefault(p, []).append(mod.rsplit(".", 1)[-1])
     lines = ["persistent_delta/"]
     for name, rule in rules.items():
-        label = {"base": "(top level)", "root": "(package root)"}.get(name, name + "/")
+        label = {"core": "(top level)", "root": "(package root)"}.get(name, name + "/")
         lines.append(f"  {label:<15} {rule.role}")
         lines.append(f"  {'':<15}   modules: {', '.join(by_pkg.get(name, []))}")
         lines.append(f"  {'':<15}   imports: {', '.join(rule.imports) or 'nothing of the package'}")
