@@ -41,7 +41,7 @@ from persistent_delta.errors import IncompletePollError, InvalidInputError, NotA
 from persistent_delta.log import position_rules
 from persistent_delta.log.layout import PathLike
 from persistent_delta.log.schema import ShardInfo
-from persistent_delta.log.shard_files import load_shards, shard_batches, shard_positions, whole_tables
+from persistent_delta.log.shard_files import load_shards, shard_batches, shard_identities, shard_positions, whole_tables
 from persistent_delta.read.base import BaseTables
 from persistent_delta.read.results import DeltaPoll, TableDelta, merge_table
 from persistent_delta.log.schema import SNAPSHOTS
@@ -72,8 +72,9 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> BaseTables:
     Returns:
         fqn -> the full table, shape ``(global_rows, global_cols)``, the shards' dtype: a
         :class:`~persistent_delta.read.base.BaseTables` (a ``dict``) whose ``batches`` say which
-        batch each rank's file holds and ``positions`` where a poll applied onto it must start
-        at the latest.
+        batch each rank's file holds, ``positions`` where a poll applied onto it must start
+        at the latest, and ``logs`` which log each rank's file was taken from (a poll read from
+        another log, e.g. after a start afresh, is refused).
 
     Raises:
         NotALogError: ``shard_dir`` holds no shard files (after ``wait``).
@@ -88,6 +89,7 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> BaseTables:
         try:
             # before the weights: a file saved again meanwhile gives an older position (stricter)
             positions, batches = shard_positions(shard_dir), shard_batches(shard_dir)
+            logs = shard_identities(shard_dir)
             found = load_shards(shard_dir)
             if time.monotonic() >= deadline or all(_covers_whole(s) for s in found.values()):
                 break
@@ -102,6 +104,7 @@ def load_base(shard_dir: PathLike, wait: float = 0.0) -> BaseTables:
                        "onto them cannot be checked to continue them on those ranks", shard_dir, unknown)
     return BaseTables(tables, positions={r: p for r, p in positions.items() if p is not None},
                       batches={r: b for r, b in batches.items() if b is not None},
+                      logs={r: ident for r, ident in logs.items() if ident is not None},
                       source=f"the base in {os.fspath(shard_dir)!r}")
 
 
@@ -176,8 +179,9 @@ def apply_poll(
         IncompletePollError: ``complete_only`` and the poll is not complete.
         StaleBaseError: ``tables`` is a :class:`~persistent_delta.read.base.BaseTables` and the
             poll starts, on some rank, after the position they continue from (the base's batch,
-            then the end of the poll applied before): the publishes in between are in neither.
-            Start from a fresh base (its message says how).
+            then the end of the poll applied before): the publishes in between are in neither;
+            or it was read, on some rank, from another log than the base's (another job's, or
+            the log before a start afresh). Start from a fresh base (its message says how).
     """
     if isinstance(tables, PollTarget):
         return tables.apply_poll(poll, complete_only=complete_only, strict=strict)

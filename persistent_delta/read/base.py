@@ -34,6 +34,14 @@ refused the same way. A rank the base does not know (a file that records no batc
 checked. Starting earlier than the position is allowed: older publishes are applied again, and
 the newer ones that follow in order bring every row back to the newest value (the
 at-least-once rule of every apply).
+
+A position counts the batches of one log: the rank's log the base was taken from (the shard
+files' ``log_id``/``log_stamp``, :class:`~persistent_delta.log.schema.LogIdentity`). A poll
+read from another log -- another job's, or the same path started afresh (``fresh=True``: a new
+identity, batches from 0 again) -- would pass the comparison with positions that mean nothing
+for the base, so a rank whose poll says which log it read (:attr:`RankDelta.log`, a local read)
+is refused first when the base names another one. A base or a poll that does not say (files
+written before identities were recorded, a remote read) is not checked for it.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 import torch
 
 from persistent_delta.errors import StaleBaseError
+from persistent_delta.log.schema import LogIdentity
 from persistent_delta.read.results import DeltaPoll
 
 
@@ -56,20 +65,26 @@ class Continuation:
     Args:
         positions: rank -> the position the tables continue from.
         source: what the tables came from, for the error message (a shard-files directory).
+        logs: rank -> the identity of the log the positions count batches of (a rank without
+            one is not checked for it).
     """
 
-    def __init__(self, positions: Mapping[int, int], source: str = "the base") -> None:
+    def __init__(self, positions: Mapping[int, int], source: str = "the base",
+                 logs: Optional[Mapping[int, LogIdentity]] = None) -> None:
         self.positions: Dict[int, int] = {int(r): int(p) for r, p in positions.items()}
         self.source = source
+        self.logs: Dict[int, LogIdentity] = {int(r): ident for r, ident in (logs or {}).items()}
         self._applied: Dict[int, int] = {}  # rank -> end of the last poll applied
 
     def check(self, poll: DeltaPoll) -> None:
         """Raise unless ``poll`` continues the tables on every rank it read (it is not applied).
 
         Raises:
-            StaleBaseError: a rank's read starts after the position the tables continue from.
+            StaleBaseError: a rank's read starts after the position the tables continue from,
+                or was read from another log than the one the tables were taken from.
         """
         for rank, delta in sorted(poll.ranks.items()):
+            self._check_log(rank, delta.log, delta.start_idx)
             position, start = self.positions.get(rank), delta.start_idx
             covers = start if delta.covers_from is None else min(start, delta.covers_from)
             if position is None or covers <= position:
@@ -89,6 +104,22 @@ class Continuation:
                 "on every rank of the trainer, then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), "
                 "with the consumer at or before its batch",
                 rank=rank, start=start, position=position)
+
+    def _check_log(self, rank: int, read: Optional[LogIdentity], start: int) -> None:
+        """Raise when the poll's rank ``rank`` was read from another log than the tables'."""
+        mine = self.logs.get(rank)
+        if mine is None or read is None or read.log_id == mine.log_id:
+            return
+        when = "an older" if mine.older_than(read) else "another"
+        raise StaleBaseError(
+            f"rank {rank}: this snapshots poll was read from {read.describe()}, but {self.source} was taken from "
+            f"{when} log, {mine.describe()} (another job's log, or this path's log before a start afresh with "
+            "fresh=True): its batch positions count that log's batches, so nothing tells which of this log's "
+            "publishes it holds; applied, rows would be wrong or stale. Nothing was applied. Start from a fresh "
+            "base of this log: save_local_shards(tracker, shard_dir) on every rank of the trainer that writes it, "
+            "then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), with the consumer at or before "
+            "its batch",
+            rank=rank, start=start, position=self.positions.get(rank, 0))
 
     def advance(self, poll: DeltaPoll) -> None:
         """``poll`` was applied: the tables continue from its end on every rank it read."""
@@ -110,15 +141,22 @@ class BaseTables(Dict[str, torch.Tensor]):
         batches: rank -> the batch the base was taken at (as its files record it).
         continuation: per rank, where the tables continue from; moved by each applied poll.
         source: what the tables came from (the shard-files directory, the job's stream).
+        logs: rank -> the identity of the rank's log the base was taken from (as its files
+            record it): a poll read from another log is refused.
     """
 
     def __init__(self, tables: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]] = (),
                  positions: Optional[Mapping[int, int]] = None, batches: Optional[Mapping[int, int]] = None,
-                 source: str = "the base") -> None:
+                 source: str = "the base", logs: Optional[Mapping[int, LogIdentity]] = None) -> None:
         super().__init__(tables)
         self.batches: Dict[int, int] = dict(batches or {})
         self.source = source
-        self.continuation = Continuation(positions or {}, source)
+        self.continuation = Continuation(positions or {}, source, logs)
+
+    @property
+    def logs(self) -> Dict[int, LogIdentity]:
+        """rank -> the identity of the log the base was taken from (ranks that record one)."""
+        return dict(self.continuation.logs)
 
     @property
     def positions(self) -> Dict[int, int]:
@@ -136,7 +174,7 @@ def continuation_of(base: Optional[Mapping[str, torch.Tensor]]) -> Optional[Cont
     into tables of its own (an inference model); None for a plain mapping (nothing to check)."""
     if not isinstance(base, BaseTables):
         return None
-    return Continuation(base.continuation.positions, base.source)
+    return Continuation(base.continuation.positions, base.source, base.continuation.logs)
 
 
 __all__ = ["BaseTables", "Continuation", "continuation_of"]

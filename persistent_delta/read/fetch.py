@@ -24,7 +24,7 @@ from persistent_delta.log.deltalog import DeltaLog, ReadTxn, read_all
 from persistent_delta.log.deferred import deferred_rows
 from persistent_delta.log.records import TablePlan, batch_bytes, last_stamps, plan_unique, publish_times
 from persistent_delta.log.rows import IdMemo
-from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, ShardInfo
+from persistent_delta.log.schema import LOOKUPS, SNAPSHOTS, LogIdentity, ShardInfo
 from persistent_delta.log.zch_records import ZchDelta, read_side
 from persistent_delta.read.results import RankDelta, join_int8, table_delta, tiles_the_row
 
@@ -56,13 +56,14 @@ class RankPlan:
     formats: Dict[str, Dict[str, PlannedTable]] = field(default_factory=dict)  # a reader of every format: the others
     deferred: Optional[int] = None
     covers_from: Optional[int] = None  # snapshots: see RankDelta.covers_from
+    log: Optional[LogIdentity] = None  # snapshots: see RankDelta.log
 
     def finish(self, rows: Optional[Dict[str, UniqueRows]] = None) -> RankDelta:
         """The :class:`~persistent_delta.read.results.RankDelta`: the tables' rows copied out of the map (inside the
         transaction the plan was made in), or taken from ``rows`` where it has them."""
         out = RankDelta(rank=self.rank, path=self.path, start_idx=self.start_idx, end_idx=self.end_idx,
                         publishes=self.publishes, passed_over=self.passed_over, deferred=self.deferred,
-                        covers_from=self.covers_from)
+                        covers_from=self.covers_from, log=self.log)
         for fqn, (tp, shard, stamps, side) in self.tables.items():
             u = rows[fqn] if rows is not None and fqn in rows else tp.finish()
             out.tables[fqn] = table_delta(fqn, self.rank, self.start_idx, self.end_idx, u, shard, stamps, side,
@@ -102,6 +103,7 @@ def plan_range(
         out.publishes = publish_times(r, start_idx, end_idx)
         out.deferred = deferred_rows(r)
         out.covers_from = position_rules.snapshots_covered_from(r, start_idx)
+        out.log = r.identity()
 
     def planned(found: Dict[str, TablePlan], f: str) -> Dict[str, PlannedTable]:
         got: Dict[str, PlannedTable] = {}

@@ -23,7 +23,7 @@ from persistent_delta.config import LogOptions
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log import codec
 from persistent_delta.log.rows import compute_unique_rows, is_ascending, ordered_runs, unique_ids
-from persistent_delta.log.schema import ShardInfo
+from persistent_delta.log.schema import LogIdentity, ShardInfo
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.log.zch_records import ZchDelta, merge_side
 
@@ -109,6 +109,9 @@ class RankDelta:
     # where nothing was published nor deleted: position_rules.snapshots_covered_from); None: not
     # known (a remote read); what a replica's base is checked against (persistent_delta.read.base)
     covers_from: Optional[int] = None
+    # snapshots: the identity of the rank's log the read came from (None: not known, a remote
+    # read); a replica's base of another log is refused by it (persistent_delta.read.base)
+    log: Optional[LogIdentity] = None
 
 
 @dataclass

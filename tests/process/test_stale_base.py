@@ -9,6 +9,7 @@ publish. This process then plays the replicas that start afterwards."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -22,7 +23,7 @@ from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.read.inference import InferenceReplica
-from stale_base_cases import full, serving_job_case
+from stale_base_cases import fresh_start_case, full, serving_job_case
 
 pytestmark = pytest.mark.dist
 
@@ -32,6 +33,13 @@ def job(tmp_path_factory) -> Tuple[str, str, str, List[Dict[str, Any]]]:
     d = tmp_path_factory.mktemp("stale-base")
     root, base0, fresh = str(d / "log"), str(d / "base0"), str(d / "fresh")
     return root, base0, fresh, run_spawn(serving_job_case, 2, root, base0, fresh, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory) -> Tuple[str, str, str, List[Dict[str, Any]]]:
+    d = tmp_path_factory.mktemp("fresh-start")
+    root, old, new = str(d / "log"), str(d / "old-base"), str(d / "new-base")
+    return root, old, new, run_spawn(fresh_start_case, 2, root, old, new, timeout=240)
 
 
 def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
@@ -138,3 +146,37 @@ def test_remote_replicas_are_checked_the_same_way(job):
         consumer.seek(9)  # past publish 8, which the base lacks
         with pytest.raises(StaleBaseError, match=r"continues from batch 8: the publishes stamped in \[8, 9\)"):
             apply_poll(tables, consumer.poll(timeout=1))
+
+
+def test_a_base_of_the_log_before_a_start_afresh_is_refused(restarted):
+    """A job started afresh (``fresh=True``) writes a new log at the same path, its batches from
+    0 again: the previous run's shard files would pass the position check (their position is
+    past the new log's start), so the log identity they record is checked against the log each
+    rank's poll was read from. The new run's base, saved before training, applies quietly."""
+    root, old, new, ranks = restarted
+    stale = load_base(old)
+    assert set(stale.logs) == {0, 1} and stale.positions == {0: 5, 1: 5}
+    untouched = {k: v.clone() for k, v in stale.items()}
+    with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
+        poll = consumer.poll()
+    assert poll.ranges == {0: (2, 5), 1: (2, 5)} and poll.num_rows > 0  # at or before the old base's position
+    assert all(d.log is not None and stale.logs[r].older_than(d.log) for r, d in poll.ranks.items())
+    with pytest.raises(StaleBaseError, match=r"rank 0: this snapshots poll was read from log .* was taken from an "
+                       r"older log.*start afresh.*save_local_shards.*load_base") as err:
+        apply_poll(stale, poll, complete_only=True)
+    assert isinstance(err.value, OrderError) and err.value.rank == 0
+    assert _same(stale, untouched) and stale.positions == {0: 5, 1: 5}  # nothing applied, nothing moved
+    replica = InferenceReplica(quantized("ec", stale, "int8"), base=stale)
+    before = replica.all_weights()
+    with pytest.raises(StaleBaseError, match="older log"):
+        apply_poll(replica, poll, complete_only=True)
+    assert _same(replica.all_weights(), before)
+    # the documented path: the new run's base, with the consumer the new log registered
+    base = load_base(new)
+    assert base.logs == {r: poll.ranks[r].log for r in (0, 1)} and base.positions == {0: 1, 1: 1}
+    replica = InferenceReplica(quantized("ec", base, "int8"), base=base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_poll(base, poll, complete_only=True)
+        apply_poll(replica, poll, complete_only=True)
+    assert _same(base, full(ranks, "final_shards"))

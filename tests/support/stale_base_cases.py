@@ -58,6 +58,33 @@ def serving_job_case(rank: int, world_size: int, root: str, base0: str, fresh: s
     return out
 
 
+def fresh_start_case(rank: int, world_size: int, root: str, old_base: str, new_base: str) -> Dict[str, Any]:
+    """A job run twice on one log path: the first run publishes and saves its shard files at the
+    end (``old_base``); the second starts afresh (``fresh=True``: a new log identity, batches
+    from 0 again), saves its shard files before training (``new_base``, the documented path)
+    and publishes. Returns this rank's shards at the end of the second run."""
+    out: Dict[str, Any] = {}
+    for run, (base, fresh) in enumerate(((old_base, False), (new_base, True))):
+        dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=ROWS, seed=run)
+        t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                                fresh=fresh))
+        if fresh:
+            save_local_shards(t, base)
+        for i, b in enumerate(make_batches("ec", 4, 8, seed=5 + run, world_size=world_size, rank=rank, rows=ROWS)):
+            train_step(dmp, b)
+            if i % 2 == 1:
+                t.publish("serving")
+        t.flush()
+        if not fresh:
+            save_local_shards(t, base)
+        out["info"] = table_shard_info(dmp)
+        out["final_shards"] = {fqn: lt.weights().detach().clone() for fqn, lt in t.local_tables.items()}
+        dist.barrier()
+        t.close()
+        dist.barrier()
+    return out
+
+
 def full(ranks: Any, key: str) -> Dict[str, torch.Tensor]:
     """The trainer's whole tables from every rank's ``key`` shards (row-wise)."""
     tables: Dict[str, torch.Tensor] = {}
