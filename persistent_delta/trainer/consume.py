@@ -29,7 +29,7 @@ from persistent_delta.log.deltalog import ReadTxn, WriteTxn
 from persistent_delta.log.records import AppendRecord, log_start, read_unique
 from persistent_delta.log.rows import unique_ids
 from persistent_delta.log.schema import LOOKUPS, ROLE_PUBLISHES, ROLE_READS, ConsumerEntry
-from persistent_delta.trainer.unread import Accumulated, UnreadIds
+from persistent_delta.trainer.unread import UnreadIds, UnreadSince
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +73,7 @@ def consume(
 
 def consume_read_ids(
     r: ReadTxn, name: str, pending: Sequence[AppendRecord] = (),
-    accumulated: Optional[Accumulated] = None, accumulator: Optional[UnreadIds] = None,
+    taken: Optional[UnreadSince] = None, unread_ids: Optional[UnreadIds] = None,
     consumers: Optional[Dict[str, ConsumerEntry]] = None,
 ) -> Tuple[ConsumerEntry, Dict[str, torch.Tensor]]:
     """The read half of :func:`consume`, ids only (ascending, unique, per table; no states
@@ -86,9 +86,9 @@ def consume_read_ids(
     earlier one), so that the read need not wait for them. A pending record may also be in the
     log already (a commit in flight): its ids count once.
 
-    ``accumulated`` (taken from ``accumulator``, :mod:`persistent_delta.trainer.unread`): the
+    ``taken`` (a consumer's unread set taken from ``unread_ids``, :mod:`persistent_delta.trainer.unread`): the
     ids the writer committed since the consumer's previous publish. They answer instead of the log's
-    records when they equal them: the accumulation started at the consumer's position, the
+    records when they equal them: the unread set started at the consumer's position, the
     consumer is not expired, nothing at or after that position was deleted, and a read there
     starts there (no filtered window or compacted record reaches back before it). Otherwise the
     log is read. Tables with no unread id may then be left out (the log's read lists them
@@ -100,11 +100,11 @@ def consume_read_ids(
     """
     entry = _lookups_consumer(r, name, consumers=consumers, role=ROLE_PUBLISHES)
     start = position_rules.read_start(r, entry.offset)
-    if (accumulated is not None and accumulator is not None and accumulated.base == entry.offset == start
+    if (taken is not None and unread_ids is not None and taken.start == entry.offset == start
             and not entry.expired and log_start(r) <= start):
-        return entry, accumulator.unread(accumulated, pending)
-    if accumulator is not None:
-        accumulator.log_reads += 1
+        return entry, unread_ids.unread(taken, pending)
+    if unread_ids is not None:
+        unread_ids.log_reads += 1
     extra: Dict[str, List[torch.Tensor]] = {}
     for rec in pending:
         if rec.kind not in codec.SIDE_KINDS and rec.batch_idx >= start and rec.ids.numel():

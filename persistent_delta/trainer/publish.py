@@ -64,7 +64,7 @@ from persistent_delta.log.schema import SNAPSHOTS, ConsumerEntry
 from persistent_delta.log.zch_records import reinitialised, slot_moves
 from persistent_delta.trainer import caps, consume
 from persistent_delta.trainer.sharding import LocalTable, shard_weights
-from persistent_delta.trainer.unread import Accumulated, UnreadIds
+from persistent_delta.trainer.unread import UnreadIds, UnreadSince
 
 
 @dataclass
@@ -120,7 +120,7 @@ def capture(
     r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
     buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
     format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None,
-    cap: Optional[caps.PublishCap] = None, accumulated: Optional[Accumulated] = None,
+    cap: Optional[caps.PublishCap] = None, accumulated: Optional[UnreadSince] = None,
     accumulator: Optional[UnreadIds] = None,
 ) -> Captured:
     """Read ``name``'s unread rows and gather their current values into encoded snapshot

@@ -1,6 +1,6 @@
 """The ids each publishing consumer has not read yet, kept as the writer commits them.
 
-Owns: the accumulator that spares a publish the read of its consumer's unread ids from the
+Owns: the unread ids that spare a publish the read of its consumer's unread ids from the
 log (:func:`persistent_delta.trainer.consume.consume_read_ids` asks whether it may answer).
 
 Design note
@@ -9,26 +9,26 @@ A publish needs the ids of the rows changed since its consumer's last read. Read
 the log costs the training thread a read transaction, a pass over every record since that
 position and a merge of their ids. The writer already holds every step's records when it
 commits them, so after each commit it marks their ids (all ids looked up, before the window
-filter drops any: the answer must not depend on where a window started) in an accumulation per
+filter drops any: the answer must not depend on where a window started) in an unread set per
 publishing consumer: a bitmap over the shard's rows (numpy, one byte a row, for shards up to
 :data:`DENSE_ROWS` rows; ids outside it, and bigger shards, go to a list of id tensors merged on
 the writer thread whenever it outgrows what it merged). A publish then takes its consumer's
-accumulation (a swap under a lock, :meth:`UnreadIds.take`), which starts a new one at the
+unread set (a swap under a lock, :meth:`UnreadIds.take`), which starts a new one at the
 position the publish moves the consumer to, and on the training thread adds the records
 handed to the writer and not committed yet and lists the marked ids (:meth:`UnreadIds.unread`).
 
 Nothing is missed between the two threads: the writer marks a commit's records *before* they
 leave its queue, and a publish takes the records still queued (``pending``) *before* it takes
-the accumulation. A record is thus in one or the other, or in both (counted once).
+the unread set. A record is thus in one or the other, or in both (counted once).
 
-An accumulation answers only when it provably equals the log's answer
+An unread set answers only when it provably equals the log's answer
 (:func:`persistent_delta.trainer.consume.consume_read_ids` checks): it was started by the
 consumer's previous publish at the position the consumer still holds, the consumer is not
 expired, nothing was deleted at or after it, and a read there starts there. Records written
 to the log by anything but the writer (a restore's re-delivery) and deletions (``clear``) make
-the tracker drop every accumulation (:meth:`UnreadIds.drop`). Without an accumulation that
+the tracker drop every unread set (:meth:`UnreadIds.drop`). Without an unread set that
 answers (a consumer's first publish in this process, after a restart or a restore), the
-publish reads the log, once, and accumulates from there on. (A ``get_unique`` of a publishing
+publish reads the log, once, and marks unread ids from there on. (A ``get_unique`` of a publishing
 consumer is refused: :mod:`persistent_delta.trainer.consume`.)
 
 Memory: per consumer that publishes, per table, two bitmaps of one byte per local row (the one
@@ -50,15 +50,15 @@ from persistent_delta.log.records import AppendRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DENSE_ROWS", "Accumulated", "UnreadIds"]
+__all__ = ["DENSE_ROWS", "UnreadIds", "UnreadSince"]
 
-DENSE_ROWS = 1 << 22  # shards up to this many rows accumulate in a bitmap (one byte a row)
+DENSE_ROWS = 1 << 22  # shards up to this many rows mark their ids in a bitmap (one byte a row)
 _CLEAR_BY_ID = 32  # a bitmap is cleared id by id when it holds fewer ids than 1/32 of its rows
 _MERGE_AT = 1 << 16  # a list of ids is merged once its unmerged ids exceed this and what it merged
 
 
 class _TableIds:
-    """One table's accumulated ids: a bitmap over ``[0, rows)`` (or none), and id tensors."""
+    """One table's marked ids: a bitmap over ``[0, rows)`` (or none), and id tensors."""
 
     __slots__ = ("bitmap", "parts", "unmerged", "merged", "dtype")
 
@@ -90,7 +90,7 @@ class _TableIds:
             self.merged, self.unmerged = int(self.parts[0].numel()), 0
 
     def ids(self) -> Optional[torch.Tensor]:
-        """The accumulated ids, ascending and unique (None: none)."""
+        """The marked ids, ascending and unique (None: none)."""
         found = None
         if self.bitmap is not None:
             found = torch.from_numpy(np.flatnonzero(self.bitmap))
@@ -102,12 +102,12 @@ class _TableIds:
         return found if found.dtype == self.dtype else found.to(self.dtype)
 
 
-class Accumulated:
-    """A consumer's accumulation: the ids of the lookups records with ``batch_idx >= base``
-    committed since it started (per table)."""
+class UnreadSince:
+    """A consumer's unread set: the ids of the lookups records with ``batch_idx >= start``
+    committed since it was opened (per table)."""
 
-    def __init__(self, base: int) -> None:
-        self.base = base
+    def __init__(self, start: int) -> None:
+        self.start = start
         self.tables: Dict[str, _TableIds] = {}
 
 
@@ -118,17 +118,17 @@ class UnreadIds:
     background writer), the others on the training thread; one lock orders them.
 
     Args:
-        rows: fqn -> local rows of each tracked table (those not listed are not accumulated).
+        rows: fqn -> local rows of each tracked table (those not listed are not tracked).
     """
 
     def __init__(self, rows: Mapping[str, int]) -> None:
         self._rows = dict(rows)
         self._lock = threading.Lock()
-        self._open: Dict[str, Accumulated] = {}
+        self._open: Dict[str, UnreadSince] = {}
         self._spare: Dict[str, List[np.ndarray]] = {}  # fqn -> clean bitmaps
         self.log_reads = 0  # publishes whose unread ids were read from the log (none answered)
 
-    def _table(self, acc: Accumulated, fqn: str) -> _TableIds:
+    def _table(self, acc: UnreadSince, fqn: str) -> _TableIds:
         t = acc.tables.get(fqn)
         if t is None:
             rows = self._rows[fqn]
@@ -140,7 +140,7 @@ class UnreadIds:
         return t
 
     def add(self, records: Iterable[AppendRecord]) -> None:
-        """Mark the ids of ``records``, just committed, in every accumulation they belong to
+        """Mark the ids of ``records``, just committed, in every unread set they belong to
         (lookups records of a listed table at or after its start). Call it before the
         records leave the writer's queue (see the module docs)."""
         with self._lock:
@@ -151,34 +151,34 @@ class UnreadIds:
                     if rec.kind in SIDE_KINDS or rec.fqn not in self._rows or rec.ids.numel() == 0:
                         continue
                     for acc in self._open.values():
-                        if rec.batch_idx >= acc.base:
+                        if rec.batch_idx >= acc.start:
                             self._table(acc, rec.fqn).add(rec.ids)
             except Exception:  # noqa: BLE001 - never the writer's failure: the next publishes read the log
-                logger.exception("unread ids: an accumulation failed; the next publishes read the log")
+                logger.exception("unread ids: marking them failed; the next publishes read the log")
                 self._open.clear()
 
-    def take(self, name: str, base: int) -> Optional[Accumulated]:
-        """``name``'s accumulation so far (None: it has none), and a new one from ``base`` (the
+    def take(self, name: str, start: int) -> Optional[UnreadSince]:
+        """``name``'s unread set so far (None: it has none), and a new one from ``start`` (the
         position the publish moves it to). Call it after taking the pending records."""
         with self._lock:
             acc = self._open.get(name)
-            self._open[name] = Accumulated(base)
+            self._open[name] = UnreadSince(start)
         return acc
 
     def drop(self, name: Optional[str] = None) -> None:
-        """Forget ``name``'s accumulation (None: every one): its next publish reads the log."""
+        """Forget ``name``'s unread set (None: every one): its next publish reads the log."""
         with self._lock:
             if name is None:
                 self._open.clear()
             else:
                 self._open.pop(name, None)
 
-    def unread(self, acc: Accumulated, pending: Sequence[AppendRecord] = ()) -> Dict[str, torch.Tensor]:
+    def unread(self, acc: UnreadSince, pending: Sequence[AppendRecord] = ()) -> Dict[str, torch.Tensor]:
         """The ids of ``acc`` (taken) and of ``pending`` (records handed to the writer and not
-        committed; those at or after its base), ascending and unique per table; tables with
+        committed; those at or after its start), ascending and unique per table; tables with
         none are left out. ``acc`` is used up: its bitmaps are cleared and kept for reuse."""
         for rec in pending:
-            if rec.kind not in SIDE_KINDS and rec.fqn in self._rows and rec.batch_idx >= acc.base and rec.ids.numel():
+            if rec.kind not in SIDE_KINDS and rec.fqn in self._rows and rec.batch_idx >= acc.start and rec.ids.numel():
                 self._table_unlocked(acc, rec.fqn).add(rec.ids)
         out: Dict[str, torch.Tensor] = {}
         for fqn, t in acc.tables.items():
@@ -196,6 +196,6 @@ class UnreadIds:
         acc.tables = {}
         return out
 
-    def _table_unlocked(self, acc: Accumulated, fqn: str) -> _TableIds:
+    def _table_unlocked(self, acc: UnreadSince, fqn: str) -> _TableIds:
         with self._lock:  # (the spare bitmaps are shared with the writer thread)
             return self._table(acc, fqn)

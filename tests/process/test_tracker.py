@@ -177,7 +177,7 @@ def test_embedding_capture_and_reads_reuse_their_memory(tmp_path):
 
 
 def test_a_publish_carries_exactly_what_the_log_holds_for_its_consumer(tmp_path):
-    """A publish takes its consumer's unread ids from the writer's accumulation instead of the
+    """A publish takes its consumer's unread ids from the writer's unread set instead of the
     log: they equal a twin consumer's get_unique at every publish (row- and column-wise
     tables), across steps still queued, retention, a restart, a later consumer and a restore;
     the log is read only at a consumer's first publish in a process and after anything else

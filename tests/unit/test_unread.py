@@ -1,4 +1,4 @@
-"""The publish's accumulation of unread ids (persistent_delta.trainer.unread) against a plain union."""
+"""A publish's unread ids, marked by the writer (persistent_delta.trainer.unread), against a plain union."""
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ def _union(records, base):
 def test_each_publish_gets_the_union_of_what_was_committed_and_pending_since_its_base():
     rng = np.random.default_rng(3)
     unread = UnreadIds({"small": SMALL, "big": BIG})
-    assert unread.take("a", 5) is None  # nothing accumulated before a consumer's first publish
+    assert unread.take("a", 5) is None  # no unread set before a consumer's first publish
     committed, base = [], 5
     for publish in range(4):
         batches = range(base - 1, base + 6)  # one batch below the base: not this publish's
@@ -45,7 +45,7 @@ def test_each_publish_gets_the_union_of_what_was_committed_and_pending_since_its
     assert unread.unread(unread.take("a", base), []) == {}
 
 
-def test_a_dropped_accumulation_answers_nothing_and_others_go_on():
+def test_a_dropped_unread_set_answers_nothing_and_others_go_on():
     unread = UnreadIds({"t": SMALL})
     unread.take("a", 0)
     unread.take("b", 0)
