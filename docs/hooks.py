@@ -38,6 +38,13 @@ SETTINGS_CLASSES = ("PersistentTrackerConfig", "LogOptions", "WriterOptions", "R
 # What to do about each error (its docstring says what happened).
 WHAT_TO_DO: Dict[str, str] = {
     "PersistentDeltaError": "Catch it to handle every error this library raises on purpose.",
+    "UsageError": "Catch it for every mistake in a call (its subclasses): fix the calling code; nothing was written.",
+    "LogError": "Catch it for every failure of a log on disk (its subclasses); the subclass says what to do.",
+    "ConsumerError": "Catch it for every refusal about a consumer or its position (its subclasses).",
+    "StreamError": "Catch it for every failure across hosts (its subclasses); `exc.retriable` says whether to "
+                   "try the call again.",
+    "RejectedMessageError": "Nothing to undo: the reader skipped the message and applied nothing of it; "
+                            "`RemoteConsumer.rejected` lists it. The subclass says what to check.",
     "InvalidInputError": "Fix the argument the message names; nothing was written.",
     "LogClosedError": "Do not use a handle after `close()`; open a new one.",
     "LogLockedError": "Another process (the message gives its pid, and host for a remote consumer) holds the "
@@ -313,7 +320,9 @@ def errors_markdown() -> str:
         if todo is None:
             log.warning("persistent_delta.errors.%s has no 'what to do' entry in docs/hooks.py", cls.__name__)
             todo = ""
-        parts += [f"## {cls.__name__}", "", f"*Subclass of {bases}.* {doc}", "", f"**What to do:** {todo}", ""]
+        retry = "yes: the same call, later, can succeed" if getattr(cls, "retriable", False) else "no"
+        parts += [f"## {cls.__name__}", "", f"*Subclass of {bases}.* {doc}", "", f"**What to do:** {todo}", "",
+                  f"**Retriable:** {retry}.", ""]
     return "\n".join(parts)
 
 

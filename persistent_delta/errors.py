@@ -5,18 +5,51 @@ Owns: the error types; each says what a caller can do about it.
 Every failure a caller can act on has its own subclass of :class:`PersistentDeltaError`; the
 message says what happened, why, and how to fix it. Library errors (py-lmdb, msgpack) are
 wrapped with ``raise ... from exc`` so the original cause stays visible.
+
+The errors come in families, one base class each, so a caller can catch a kind of failure:
+
+- :class:`UsageError`: the call cannot work as made (an argument, the call order, a closed
+  handle, a handle carried across a fork); fix the calling code.
+- :class:`LogError`: a log on disk cannot be opened, read or written as asked (not a log,
+  another format or configuration, a damaged record, a full disk, permissions, the writer lock).
+- :class:`ConsumerError`: a consumer or its position (unknown, out of range, moved meanwhile,
+  the wrong role, a poll short of some ranks).
+- :class:`WriterError`: the tracker's background writer failed.
+- :class:`StreamError`: across hosts -- the stream server, the job's stream and buckets, the
+  stream key, and :class:`RejectedMessageError`, a message a reader refuses and skips (it does
+  not authenticate or does not fit the job's tables).
+- :class:`CommandStoppedError` stands alone: a command stopped on request, not a failure.
+
+Every class has a ``retriable`` class attribute: True when the same call, made again later
+unchanged, can succeed without anyone acting first (the stream server unreachable or slow, a
+lock held by another process, ranks that have not completed a batch yet); False when something
+must change first (the input, the configuration, the data, the disk, a permission). A retry
+loop asks ``exc.retriable`` instead of listing classes.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import ClassVar, Dict, Optional
 
 
 class PersistentDeltaError(Exception):
-    """Base class of every error raised on purpose by persistent_delta."""
+    """Base class of every error raised on purpose by persistent_delta.
+
+    ``retriable`` (a class attribute): whether the same call, made again later unchanged, can
+    succeed without anyone acting first. False unless a class says otherwise."""
+
+    retriable: ClassVar[bool] = False
 
 
-class InvalidInputError(PersistentDeltaError, ValueError):
+# ---------------------------------------------------------------- usage
+
+class UsageError(PersistentDeltaError):
+    """The call cannot work as made: a malformed argument, inputs in the wrong order, a handle
+    used after ``close()`` or carried across a fork, a range the log cannot answer exactly. Fix
+    the calling code; nothing was written."""
+
+
+class InvalidInputError(UsageError, ValueError):
     """An argument is malformed: float or negative ids, states whose rows differ from the ids,
     a negative or decreasing ``batch_idx``, an invalid consumer name, a bad range."""
 
@@ -32,141 +65,6 @@ class RankDirectoryError(InvalidInputError):
         self.path = path
         self.rank = rank
         self.root = root
-
-
-class LogClosedError(PersistentDeltaError):
-    """The store, log or tracker was used after ``close()``."""
-
-
-class LogLockedError(PersistentDeltaError):
-    """Another process (or another open handle in this process) holds the log's writer lock."""
-
-
-class NotALogError(PersistentDeltaError):
-    """The directory does not hold a persistent_delta log (and creating one was not asked for)."""
-
-
-class FormatMismatchError(PersistentDeltaError):
-    """The log was written with another format version, and cannot be read by this one."""
-
-
-class ConfigMismatchError(PersistentDeltaError):
-    """The log was written with another update mode, tracking mode or table set."""
-
-
-class WorldSizeMismatchError(ConfigMismatchError):
-    """A checkpoint's tracker state does not fit this job's ranks: it was saved with another
-    world size, or it holds no state for this rank (only other ranks'). Each rank's log and
-    table shards belong to the layout they were written with, so another rank's state (or
-    none) is never loaded in its place. Restore with the world size the checkpoint was saved
-    with; to go on with another, start a fresh log (``PersistentTrackerConfig(fresh=True)`` or
-    another path) and give replicas a new base."""
-
-
-class ForkedProcessError(PersistentDeltaError):
-    """An LMDB environment opened in one process was used from a forked child."""
-
-
-class CorruptRecordError(PersistentDeltaError):
-    """A stored record failed its checksum or could not be decoded."""
-
-
-class DamagedLogError(CorruptRecordError):
-    """The LMDB file itself is damaged (truncated, meta pages inconsistent, a broken B-tree):
-    opening or reading it could kill the process (SIGBUS) or return wrong data, so it is not
-    opened. The message names the file."""
-
-
-class LogFullError(PersistentDeltaError):
-    """The disk is full (or the map cannot grow further); nothing committed was lost."""
-
-
-class LogIOError(PersistentDeltaError):
-    """An I/O error from the disk (EIO) while the filesystem has space: the device, not the log,
-    failed. Nothing committed before it was lost; the log is reopened at its last commit."""
-
-
-class ReadOnlyLogError(PersistentDeltaError):
-    """A write was attempted on a log opened read-only, or the directory is not writable."""
-
-
-class LogAccessError(PersistentDeltaError, PermissionError):
-    """This user may not read the log (its root or a rank directory is owner-only and owned by
-    another user). Run as the log's owner, or create the log with group access
-    (``PERSISTENT_DELTA_GROUP_ACCESS=1``) and join its group."""
-
-
-class LogOwnershipError(PersistentDeltaError, PermissionError):
-    """A rank directory or data file is owned by another uid than the log root (or is a
-    symbolic link): another user may have planted it, so it is not read. Remove it and keep the
-    log root writable by its owner only."""
-
-
-class UnknownConsumerError(PersistentDeltaError, KeyError, AssertionError):
-    """The consumer name is not registered in the log. Also an ``AssertionError``: TorchRec's
-    tracker asserts on an unknown consumer in ``get_unique``/``clear``, and code written
-    against it catches that."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
-        return str(self.args[0]) if self.args else ""
-
-
-class OffsetOutOfRangeError(PersistentDeltaError):
-    """A consumer position lies below the log start (its data was deleted) or past its end."""
-
-
-class ConsumerConflictError(PersistentDeltaError):
-    """A consumer's position moved between a read and the commit of that read (another
-    writer changed it); the read is not committed."""
-
-
-class ConsumerRoleError(PersistentDeltaError):
-    """A trainer's consumer was asked for the use it does not have: ``get_unique`` (or
-    ``consume_exact``) on a consumer that publishes, or ``publish`` on one that reads. Both move
-    the one position the consumer has, so mixing them loses rows silently (a publish after a
-    read carries nothing of what was read). The role is recorded in the log at the consumer's
-    first use. Use two consumer names, one per use; to change a consumer's role, remove it and
-    add it again."""
-
-
-class IncompletePollError(PersistentDeltaError):
-    """A poll does not hold every rank's part of the batches it covers (its ranks were read
-    up to different ends, or a rank is missing), and the caller asked for complete ones."""
-
-
-class RanksBehindError(IncompletePollError):
-    """A snapshots poll was asked to be complete while some rank of the job is behind: it
-    completed a batch the other ranks published in without publishing in it (``publish()``
-    called on some ranks only, or a different number of steps apart), so the job's polls stop
-    at its end and the replica would keep the other ranks' newer rows stale. ``behind`` is rank
-    -> the newest stamp it lacks (``DeltaPoll.behind``). Call ``tracker.publish(consumer)`` on
-    every rank at the same steps. Nothing was applied."""
-
-    def __init__(self, message: str, behind: Optional[Dict[int, int]] = None) -> None:
-        super().__init__(message)
-        self.behind = dict(behind or {})
-
-
-class RanksBehindWarning(PersistentDeltaError, UserWarning):
-    """A snapshots reader found a rank of the job behind (see :class:`RanksBehindError`);
-    warned once per rank as it falls behind, by the poll that finds it. ``poll.behind`` says
-    which ranks and stamps."""
-
-
-class WriterError(PersistentDeltaError):
-    """The background writer failed; the original error is chained as ``__cause__``."""
-
-
-class WriterLogFullError(WriterError, LogFullError):
-    """The background writer failed because the disk is full (or the map cannot grow): both a
-    :class:`WriterError` and a :class:`LogFullError`, so either ``except`` catches it. Free space,
-    then ``resume()``; nothing queued was dropped."""
-
-
-class InexactRangeError(PersistentDeltaError):
-    """A batch range the log cannot answer exactly: the trainer's window filter stored each
-    row once per read window, so a range starting inside such a window would miss the rows
-    recorded earlier in it. The message names the exact alternatives."""
 
 
 class OrderError(InvalidInputError):
@@ -213,24 +111,180 @@ class UnsupportedModeError(InvalidInputError, NotImplementedError):
     ``NotImplementedError``)."""
 
 
-class TransportError(PersistentDeltaError):
+class LogClosedError(UsageError):
+    """The store, log or tracker was used after ``close()``."""
+
+
+class ForkedProcessError(UsageError):
+    """An LMDB environment opened in one process was used from a forked child."""
+
+
+class InexactRangeError(UsageError):
+    """A batch range the log cannot answer exactly: the trainer's window filter stored each
+    row once per read window, so a range starting inside such a window would miss the rows
+    recorded earlier in it. The message names the exact alternatives."""
+
+
+# ---------------------------------------------------------------- the log
+
+class LogError(PersistentDeltaError):
+    """A log on disk (or data in the log's formats) cannot be opened, read or written as asked:
+    not a log, another format version or configuration, a damaged record or file, a full disk,
+    an I/O error, permissions, or the writer lock held by another process."""
+
+
+class NotALogError(LogError):
+    """The directory does not hold a persistent_delta log (and creating one was not asked for)."""
+
+
+class FormatMismatchError(LogError):
+    """The log was written with another format version, and cannot be read by this one."""
+
+
+class ConfigMismatchError(LogError):
+    """The log was written with another update mode, tracking mode or table set."""
+
+
+class WorldSizeMismatchError(ConfigMismatchError):
+    """A checkpoint's tracker state does not fit this job's ranks: it was saved with another
+    world size, or it holds no state for this rank (only other ranks'). Each rank's log and
+    table shards belong to the layout they were written with, so another rank's state (or
+    none) is never loaded in its place. Restore with the world size the checkpoint was saved
+    with; to go on with another, start a fresh log (``PersistentTrackerConfig(fresh=True)`` or
+    another path) and give replicas a new base."""
+
+
+class CorruptRecordError(LogError):
+    """A stored record failed its checksum or could not be decoded."""
+
+
+class DamagedLogError(CorruptRecordError):
+    """The LMDB file itself is damaged (truncated, meta pages inconsistent, a broken B-tree):
+    opening or reading it could kill the process (SIGBUS) or return wrong data, so it is not
+    opened. The message names the file."""
+
+
+class LogFullError(LogError):
+    """The disk is full (or the map cannot grow further); nothing committed was lost."""
+
+
+class LogIOError(LogError):
+    """An I/O error from the disk (EIO) while the filesystem has space: the device, not the log,
+    failed. Nothing committed before it was lost; the log is reopened at its last commit."""
+
+    retriable = True  # the log is reopened at its last commit; the device may recover
+
+
+class ReadOnlyLogError(LogError):
+    """A write was attempted on a log opened read-only, or the directory is not writable."""
+
+
+class LogAccessError(LogError, PermissionError):
+    """This user may not read the log (its root or a rank directory is owner-only and owned by
+    another user). Run as the log's owner, or create the log with group access
+    (``PERSISTENT_DELTA_GROUP_ACCESS=1``) and join its group."""
+
+
+class LogOwnershipError(LogError, PermissionError):
+    """A rank directory or data file is owned by another uid than the log root (or is a
+    symbolic link): another user may have planted it, so it is not read. Remove it and keep the
+    log root writable by its owner only."""
+
+
+class LogLockedError(LogError):
+    """Another process (or another open handle in this process) holds the log's writer lock."""
+
+    retriable = True  # the holder may stop, or its claim expire
+
+
+# ---------------------------------------------------------------- consumers and positions
+
+class ConsumerError(PersistentDeltaError):
+    """A consumer or its position: an unknown name, a position outside the log, a position
+    moved by someone else, the wrong role, or a poll that lacks some ranks' part."""
+
+
+class UnknownConsumerError(ConsumerError, KeyError, AssertionError):
+    """The consumer name is not registered in the log. Also an ``AssertionError``: TorchRec's
+    tracker asserts on an unknown consumer in ``get_unique``/``clear``, and code written
+    against it catches that."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class OffsetOutOfRangeError(ConsumerError):
+    """A consumer position lies below the log start (its data was deleted) or past its end."""
+
+
+class ConsumerConflictError(ConsumerError):
+    """A consumer's position moved between a read and the commit of that read (another
+    writer changed it); the read is not committed."""
+
+
+class ConsumerRoleError(ConsumerError):
+    """A trainer's consumer was asked for the use it does not have: ``get_unique`` (or
+    ``consume_exact``) on a consumer that publishes, or ``publish`` on one that reads. Both move
+    the one position the consumer has, so mixing them loses rows silently (a publish after a
+    read carries nothing of what was read). The role is recorded in the log at the consumer's
+    first use. Use two consumer names, one per use; to change a consumer's role, remove it and
+    add it again."""
+
+
+class IncompletePollError(ConsumerError):
+    """A poll does not hold every rank's part of the batches it covers (its ranks were read
+    up to different ends, or a rank is missing), and the caller asked for complete ones."""
+
+    retriable = True  # the ranks short of the batches may complete them
+
+
+class RanksBehindError(IncompletePollError):
+    """A snapshots poll was asked to be complete while some rank of the job is behind: it
+    completed a batch the other ranks published in without publishing in it (``publish()``
+    called on some ranks only, or a different number of steps apart), so the job's polls stop
+    at its end and the replica would keep the other ranks' newer rows stale. ``behind`` is rank
+    -> the newest stamp it lacks (``DeltaPoll.behind``). Call ``tracker.publish(consumer)`` on
+    every rank at the same steps. Nothing was applied."""
+
+    retriable = True  # the ranks behind catch up at their next publish
+
+    def __init__(self, message: str, behind: Optional[Dict[int, int]] = None) -> None:
+        super().__init__(message)
+        self.behind = dict(behind or {})
+
+
+class RanksBehindWarning(ConsumerError, UserWarning):
+    """A snapshots reader found a rank of the job behind (see :class:`RanksBehindError`);
+    warned once per rank as it falls behind, by the poll that finds it. ``poll.behind`` says
+    which ranks and stamps."""
+
+
+# ---------------------------------------------------------------- the background writer
+
+class WriterError(PersistentDeltaError):
+    """The background writer failed; the original error is chained as ``__cause__``."""
+
+
+class WriterLogFullError(WriterError, LogFullError):
+    """The background writer failed because the disk is full (or the map cannot grow): both a
+    :class:`WriterError` and a :class:`LogFullError`, so either ``except`` catches it. Free space,
+    then ``resume()``; nothing queued was dropped."""
+
+
+# ---------------------------------------------------------------- the stream
+
+class StreamError(PersistentDeltaError):
+    """Across hosts: the stream server (unreachable, refusing), the job's stream and buckets
+    (missing, another layout, a compare-and-set lost), the stream key, or a message a reader
+    refuses (:class:`RejectedMessageError`)."""
+
+
+class TransportError(StreamError):
     """The stream (NATS JetStream, or another transport) could not be reached in time, or
     refused a request; the message names the server and what was asked. Shippers retry;
     remote consumers raise it from the call that needed the server."""
 
-
-class JobNotFoundError(NotALogError):
-    """The job's stream or buckets do not exist on the server: no shipper of the job has run
-    there yet, or they were deleted. Only the shipper side (a shipper, ``upload_base``) creates
-    them; a remote consumer never does (it may hold read-only permissions). Also a
-    :class:`NotALogError`."""
-
-
-class StreamLayoutError(ConfigMismatchError):
-    """A shipper asked for another stream layout than the job has: a job's layout (one stream,
-    or a stream per group of ``ranks_per_stream`` ranks) is fixed by its first shipper and
-    recorded in the job's ``meta`` bucket, and its streams never mix two layouts. Also a
-    :class:`ConfigMismatchError`."""
+    retriable = True  # the server may be back, a leader elected, the request answered
 
 
 class PermissionDeniedError(TransportError, PermissionError):
@@ -238,14 +292,28 @@ class PermissionDeniedError(TransportError, PermissionError):
     ``authorization`` block): the message names the subject. A denied publish or key write is
     otherwise only a timeout. See ``docs/guides/security.md`` for the permissions each side needs."""
 
+    retriable = False  # denied again until the server's permissions change
 
-class KeyConflictError(PersistentDeltaError):
+
+class JobNotFoundError(StreamError):
+    """The job's stream or buckets do not exist on the server: no shipper of the job has run
+    there yet, or they were deleted. Only the shipper side (a shipper, ``upload_base``) creates
+    them; a remote consumer never does (it may hold read-only permissions)."""
+
+
+class StreamLayoutError(StreamError):
+    """A shipper asked for another stream layout than the job has: a job's layout (one stream,
+    or a stream per group of ``ranks_per_stream`` ranks) is fixed by its first shipper and
+    recorded in the job's ``meta`` bucket, and its streams never mix two layouts."""
+
+
+class KeyConflictError(StreamError):
     """A compare-and-set on a key-value bucket of the stream lost: the key exists (create) or
     is no longer at the revision given (update). Read the key again and decide; a remote
     consumer's claim on its name is the one caller today."""
 
 
-class StreamKeyError(PersistentDeltaError):
+class StreamKeyError(StreamError):
     """A shipper, remote consumer or tool has no stream key (and was not told ``insecure=True``),
     or a key file is unreadable, malformed or readable by others. Create one with
     ``persistent-delta keygen PATH`` and pass it (``key=``, ``--key-file``,
@@ -267,39 +335,30 @@ class KeyFileError(StreamKeyError):
         self.refused = refused
 
 
-class CommandStoppedError(PersistentDeltaError):
-    """A long-running command (``ship``, ``exporter``, ``top``) was stopped by SIGTERM/SIGINT
-    while blocked -- in a system call, a wait on the server -- and interrupted rather than
-    ending its loop. The command line reports it on stderr and exits 0: the stop was asked
-    for. ``signal`` is the signal's number."""
+class RejectedMessageError(StreamError):
+    """A message, bucket value or base from the stream that a reader refuses: it does not
+    authenticate (:class:`AuthenticationError`) or does not fit the job's tables
+    (:class:`StreamDataError`). Nothing of it is applied and no position moves past it; readers
+    report it and skip it (``RemoteConsumer.rejected``). ``subject`` and ``seq`` say which one."""
 
-    def __init__(self, message: str, signal: int = 0) -> None:
+    def __init__(self, message: str, subject: str = "", seq: int = 0) -> None:
         super().__init__(message)
-        self.signal = signal
+        self.subject = subject
+        self.seq = seq
 
 
-class AuthenticationError(CorruptRecordError):
+class AuthenticationError(RejectedMessageError):
     """A message, bucket value or base on the stream failed its authenticator: forged, altered,
     or signed with a key this reader does not hold. Readers report it and skip the message
     (``RemoteConsumer.rejected``); ``subject`` and ``seq`` say which one. Check who publishes on
     the job's subjects (``docs/guides/security.md``) and that both sides hold the job's key."""
 
-    def __init__(self, message: str, subject: str = "", seq: int = 0) -> None:
-        super().__init__(message)
-        self.subject = subject
-        self.seq = seq
 
-
-class StreamDataError(CorruptRecordError):
+class StreamDataError(RejectedMessageError):
     """A record from the stream (or a base) does not match the job's table metadata: another
     row width or dtype, ids outside the rank's shard, a range or stamp out of bounds, a size
     past the reader's limits. Nothing of it is applied and no position moves past it; ``subject``
     and ``seq`` say which message."""
-
-    def __init__(self, message: str, subject: str = "", seq: int = 0) -> None:
-        super().__init__(message)
-        self.subject = subject
-        self.seq = seq
 
 
 class OlderLogError(StreamDataError):
@@ -309,3 +368,16 @@ class OlderLogError(StreamDataError):
     restart. Readers report it and skip it (``RemoteConsumer.rejected``); nothing of it is
     applied. It means someone publishes the old run's data again: check who may publish on the
     job's subjects (``docs/guides/security.md``)."""
+
+
+# ---------------------------------------------------------------- a stop, not a failure
+
+class CommandStoppedError(PersistentDeltaError):
+    """A long-running command (``ship``, ``exporter``, ``top``) was stopped by SIGTERM/SIGINT
+    while blocked -- in a system call, a wait on the server -- and interrupted rather than
+    ending its loop. The command line reports it on stderr and exits 0: the stop was asked
+    for. ``signal`` is the signal's number."""
+
+    def __init__(self, message: str, signal: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal

@@ -230,11 +230,9 @@ class Connection:
         for i in range(attempts):
             try:
                 return self.call(what, fn)
-            except (PermissionDeniedError, StreamLayoutError):
-                raise  # not transient
-            except TransportError:
-                if i == attempts - 1:
-                    raise
+            except PersistentDeltaError as exc:
+                if not exc.retriable or i == attempts - 1:
+                    raise  # not transient (a denied request, another layout, ...), or the last try
                 time.sleep(pause)
         raise AssertionError("unreachable")
 

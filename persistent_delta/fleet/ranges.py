@@ -25,7 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Set
 
-from persistent_delta.errors import CorruptRecordError, FormatMismatchError, OlderLogError, PersistentDeltaError
+from persistent_delta.errors import (
+    CorruptRecordError,
+    FormatMismatchError,
+    OlderLogError,
+    PersistentDeltaError,
+    RejectedMessageError,
+)
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.auth import Keyring, verify_message
 from persistent_delta.fleet.transport import Transport
@@ -125,7 +131,7 @@ def scan_markers(conn: Transport, ring: Keyring, job: str, channel: str, rank: i
                 scan.rejected += 1
                 on_reject(exc)
                 continue
-            except CorruptRecordError as exc:
+            except (RejectedMessageError, CorruptRecordError) as exc:  # not authentic, or malformed
                 scan.rejected += 1
                 on_reject(exc)
                 continue

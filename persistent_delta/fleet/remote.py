@@ -73,6 +73,7 @@ from persistent_delta.errors import (
     OffsetOutOfRangeError,
     OlderLogError,
     PersistentDeltaError,
+    RejectedMessageError,
     StreamDataError,
     TransportError,
     UnknownConsumerError,
@@ -414,7 +415,7 @@ class RemoteConsumer:
                     raise StreamDataError(f"job {self.job} {key}: holds the table metadata of rank {rt.rank}",
                                           subject=key)
                 self._newest(rt.rank, rt.identity, f"the table metadata {key}", key)
-            except CorruptRecordError as exc:
+            except (RejectedMessageError, CorruptRecordError) as exc:  # not authentic, not this job's, malformed
                 self._reject(exc)
                 continue
             self._meta[rt.rank] = rt
@@ -892,7 +893,7 @@ class RemoteConsumer:
             if got is not None:
                 got = self._keep_format(m, got)
                 self._validate(st.rank, m, got)
-        except CorruptRecordError as exc:
+        except (RejectedMessageError, CorruptRecordError) as exc:
             self._reject(exc)
             return  # as if never sent: never applied, and no position moves past it
         tables, side, stamps = (None, {}, {}) if got is None else (got.tables, got.side, got.stamps)

@@ -76,6 +76,7 @@ from persistent_delta.errors import (
     KeyConflictError,
     NotALogError,
     PersistentDeltaError,
+    RejectedMessageError,
     TransportError,
     UnknownConsumerError,
 )
@@ -163,7 +164,7 @@ def _base_identity(conn: Transport, ring: Keyring, job: str, rank: int, log: Opt
         return None
     try:
         rt = RankTables.decode(open_value(ring, job, subjects.META, subjects.tables_key(rank), got.value), job)
-    except (CorruptRecordError, FormatMismatchError):
+    except (RejectedMessageError, CorruptRecordError, FormatMismatchError):  # not authentic, or unreadable
         return None
     return rt.identity if rt.rank == rank else None
 
