@@ -211,9 +211,9 @@ class _Checker:
                 self.bad(f"{db} key {key.hex()}", str(exc))
                 continue
             side = codec.is_side_table_id(t)  # snapshots: the slot reassignments a publish carried
-            base_id = t & ~codec.SIDE_TABLE_BIT if side else t
-            where = codec.record_where(db, by_id.get(base_id, t), side, b, s)
-            if base_id not in by_id:
+            table_id = t & ~codec.SIDE_TABLE_BIT if side else t
+            where = codec.record_where(db, by_id.get(table_id, t), side, b, s)
+            if table_id not in by_id:
                 self.bad(where, f"unknown table id {t}")
             if side:
                 self.rc.side_records += 1

@@ -194,8 +194,8 @@ class ReadTxn:
         """``exc`` (a record that fails its checks) naming the log's file and the record."""
         t, b, s = codec.decode_record_key(key)
         side = codec.is_side_table_id(t)
-        base = t & ~codec.SIDE_TABLE_BIT if side else t
-        name = next((fqn for fqn, e in self.tables().items() if e.table_id == base), t)
+        table_id = t & ~codec.SIDE_TABLE_BIT if side else t  # a side record's table
+        name = next((fqn for fqn, e in self.tables().items() if e.table_id == table_id), t)
         return CorruptRecordError(
             f"{os.path.join(self.path, DATA_FILE)}: {codec.record_where(channel, name, side, b, s)}: {exc}")
 

@@ -62,14 +62,14 @@ def _dense(ids: torch.Tensor) -> Optional[Tuple[int, int]]:
     if ids.dtype in (torch.uint64, torch.uint32, torch.uint16) or ids.device.type != "cpu":
         return None
     lo, hi = torch.aminmax(ids)
-    base, span = int(lo), int(hi) - int(lo) + 1
-    return (base, span) if span <= max(_DENSE_FACTOR * n, 1 << 16) else None
+    lowest, span = int(lo), int(hi) - int(lo) + 1
+    return (lowest, span) if span <= max(_DENSE_FACTOR * n, 1 << 16) else None
 
 
-def _slots(ids: torch.Tensor, base: int) -> torch.Tensor:
-    """``ids - base`` as int64 (the direct-address table's index)."""
+def _slots(ids: torch.Tensor, lowest: int) -> torch.Tensor:
+    """``ids - lowest`` as int64 (the direct-address table's index)."""
     ids = ids.long()
-    return ids - base if base else ids
+    return ids - lowest if lowest else ids
 
 
 # The bookkeeping on ids (compare, nonzero) runs in numpy over the same memory: at these sizes
@@ -80,9 +80,9 @@ def _flatnonzero(mask: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(mask).astype(np.int64, copy=False))
 
 
-def _present(found: torch.Tensor, base: int, dtype: torch.dtype) -> torch.Tensor:
+def _present(found: torch.Tensor, lowest: int, dtype: torch.dtype) -> torch.Tensor:
     """The ids of direct-address slots ``found`` (ascending), in ``dtype``."""
-    return (found + base if base else found).to(dtype)
+    return (found + lowest if lowest else found).to(dtype)
 
 
 def is_ascending(ids: torch.Tensor) -> bool:
@@ -132,12 +132,12 @@ def unique_ids(ids: torch.Tensor) -> torch.Tensor:
     if dense is None:
         out: torch.Tensor = torch.unique(ids, sorted=True)
         return out
-    base, span = dense
+    lowest, span = dense
     # numpy: one thread, calloc'ed (torch.zeros + index_put start an OpenMP team, which competes
     # with training for the cores)
     mask = np.zeros(span, dtype=np.bool_)
-    mask[_slots(ids, base).numpy()] = True
-    return _present(_flatnonzero(mask), base, ids.dtype)
+    mask[_slots(ids, lowest).numpy()] = True
+    return _present(_flatnonzero(mask), lowest, ids.dtype)
 
 
 # Sparse ids made of at most this many ascending runs (records as the writer and publish store
@@ -165,8 +165,8 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
     if dense is not None:
         # numpy's unbuffered ufunc.at (numpy >= 1.25): one thread, no OpenMP team, less
         # per-call overhead than torch's scatter_reduce
-        base, span = dense
-        slots = _slots(ids, base).numpy()
+        lowest, span = dense
+        slots = _slots(ids, lowest).numpy()
         positions = np.arange(n, dtype=np.int64)
         if mode == UpdateMode.FIRST:
             slot = np.full(span, n, dtype=np.int64)
@@ -176,7 +176,7 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
             slot = np.full(span, -1, dtype=np.int64)
             np.maximum.at(slot, slots, positions)
             found = np.flatnonzero(slot >= 0)
-        return _present(torch.from_numpy(found), base, ids.dtype), torch.from_numpy(slot[found])
+        return _present(torch.from_numpy(found), lowest, ids.dtype), torch.from_numpy(slot[found])
     sorted_ids, order = _stable_sort(ids)
     keep = torch.empty(n, dtype=torch.bool)
     if mode == UpdateMode.FIRST:
