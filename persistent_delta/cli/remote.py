@@ -19,8 +19,8 @@ from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownCo
 from persistent_delta.fleet.auth import KeySpec
 from persistent_delta.fleet.remote import lock_key, offsets_key
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, open_transport
-from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, describe_remote, rejected_note,
-                                                   remote_offsets, stream_ends_of)
+from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, behind_note, describe_remote,
+                                                   rejected_note, remote_offsets, stream_ends_of)
 
 
 @dataclass
@@ -93,4 +93,5 @@ def change_remote(server: ServerSpec, job: str, name: str, action: str, target: 
         conn.close()
 
 
-__all__ = ["RemoteChange", "RemoteConsumerRow", "ShipperRow", "change_remote", "describe_remote", "rejected_note"]
+__all__ = ["RemoteChange", "RemoteConsumerRow", "ShipperRow", "behind_note", "change_remote", "describe_remote",
+           "rejected_note"]

@@ -25,8 +25,8 @@ from persistent_delta.cli.ship import connect_options
 from persistent_delta.cli.stopping import StopOnSignals
 from persistent_delta.errors import PersistentDeltaError
 from persistent_delta.ops.positions import RankOffsets, describe
-from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, StreamEnds, StreamRow, describe_remote,
-                                                   rejected_note, stream_ends_of)
+from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, StreamEnds, StreamRow, behind_note,
+                                                   describe_remote, rejected_note, stream_ends_of)
 
 
 def printable(text: object) -> str:
@@ -103,9 +103,7 @@ def snapshot(root: Optional[str], server: Optional[str] = None, job: Optional[st
         try:
             found = describe_remote(server, job, options, stall_after_s, ends=ends)
             view.remote, view.shippers, view.streams = found["consumers"], found["shippers"], found["streams"]
-            note = rejected_note(found)
-            if note:
-                view.errors.append(note)
+            view.errors += [n for n in (behind_note(found), rejected_note(found)) if n]
         except Exception as exc:  # noqa: BLE001 - a server away is shown, and retried at the next refresh
             view.errors.append(f"{server}: {exc}")
     for url in metrics:
@@ -124,7 +122,7 @@ def _num(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:g}"
 
 
-_HEALTH_STYLE = {"ok": "green", "lagging": "yellow", "stalled": "bold red", "expired": "red"}
+_HEALTH_STYLE = {"ok": "green", "lagging": "yellow", "stalled": "bold red", "expired": "red", "behind": "red"}
 
 
 def draw(view: View) -> Any:

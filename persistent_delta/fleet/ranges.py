@@ -12,7 +12,8 @@ Design note
 Markers are read forward from where the previous scan stopped (:class:`MarkerScan` keeps it,
 so repeated calls read only what is new). A marker that does not authenticate or decode is
 reported (``on_reject``) and skipped. Within an epoch, a marker whose end is not past the
-latest one is a re-send or a replay and changes nothing. Another epoch takes over only by an
+latest one is a re-send or a replay and changes nothing, unless it ends there and says the
+rank ended more batches (a snapshots progress marker: :mod:`persistent_delta.fleet.wire`). Another epoch takes over only by an
 explicit, authenticated epoch start (a marker with ``prev`` None: its shipper registered
 afresh); once left, an epoch never comes back (its markers are replays). Across logs the
 order is the logs' (:class:`~persistent_delta.log.schema.LogIdentity`): a marker of an older
@@ -83,7 +84,8 @@ def accept(scan: MarkerScan, m: Marker) -> bool:
         scan.latest = m
         return True
     if m.epoch == cur.epoch:
-        if m.end > cur.end:
+        # a progress marker (or a range) at the same end says the rank's batches ended moved
+        if m.end > cur.end or (m.end == cur.end and m.batches_ended > cur.batches_ended):
             scan.latest = m
             return True
         return False

@@ -81,7 +81,7 @@ from persistent_delta.errors import (
 from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.records import empty_rows
 from persistent_delta.read.base import BaseTables
-from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
+from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops, tell_behind
 from persistent_delta.read.results import DeltaPoll, RankDelta, join_int8, table_delta
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.schema import (
@@ -142,6 +142,8 @@ class _RankState:
     deferred: Optional[int] = None  # snapshots: the newest delivered range's count of deferred rows
     log: Optional[LogIdentity] = None  # the rank's log the position counts batches of (None: not known)
     stale: str = ""  # why the stored position is of an older log than the rank's newest (reset=None: raised)
+    # snapshots: (snapshots end, batches ended) as its newest marker at the buffered end said (None: not known)
+    reported: Optional[Tuple[int, int]] = None
 
 
 def _check_ids(ids: torch.Tensor, shard: Optional[ShardInfo], where: str, seq: int) -> None:
@@ -283,6 +285,7 @@ class RemoteConsumer:
         self.last_shipped: Dict[int, float] = {}  # rank -> wall-clock time the last delivered range was shipped
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._told_behind: Set[int] = set()  # ranks a warning said are behind on the snapshots channel
         self._ranks: Dict[int, _RankState] = {}
         self._meta: Dict[int, RankTables] = {}
         self._logs: Dict[int, LogIdentity] = {}  # rank -> the newest identity of its log seen authenticated
@@ -578,6 +581,7 @@ class RemoteConsumer:
         st.ranges.clear()
         st.buffered = 0
         st.gap = None
+        st.reported = None
         st.assembler = RangeAssembler(self.job, self.channel, st.rank, self._max_buffer)
 
     def position(self) -> Dict[int, int]:
@@ -885,6 +889,9 @@ class RemoteConsumer:
         if st.epoch is not None and m.epoch != st.epoch and (m.epoch in st.left or (m.prev is not None and any(
                 r.marker.epoch == m.epoch for r in st.ranges))):
             return  # a replay of an epoch an explicit epoch start replaced
+        if m.end == m.start and not m.listing:
+            self._on_progress(st, m)
+            return
         try:
             if m.digests is None and not self._ring.insecure:
                 raise StreamDataError(f"{self._where(st.rank)}: range marker {m.seq} does not list its parts' digests",
@@ -918,12 +925,31 @@ class RemoteConsumer:
             return  # a re-send (or a range already delivered): never applied twice
         assert tables is not None
         st.ranges.append(_Range(m, tables, nbytes, side, stamps))
+        st.reported = (m.end, m.batches_ended)
         st.buffered += nbytes
         if m.log is not None:
             st.log = m.log
         if st.epoch is not None and m.epoch != st.epoch and m.prev is None:
             st.left.add(st.epoch)  # an explicit epoch start: the old epoch's markers are replays from now on
         st.epoch = m.epoch
+
+    def _on_progress(self, st: _RankState, m: Marker) -> None:
+        """A progress marker (:mod:`~persistent_delta.fleet.wire`: no rows, the rank's batches
+        ended): kept when it continues what the rank buffered, of the same log (never a
+        position, a gap or an epoch change: the ranges' markers decide those)."""
+        expected = st.ranges[-1].marker.end if st.ranges else st.pos
+        if (expected is None or m.end == expected) and (m.log is None or st.log is None or m.log == st.log):
+            was = st.reported[1] if st.reported is not None and st.reported[0] == m.end else m.end
+            st.reported = (m.end, max(was, m.batches_ended))
+
+    def _behind(self) -> Dict[int, int]:
+        """The job's ranks behind on the snapshots channel, by the local readers' rule over what
+        each rank's markers said (:func:`~persistent_delta.read.polling.tell_behind`); a rank
+        whose markers said nothing yet is left out."""
+        if self.channel != SNAPSHOTS or self._expected is None or self.missing_ranks():
+            return {}
+        ends = {r: st.reported for r, st in self._ranks.items() if st.reported is not None}
+        return tell_behind(f"job {self.job} on {self.server}", ends, self._told_behind, stacklevel=4)
 
     def _keep_format(self, m: Marker, got: RangeContent) -> RangeContent:
         """The range's rows of this consumer's row format, by the filter of a local read
@@ -1087,6 +1113,7 @@ class RemoteConsumer:
             if st.gap is not None and not st.ranges:
                 self._resolve_gap(st)
                 self._fill(st)
+        behind = self._behind()
         known = {r: st for r, st in self._ranks.items() if st.pos is not None}
         positions = {r: int(st.pos) for r, st in known.items()}  # type: ignore[arg-type]
         ends = {r: (st.ranges[-1].marker.end if st.ranges else int(st.pos)) for r, st in known.items()}  # type: ignore[arg-type]
@@ -1113,7 +1140,7 @@ class RemoteConsumer:
             join_int8(out)  # column-wise tables: halves joined and quantized, as a local poll's
         return DeltaPoll(channel=self.channel, ranks=out,
                          world_size=None if self._expected is None else len(self._expected),
-                         read_threads=self._read_threads, format=self.format)
+                         read_threads=self._read_threads, format=self.format, behind=behind)
 
     def _common_stop(self, known: Dict[int, _RankState], positions: Dict[int, int], hard: Dict[int, int],
                      soft: Dict[int, int]) -> Optional[int]:

@@ -94,6 +94,7 @@ _STATS_EVERY_S = 1.0
 _RESCAN_EVERY_S = 0.5
 _IDLE_WAIT_S = 0.05
 _COMMIT_EVERY_S = 0.1
+_PROGRESS_EVERY_S = 0.5  # a rank that ends batches without publishing: its progress markers at most this often
 
 
 def upload_base(
@@ -216,6 +217,8 @@ class _Feed:
     table_fqns: Set[str] = field(default_factory=set)
     tables: bytes = b""  # the sealed table metadata it stored last (stored again when changed or tampered with)
     scan: MarkerScan = field(default_factory=MarkerScan)  # this rank's markers read so far
+    ended_sent: int = -1  # snapshots: the batches ended its last marker carried (-1: none yet)
+    progress_at: float = 0.0  # when (monotonic) it last shipped a progress marker
 
 
 class Shipper:
@@ -393,7 +396,8 @@ class Shipper:
         pos = feed.consumer.position()[rank]
         m = feed.scan.latest
         if m is not None and m.epoch == epoch:
-            feed.prev = m.end
+            feed.prev = m.end if m.end > m.start else m.prev  # a progress marker carries the last range's end
+            feed.ended_sent = m.batches_ended
             if m.end > pos:
                 logger.info("shipper %s: rank %d %s: the stream has up to batch %d already; local position %d -> %d",
                             self.job, rank, feed.channel, m.end, pos, m.end)
@@ -518,8 +522,11 @@ class Shipper:
         # a position moved up by the reset policy (the trainer expired the shipper past its
         # retention bound): the range is shipped even when empty, so remote consumers see the gap
         jumped = d is not None and d.start_idx > pos
+        ended = self._batches_ended(feed, pos if d is None else d.end_idx)
         if d is None or (d.end_idx <= d.start_idx and not jumped):
             st.position, st.lag_batches = pos, max(0, end - pos)
+            if ended is not None:
+                self._progress(feed, pos, end, ended)
             return 0
         if jumped:
             logger.warning("shipper %s: rank %d %s: batches [%d, %d) were deleted before they were shipped (the trainer "
@@ -533,6 +540,8 @@ class Shipper:
                                 "publishes": [[int(b), float(t)] for b, t in sorted(d.publishes.items())]}
         if d.deferred is not None:  # snapshots: rows capped publishes left pending, as the log stood at this read
             info["deferred"] = int(d.deferred)
+        if ended is not None:
+            info["batches_ended"] = ended
         # replicated tables: per row, the publish its value comes from (parts of their own)
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None])
@@ -545,6 +554,7 @@ class Shipper:
             return 0
         feed.dirty = True  # acknowledged: the local commit may follow (see _commit)
         feed.prev = d.end_idx
+        feed.ended_sent = d.end_idx if ended is None else ended
         st.ranges += 1
         st.batches += d.end_idx - pos
         st.messages += len(parts) + 1
@@ -554,6 +564,37 @@ class Shipper:
         st.lag_batches = max(0, end - d.end_idx)
         st.last_shipped = time.time()
         return max(1, d.end_idx - pos)
+
+    def _batches_ended(self, feed: _Feed, end: int) -> Optional[int]:
+        """Snapshots: the rank's batches ended, when its snapshots end is ``end`` (both read in
+        one transaction, so the pair is one the log held: a stamp closes in the transaction
+        that ends its batch); None on the lookups channel, or when the snapshots end is past
+        ``end`` (a range cut by ``max_batches``, or a publish closed since the poll): the
+        marker then claims nothing past its end."""
+        if feed.channel != SNAPSHOTS:
+            return None
+        if feed.log is None:
+            feed.log = DeltaLog(feed.path, readonly=True, writer_lock=False, options=self._options)
+        snap, ended = feed.log.read(lambda r: (position_rules.bounds(r, SNAPSHOTS)[1], position_rules.batches_ended(r)))
+        return max(ended, end) if snap == end else None
+
+    def _progress(self, feed: _Feed, pos: int, end: int, ended: int) -> None:
+        """Ship a progress marker: an empty range ``[pos, pos)`` carrying the rank's batches
+        ended (:mod:`~persistent_delta.fleet.wire`), when they moved since its last marker and
+        it publishes nothing, at most every ``_PROGRESS_EVERY_S``: so a remote consumer learns
+        a rank that ends batches without publishing is behind
+        (:func:`~persistent_delta.log.position_rules.snapshots_behind`)."""
+        assert self._conn is not None
+        now = time.monotonic()
+        if ended <= feed.ended_sent or (feed.ended_sent >= 0 and now - feed.progress_at < _PROGRESS_EVERY_S):
+            return
+        info: Dict[str, Any] = {"log_id": feed.log_id, "log_stamp": feed.log_stamp, "log_end": end,
+                                "batches_ended": ended}
+        _, marker, _ = wire.encode_range(self.job, feed.epoch, feed.channel, feed.rank, pos, pos, {},
+                                         wire.chunk_size(self._conn.max_payload), info, None, None, self._ring,
+                                         feed.prev)
+        if self._send(feed, [marker]):
+            feed.ended_sent, feed.progress_at = ended, now
 
     def _side(self, feed: _Feed, start_idx: int, end_idx: int, managed: List[str]) -> Dict[str, List[wire.SideRecord]]:
         """The side records of the managed-collision tables over the range just polled

@@ -33,6 +33,12 @@ the format it asked for, by the same filter as a local read
 (:func:`persistent_delta.log.codec.serves`). A snapshots marker also says how many rows the
 rank's capped publishes had left pending when the shipper read the range (``"deferred"``, the
 local read's count: :mod:`persistent_delta.log.deferred`); a reader older than it ignores it.
+It also carries the rank's batches ended, read with its snapshots end when the range reaches it
+(``"batches_ended"``, at or above ``end``: what
+:func:`~persistent_delta.log.position_rules.snapshots_behind` compares the other ranks' ends
+with), and a rank whose batches ended moved while it published nothing ships an empty range
+``[end, end)`` with no parts (a *progress marker*) to say so; a marker without the field (an
+older shipper) reads as ``end``, and a reader older than it ignores both.
 
 Every message carries the header ``PD-Format`` (:data:`FORMAT_VERSION`); a reader refuses
 another one. Parts also carry ``PD-Epoch``, ``PD-Range`` (``start-end``) and ``PD-Part``
@@ -266,6 +272,13 @@ class Marker:
     log: Optional[LogIdentity] = None
 
     @property
+    def batches_ended(self) -> int:
+        """Snapshots: the rank's batches ended (:func:`~persistent_delta.log.position_rules.batches_ended`)
+        read with the snapshots end ``end`` (``"batches_ended"``); ``end`` when the marker says
+        nothing more (an older shipper, a range that stops below the snapshots end)."""
+        return int(self.info.get("batches_ended", self.end))
+
+    @property
     def listing(self) -> List[Listing]:
         """Every part in order: tables, side records, stamps, other formats."""
         return self.parts + (self.side or []) + self.stamps + self.formats
@@ -318,11 +331,14 @@ class Marker:
             deferred = d.get("deferred")
             if deferred is not None:
                 _bounded_int(deferred, 0, MAX_DEFERRED, "deferred")
+            ended = d.get("batches_ended")
+            if ended is not None:
+                _bounded_int(ended, end, MAX_BATCH_IDX, "batches_ended")
             if headers is not None and (headers.get("PD-Epoch") != epoch or headers.get("PD-Range") != f"{start}-{end}"):
                 raise ValueError("its headers name another epoch or range than its body")
             log = LogIdentity.from_value(d)
             info = {k: v for k, v in d.items() if k in ("log_id", "log_stamp", "log_end", "v", "job", "channel", "rank",
-                                                        "deferred")}
+                                                        "deferred", "batches_ended")}
             info["publishes"] = [[b, t] for b, t in publishes.items()]
             return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes,
                           formats, log)

@@ -257,6 +257,10 @@ class StreamCollector(Collector):
         found = describe_remote(self.server, self.job, self.options, self.stall_after_s, ends=self.ends)
         fams.add("counter", "stream_markers_rejected", "Range markers on the stream that did not authenticate or "
                  "decode (skipped; never a rank's end).", [("job", self.job)], float(found["rejected_markers"]))
+        for rank, stamp in sorted(found["snapshots_behind"].items()):
+            fams.add("gauge", "stream_snapshots_behind", "1 when the rank completed a batch the other ranks published "
+                     "in without publishing in it, as its snapshots markers on the stream say.",
+                     [("job", self.job), ("rank", str(rank))], 1.0)
         for c in found["consumers"]:
             labels = [("job", self.job), ("rank", str(c.rank)), ("consumer", c.consumer), ("channel", c.channel)]
             if c.offset is not None:

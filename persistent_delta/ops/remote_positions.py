@@ -25,8 +25,8 @@ from persistent_delta.fleet.remote import lock_key, stored_history
 from persistent_delta.fleet.streams import Layout, read_layout
 from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
 from persistent_delta.fleet.wire import MAX_BATCH_IDX, Marker
-from persistent_delta.log import codec
-from persistent_delta.log.schema import valid_commit_time
+from persistent_delta.log import codec, position_rules
+from persistent_delta.log.schema import SNAPSHOTS, valid_commit_time
 from persistent_delta.ops.health import Health, health
 
 
@@ -49,6 +49,9 @@ class RemoteConsumerRow:
     active: bool
     health: str = Health.OK.value
     malformed: str = ""  # what of its stored entry could not be read ("": nothing); health is then "malformed"
+    # snapshots: the newest stamp this rank completed the batch of without publishing in it, as
+    # the ranks' latest markers say (position_rules.snapshots_behind); None: not behind
+    snapshots_behind: Optional[int] = None
 
 
 @dataclass
@@ -163,6 +166,13 @@ def stream_ends_of(key: KeySpec, insecure: bool, who: str) -> StreamEnds:
     return StreamEnds(resolve_keyring(key, insecure, who))
 
 
+def behind_note(found: Dict[str, Any]) -> Optional[str]:
+    """What ``offsets --server`` and ``top`` say of the ranks behind on the snapshots channel
+    (:func:`snapshots_behind`; None: none)."""
+    behind = found.get("snapshots_behind") or {}
+    return position_rules.behind_note(behind) if behind else None
+
+
 def rejected_note(found: Dict[str, Any]) -> Optional[str]:
     """What ``offsets --server`` and ``top`` say of the markers :func:`describe_remote` refused
     (None: none)."""
@@ -231,6 +241,9 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
     for d, ranks in entries:
         wanted.setdefault(str(d.get("channel")), set()).update(ranks)
     end_of = {ch: ends.ends(conn, job, ch, sorted(rs), layout) for ch, rs in wanted.items()}
+    known = [int(k[len(subjects.TABLES_KEYS):]) for k in conn.kv_entries(job, subjects.META, subjects.TABLES_KEYS)
+             if k[len(subjects.TABLES_KEYS):].isdigit()]
+    behind = snapshots_behind(conn, job, ends, known, layout)
     for d, ranks in entries:
         raw_when = d.get("time")
         when = float(raw_when) if valid_commit_time(raw_when) else None  # type: ignore[arg-type]
@@ -241,11 +254,14 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
             pos = raw if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < MAX_BATCH_IDX else None
             bad = "; ".join(b for b in (bad_when, "" if raw is None or pos is not None
                                         else f"position {str(raw)[:40]} is not a position") if b)
+            snaps = str(d.get("channel")) == SNAPSHOTS
             state = (Health.MALFORMED if bad else
-                     health(stored_history(v), pos or 0, end[r], now, when or 0.0, stall_after_s=stall_after_s))
+                     health(stored_history(v), pos or 0, end[r], now, when or 0.0, stall_after_s=stall_after_s,
+                            behind=snaps and bool(behind)))
             consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, end[r],
                                                None if pos is None else max(0, end[r] - pos), when,
-                                               lock_key(str(d.get("name"))) in locks, state.value, bad))
+                                               lock_key(str(d.get("name"))) in locks, state.value, bad,
+                                               behind.get(r) if snaps else None))
     shippers: List[ShipperRow] = []
     for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():
         s = codec.unpack(value, f"shipper state {key}")
@@ -258,12 +274,24 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
                                    (st.get("last_shipped") or None) if valid_commit_time(st.get("last_shipped")) else None,
                                    str(s.get("host", "")), int(s.get("pid", 0)),
                                    str(st.get("last_error", ""))))
-    known = [int(k[len(subjects.TABLES_KEYS):]) for k in conn.kv_entries(job, subjects.META, subjects.TABLES_KEYS)
-             if k[len(subjects.TABLES_KEYS):].isdigit()]
     streams = [StreamRow(name, ranks, layout.describe()) for name, ranks in layout.streams(known).items()]
     return {"consumers": consumers, "shippers": sorted(shippers, key=lambda x: (x.rank, x.channel)), "streams": streams,
-            "rejected_markers": ends.rejected, "last_rejected": ends.last_rejected}
+            "rejected_markers": ends.rejected, "last_rejected": ends.last_rejected, "snapshots_behind": behind}
 
 
-__all__ = ["RemoteConsumerRow", "ShipperRow", "StreamEnds", "StreamRow", "describe_remote", "describe_stream",
-           "rejected_note", "remote_offsets", "stream_ends_of"]
+def snapshots_behind(conn: Transport, job: str, ends: StreamEnds, ranks: Sequence[int],
+                     layout: Optional[Layout] = None) -> Dict[int, int]:
+    """The job's ranks behind on the snapshots channel, by the local readers' rule
+    (:func:`persistent_delta.log.position_rules.snapshots_behind`) over each rank's latest
+    genuine snapshots marker: its end and the batches ended it carries (a rank that ends
+    batches without publishing ships progress markers: :mod:`persistent_delta.fleet.wire`).
+
+    Returns:
+        rank -> the newest stamp it completed the batch of without publishing in it.
+    """
+    latest = ends.latest(conn, job, SNAPSHOTS, ranks, layout)
+    return position_rules.snapshots_behind({r: (m.end, m.batches_ended) for r, m in latest.items() if m is not None})
+
+
+__all__ = ["RemoteConsumerRow", "ShipperRow", "StreamEnds", "StreamRow", "behind_note", "describe_remote",
+           "describe_stream", "rejected_note", "remote_offsets", "snapshots_behind", "stream_ends_of"]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from persistent_delta.log import codec, position_rules
@@ -54,7 +53,6 @@ from persistent_delta.errors import (
     InvalidInputError,
     LogClosedError,
     NotALogError,
-    RanksBehindWarning,
     UnknownConsumerError,
 )
 from persistent_delta.log.layout import (
@@ -70,7 +68,7 @@ from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.read import fetch
-from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops
+from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops, tell_behind
 from persistent_delta.read.results import DeltaPoll
 from persistent_delta.threads import intra_op_threads
 from persistent_delta.log.watch import FileWatch
@@ -386,15 +384,7 @@ class DeltaReader:
         once per rank as it falls behind: a log warning and a :class:`RanksBehindWarning`."""
         if self.channel != SNAPSHOTS or self._expected is None or self.missing_ranks():
             return {}
-        behind = position_rules.snapshots_behind(ends)
-        new = {r: s for r, s in behind.items() if r not in self._told_behind}
-        self._told_behind = set(behind)
-        if new:
-            msg = (f"{self.root}: {position_rules.behind_note(behind)} [each rank's snapshots end and batch end: "
-                   f"{dict(sorted(ends.items()))}]")
-            logger.warning("%s", msg)
-            warnings.warn(msg, RanksBehindWarning, stacklevel=4)
-        return behind
+        return tell_behind(str(self.root), ends, self._told_behind, stacklevel=4)
 
     def _label(self) -> str:
         return "(unregistered reader)"

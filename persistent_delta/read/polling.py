@@ -25,10 +25,15 @@ batch index on every rank, so a publish's column halves and row shards stay in o
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Protocol, TypeVar, runtime_checkable
+import logging
+import warnings
+from typing import Dict, List, Mapping, Optional, Protocol, Set, Tuple, TypeVar, runtime_checkable
 
-from persistent_delta.errors import InvalidInputError
+from persistent_delta.errors import InvalidInputError, RanksBehindWarning
+from persistent_delta.log import position_rules
 from persistent_delta.read.results import DeltaPoll
+
+logger = logging.getLogger(__name__)
 
 _C = TypeVar("_C", bound="Consumer")
 
@@ -213,3 +218,31 @@ def clip_stops(positions: Mapping[int, int], stops: Mapping[int, int], cut: int)
         rank -> its new stop.
     """
     return {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
+
+
+def tell_behind(where: str, ends: Mapping[int, Tuple[int, int]], told: Set[int], stacklevel: int = 2) -> Dict[int, int]:
+    """The ranks behind on the snapshots channel (:func:`~persistent_delta.log.position_rules.snapshots_behind`
+    over ``ends``: rank -> ``(snapshots end, batches ended)`` of every rank of the job), told
+    once per rank as it falls behind -- a log warning and a :class:`RanksBehindWarning` --
+    by every snapshots consumer alike, local or remote. ``told`` (the ranks told so far) is
+    updated in place: a rank that catches up and falls behind again is told again.
+
+    Args:
+        where: what the message names (the log root, the job on its server).
+        ends: each rank's pair.
+        told: the ranks already told (updated).
+        stacklevel: ``warnings.warn``'s, counted from the caller.
+
+    Returns:
+        rank -> the newest publish stamp it lacks (``DeltaPoll.behind``).
+    """
+    behind = position_rules.snapshots_behind(dict(ends))
+    new = {r: b for r, b in behind.items() if r not in told}
+    told.clear()
+    told.update(behind)
+    if new:
+        msg = (f"{where}: {position_rules.behind_note(behind)} [each rank's snapshots end and batch end: "
+               f"{dict(sorted(ends.items()))}]")
+        logger.warning("%s", msg)
+        warnings.warn(msg, RanksBehindWarning, stacklevel=stacklevel + 1)
+    return behind

@@ -1,0 +1,87 @@
+"""A rank behind on the snapshots channel, told by a remote consumer as a local one tells it:
+``publish()`` on rank 0 only of two ranks, the logs shipped to a real nats-server; the remote
+consumer's poll says rank 1 is behind (``poll.behind``, one ``RanksBehindWarning``),
+``apply_poll(complete_only=True)`` raises ``RanksBehindError``, and ``offsets --server`` and
+``top --server`` show it. Publishing on every rank (the documented path) stays quiet."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from harness import run_spawn
+from persistent_delta import RemoteConsumer, Shipper, apply_poll
+from persistent_delta.cli import main as cli_main
+from persistent_delta.errors import RanksBehindError, RanksBehindWarning
+from remote_behind_cases import publish_on_case
+
+pytestmark = pytest.mark.dist
+
+
+def _trained_and_shipped(root: str, url: str, job: str, publishers: list) -> None:
+    run_spawn(publish_on_case, 2, root, publishers, timeout=180)
+    with Shipper(root, url, job=job, channels=["snapshots"]) as shipper:
+        shipper.run(idle_exit_s=1.0)
+
+
+def _replica() -> dict:
+    return {f"table_{i}": torch.zeros(100, 8) for i in range(4)}
+
+
+def test_publishing_on_rank_0_only_is_told_by_the_remote_consumer(tmp_path, nats_server, capsys):
+    root, job = str(tmp_path / "log"), "behind"
+    _trained_and_shipped(root, nats_server.url, job, [0])
+    with warnings.catch_warnings(record=True) as seen, \
+            RemoteConsumer(nats_server.url, job, "replica", channel="snapshots", wait=30) as consumer:
+        warnings.simplefilter("always")
+        poll = consumer.poll(timeout=3.0)
+        assert list(poll.behind) == [1], (poll.behind, consumer.rejected)
+        missed = poll.behind[1]
+        assert not poll.complete
+        told = [str(w.message) for w in seen if issubclass(w.category, RanksBehindWarning)]
+        assert len(told) == 1 and "rank 1" in told[0], told
+        with pytest.raises(RanksBehindError) as exc:
+            apply_poll(_replica(), poll, complete_only=True)  # refused before anything is written
+        assert exc.value.behind == {1: missed}
+        consumer.poll(timeout=0.5)  # told once per rank
+        assert len([w for w in seen if issubclass(w.category, RanksBehindWarning)]) == 1
+        consumer.commit()
+    capsys.readouterr()
+    assert cli_main(["offsets", "--server", nats_server.url, "--job", job, "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["snapshots_behind"] == {"1": missed}, found
+    rows = {c["rank"]: c for c in found["consumers"] if c["consumer"] == "replica"}
+    assert rows[0]["snapshots_behind"] is None, rows  # rank 1 has no position yet: nothing of it was shipped
+    assert rows[0]["health"] == "behind", rows
+    assert cli_main(["offsets", "--server", nats_server.url, "--job", job]) == 0
+    assert "ranks [1] are behind on the snapshots channel" in capsys.readouterr().out
+
+    from persistent_delta.cli.top import snapshot
+
+    view = snapshot(None, nats_server.url, job)
+    assert any("ranks [1] are behind" in e for e in view.errors), view.errors
+
+
+def test_publishing_on_every_rank_stays_quiet_remotely(tmp_path, nats_server, capsys):
+    root, job = str(tmp_path / "log"), "quiet"
+    _trained_and_shipped(root, nats_server.url, job, [0, 1])
+    with warnings.catch_warnings(), \
+            RemoteConsumer(nats_server.url, job, "replica", channel="snapshots", wait=30) as consumer:
+        warnings.simplefilter("error", RanksBehindWarning)
+        polls = []
+        while True:
+            poll = consumer.poll(timeout=2.0)
+            if poll.empty:
+                break
+            assert poll.behind == {} and poll.complete, poll.behind
+            polls.append(poll)
+        ends = consumer.position()
+        assert polls and ends[0] == ends[1] > 0, ends
+        consumer.commit()
+    capsys.readouterr()
+    assert cli_main(["offsets", "--server", nats_server.url, "--job", job, "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["snapshots_behind"] == {} and all(c["health"] == "ok" for c in found["consumers"]), found
