@@ -120,6 +120,7 @@ class ReadTxn:
         self._log = log
         self.txn = txn
         self._dbs = log._shared.dbs
+        self._prefetch = log._shared.prefetch
 
     @property
     def path(self) -> str:
@@ -138,6 +139,16 @@ class ReadTxn:
         cur = self.txn.cursor(db=self._dbs[DB_OF_CHANNEL[channel]])
         return cur if cur.set_range(codec.record_key(table_id, max(0, start_idx), 0)) else None
 
+    def _value(self, cur: lmdb.Cursor, key: Optional[memoryview] = None) -> Union[bytes, memoryview]:
+        """The value at ``cur`` (``key``: its key, as the cursor handed it out), a large record
+        read ahead first (:class:`~persistent_delta.log.lmdbenv.Prefetch`)."""
+        if self._prefetch is None:
+            return cur.value()
+        predicted = self._prefetch.before(cur.key() if key is None else key)
+        value = cur.value()
+        self._prefetch.after(predicted, value)
+        return value
+
     def _walk(
         self, table_id: int, start_idx: int, end_idx: Optional[int], channel: str
     ) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
@@ -155,13 +166,16 @@ class ReadTxn:
             stop = codec.table_prefix(table_id + 1)
         else:  # the last table id: stop where the prefix ends
             stop = codec.table_prefix(table_id) + b"\xff" * (codec.KEY_SIZE - 4) + b"\xff"
-        for key, value in cur:
+        # Keys first: py-lmdb reads a value in whole (it touches every page) as the cursor hands
+        # it out, so the record just past the range (the next table's oldest: possibly large,
+        # and cold on a reopen) is never fetched.
+        for key in cur.iternext(keys=True, values=False):
             kb = bytes(key)
             if kb >= stop:
                 break
             if len(kb) != codec.KEY_SIZE:
                 codec.decode_record_key(kb)  # (raises: a foreign key)
-            yield kb, value
+            yield kb, self._value(cur, key)
 
     def iter_records(
         self, table_id: int, start_idx: int = 0, end_idx: Optional[int] = None, verify: bool = True,
@@ -194,8 +208,8 @@ class ReadTxn:
         """``exc`` (a record that fails its checks) naming the log's file and the record."""
         t, b, s = codec.decode_record_key(key)
         side = codec.is_side_table_id(t)
-        table_id = t & ~codec.SIDE_TABLE_BIT if side else t  # a side record's table
-        name = next((fqn for fqn, e in self.tables().items() if e.table_id == table_id), t)
+        base = t & ~codec.SIDE_TABLE_BIT if side else t
+        name = next((fqn for fqn, e in self.tables().items() if e.table_id == base), t)
         return CorruptRecordError(
             f"{os.path.join(self.path, DATA_FILE)}: {codec.record_where(channel, name, side, b, s)}: {exc}")
 
@@ -223,7 +237,7 @@ class ReadTxn:
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None or cur.key()[:4] != codec.table_prefix(table_id):
             return None
-        return codec.decode_record_key(cur.key())[1], cur.value()
+        return codec.decode_record_key(cur.key())[1], self._value(cur)
 
     def last_record_before(
         self, table_id: int, position: int, channel: str = LOOKUPS
@@ -235,7 +249,7 @@ class ReadTxn:
         if not found or cur.key()[:4] != codec.table_prefix(table_id):
             return None
         b = codec.decode_record_key(cur.key())[1]
-        return (b, cur.value()) if b < position else None
+        return (b, self._value(cur)) if b < position else None
 
     def iter_raw(self, channel: str = LOOKUPS) -> Iterator[Tuple[bytes, Union[bytes, memoryview]]]:
         """Every (key, value) of a channel, in key order, undecoded (for verify)."""
@@ -289,6 +303,7 @@ class WriteTxn(ReadTxn):
 
     def __init__(self, log: "DeltaLog", txn: lmdb.Transaction) -> None:
         super().__init__(log, txn)
+        self._prefetch = None  # (its values may be its own dirty pages, not the map's)
         self._staged: Dict[str, TableEntry] = {}
 
     def tables(self) -> Dict[str, TableEntry]:

@@ -21,6 +21,8 @@ Owns: how this process holds LMDB environments. Nothing here knows what is store
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lmdb
+import numpy as np
 from lmdb import verify as _lmdb_verify
 
 from persistent_delta.config import Durability, LogOptions
@@ -324,6 +327,7 @@ class SharedEnv:
     # Set after an I/O failure: the environment is reopened (at its last commit) before next use.
     broken: bool = False
     lock_ino: Optional[Tuple[int, int]] = None  # (dev, ino) of lock.mdb at open
+    prefetch: Optional["Prefetch"] = None  # records read ahead whole (LogOptions.readahead)
 
 
 _REGISTRY: Dict[str, SharedEnv] = {}
@@ -349,7 +353,7 @@ def _open(path: str, opts: LogOptions, readonly: bool) -> lmdb.Environment:
             max_readers=opts.max_readers,
             readonly=readonly,
             lock=lock_ok,
-            readahead=opts.readahead,
+            readahead=False,  # MADV_RANDOM: one page per B-tree page touched (see Prefetch)
             subdir=True,
             create=not readonly,
             mode=opts.file_mode,
@@ -358,6 +362,111 @@ def _open(path: str, opts: LogOptions, readonly: bool) -> lmdb.Environment:
         )
     except lmdb.Error as exc:
         raise translate(exc, path) from exc
+
+
+class Prefetch:
+    """Reads a record ahead, whole, before py-lmdb touches it (``LogOptions.readahead``).
+
+    Why: the map is opened with ``MADV_RANDOM`` (LMDB's ``MDB_NORDAHEAD``), so that each
+    B-tree page a cold open or a short read touches costs one page from disk, not the
+    device's readahead window around it (8 MiB on this kind of VM): a reopen then reads
+    what it uses, whatever the log's size. But py-lmdb touches every page of a value as it
+    hands it out (its ``preload``), which without readahead is one synchronous read per
+    page: a large record is read ahead first, with ``MADV_WILLNEED`` over its pages.
+
+    Where its pages are: a record is an overflow value (LMDB's ``F_BIGDATA`` leaf node). Its
+    key, which a read transaction hands out as a view into the leaf page, is preceded by the
+    node's header (data size, flags, key size) and followed by the first overflow page's
+    number; the value starts one page header past that page in the map. Only addresses are
+    computed and a hint is given: nothing is read from them. Every prediction is checked
+    against the value py-lmdb then returns (the map's base is learned or corrected from it),
+    and a layout that does not match turns the prefetch off for the environment.
+    """
+
+    _F_BIGDATA = 0x01
+    _PAGE_HEADER = 16
+    _MADV_WILLNEED = 3
+    MIN_BYTES = 4 * 4096  # smaller values: a few page faults
+    _STEP = 1 << 21
+
+    def __init__(self, env: lmdb.Environment, path: str) -> None:
+        self.psize = int(env.stat()["psize"])
+        self._data_file = os.path.join(path, DATA_FILE)
+        self.base: Optional[int] = None  # the map's address: found at the first large value, corrected by after()
+        self._looked = False
+        self.enabled = _madvise() is not None
+        self._misses = 0
+
+    def before(self, key: Any) -> Optional[int]:
+        """Read ahead the value of the leaf node whose key view is ``key``; returns the
+        predicted address of the value (for :meth:`after`), or None."""
+        if not self.enabled or not isinstance(key, memoryview):
+            return None
+        at = int(np.frombuffer(key, dtype=np.uint8).ctypes.data)
+        lo, hi, flags, ksize = (int(x) for x in np.frombuffer(ctypes.string_at(at - 8, 8), dtype="<u2"))
+        if ksize != len(key):
+            self.enabled = False  # not the node layout this expects
+            return None
+        size = lo | hi << 16
+        if not flags & self._F_BIGDATA or size < self.MIN_BYTES:
+            return None
+        pgno = int(np.frombuffer(ctypes.string_at(at + ksize, 8), dtype="<u8")[0])
+        offset = pgno * self.psize + self._PAGE_HEADER
+        if self.base is None and not self._looked:
+            self._looked = True
+            self.base = _map_address(self._data_file)
+        if self.base is not None:
+            start, end = self.base + pgno * self.psize, self.base + offset + size
+            madvise = _madvise()
+            # in steps: the kernel reads at most its readahead window per call
+            for at in range(start, end, self._STEP):
+                madvise(at, min(self._STEP, end - at), self._MADV_WILLNEED)
+        return offset
+
+    def after(self, offset: Optional[int], value: Any) -> None:
+        """Check :meth:`before`'s prediction against the value handed out."""
+        if offset is None:
+            return
+        at = int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+        if self.base is not None and self.base + offset == at:
+            return
+        self.base = at - offset  # first use, or the map was moved (resized)
+        self._misses += 1
+        if self._misses > 8:
+            self.enabled = False
+            logger.debug("record prefetch off: its predictions missed %d times", self._misses)
+
+
+_MADVISE: Any = None
+
+
+def _map_address(data_file: str) -> Optional[int]:
+    """Where this process maps ``data_file`` from its start (``/proc/self/maps``), or None."""
+    try:
+        st = os.stat(data_file)
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and int(fields[2], 16) == 0 and int(fields[4]) == st.st_ino \
+                        and os.path.realpath(fields[5].rstrip("\n")) == os.path.realpath(data_file):
+                    return int(fields[0].split("-")[0], 16)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _madvise() -> Any:
+    """libc's ``madvise`` (None where it is missing)."""
+    global _MADVISE
+    if _MADVISE is None:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _MADVISE = fn
+        except (OSError, AttributeError):
+            _MADVISE = False
+    return _MADVISE or None
 
 
 def open_dbs(env: lmdb.Environment, names: Sequence[str], txn: Optional[lmdb.Transaction] = None,
@@ -391,7 +500,8 @@ def acquire(path: str, opts: LogOptions, readonly: bool) -> SharedEnv:
             return shared
         env = _open(path, opts, readonly)
         shared = SharedEnv(env=env, dbs={}, pid=os.getpid(), readonly=readonly, refs=1, lock=threading.RLock(),
-                           opts=opts, db_names=(), lock_ino=_lock_identity(path))
+                           opts=opts, db_names=(), lock_ino=_lock_identity(path),
+                           prefetch=Prefetch(env, path) if opts.readahead else None)
         _REGISTRY[path] = shared
         return shared
 
