@@ -92,6 +92,15 @@ WHAT_TO_DO: Dict[str, str] = {
                           "catch it as `WriterError` or `LogFullError`.",
     "InexactRangeError": "Start the range at the batch the message names, or replay by `--consumer`.",
     "OrderError": "Give `apply` its inputs in batch order, with no gap or overlap (the message names them).",
+    "CheckpointError": "Catch it for every reason a base or increment cannot be restored; the subclass and "
+                       "the message say which. Nothing was loaded into the model.",
+    "IncompleteBaseError": "Nothing to fix in the model: restore from an older base (`Checkpoints.restore()` "
+                           "passes over a base without DCP's `.metadata`), or take a new base.",
+    "IncrementChainError": "Look at the directory the message names: move away what is not of this job's chain "
+                           "(another base's, job's or run's part), or restore from the base alone by moving its "
+                           "`increments` away.",
+    "ShardLayoutError": "Restore with the world size and sharding plan the base was saved with; to change them, "
+                        "start a fresh log (`fresh=True`) and take a new base.",
     "OlderLogError": "Nothing to undo: the reader skipped it and applied nothing of it. Someone publishes the "
                      "previous run's data again (or a stream kept across a fresh start still holds it): check who "
                      "may publish on the job's subjects (guides/security.md), and delete the old stream when a job "

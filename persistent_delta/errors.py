@@ -381,3 +381,29 @@ class CommandStoppedError(PersistentDeltaError):
     def __init__(self, message: str, signal: int = 0) -> None:
         super().__init__(message)
         self.signal = signal
+
+
+class CheckpointError(PersistentDeltaError):
+    """A base or an increment (``persistent_delta.checkpoint``) cannot be used for a restore:
+    the subclass says why. Nothing was loaded into the model when it is raised."""
+
+
+class IncompleteBaseError(CheckpointError):
+    """A base directory is not a complete base: torch.distributed.checkpoint writes its
+    ``.metadata`` last, so a directory without it is a save that did not finish (a crash inside
+    ``dcp.save``), and one without ``persistent_delta_base.json`` was not adopted as a base. Restore
+    from an older base, or take a new one (``Checkpoints.save_base``)."""
+
+
+class IncrementChainError(CheckpointError):
+    """The increments after a base do not form one chain: a gap (an increment missing or
+    incomplete before a complete one), a duplicate (two increments of one step), an increment
+    of another base, of another job (another log identity of a rank) or of another run mixed
+    with this one's parts, or a damaged part. Restore from the base alone, or move the named
+    directory away after checking it."""
+
+
+class ShardLayoutError(ConfigMismatchError, CheckpointError):
+    """A base or increment was saved with another world size, sharding plan or column split
+    than this job's: its per-rank shards (and row-wise Adagrad's 1-D momentum of a column-wise
+    table) cannot be resharded. Restore with the world size and plan it was saved with."""

@@ -308,6 +308,12 @@ class TrackerState:
         """Whether it came from a checkpoint (unpickled), not from this process's ``state_dict()``."""
         return self._mark is None
 
+    def mark(self) -> None:
+        """Mark its checkpoint in the log now, if pickling it has not (once; nothing for a loaded
+        state): for a checkpoint that writes a copy of the state first and marks once complete."""
+        if self._mark is not None:
+            self._mark()
+
     def __reduce__(self) -> Tuple[Any, ...]:
         if self._mark is not None:
             self._mark()

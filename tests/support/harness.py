@@ -243,6 +243,12 @@ def build_sharded_model(rank: int, world_size: int, kind: str, sharding: str, op
     return dmp
 
 
+def use_dense_optimizer(dmp: DistributedModelParallel, optimizer: Any) -> None:
+    """Make ``train_step`` step ``optimizer`` (e.g. a TorchRec ``KeyedOptimizerWrapper`` of an
+    Adam, whose state a checkpoint must carry) instead of the plain dense SGD."""
+    _DENSE_OPTS[dmp] = optimizer
+
+
 @dataclass
 class Batch:
     """One rank's model input: dense features [B, DENSE_IN] and the sparse KJT."""

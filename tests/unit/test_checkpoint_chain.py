@@ -1,0 +1,128 @@
+"""The offline rules of bases and increments (``persistent_delta.checkpoint``): a base counts
+only with DCP's ``.metadata`` and its info file; the increments after it form one chain, and a
+gap, a duplicate, a part of another base, job or run, or another layout is a typed error;
+trailing incomplete increments (a crash mid-increment) are left out, the previous one latest."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from persistent_delta.checkpoint import chain as chains
+from persistent_delta.checkpoint.format import (BaseInfo, PartHeader, RankInfo, base_dir, increment_dir, part_paths,
+                                                read_part, write_base_info, write_part)
+from persistent_delta.errors import (CheckpointError, IncompleteBaseError, IncrementChainError, ShardLayoutError,
+                                     WorldSizeMismatchError)
+
+LAYOUT = {"sparse.embeddings.t0": [0, 0, 50, 8]}
+
+
+def _base(root: str, step: int, world: int = 2, base_id: str = "b1", metadata: bool = True,
+          info: bool = True) -> str:
+    path = base_dir(root, step)
+    os.makedirs(path)
+    if metadata:
+        open(os.path.join(path, ".metadata"), "wb").close()
+    if info:
+        ranks = [RankInfo(r, f"log{r}", 100 + r, dict(LAYOUT)) for r in range(world)]
+        write_base_info(path, BaseInfo(base_id, step, world, ranks, True, True))
+    return path
+
+
+def _increment(base: str, seq: int, step: int, prev: int, ranks=(0, 1), base_id: str = "b1", run: str = "r1",
+               log: str = "log", world: int = 2) -> None:
+    for r in ranks:
+        h = PartHeader(base_id, seq, step, prev, run, r, world, f"{log}{r}", 100 + r, dict(LAYOUT), 0, 0)
+        write_part(increment_dir(base, seq), h, {"rows": {"t": torch.arange(3) + seq}, "rank": r})
+
+
+def test_a_chain_lists_complete_increments_in_order_and_parts_read_back(tmp_path):
+    base = _base(str(tmp_path), 0)
+    _increment(base, 1, 3, 0)
+    _increment(base, 2, 6, 3)
+    c = chains.latest_chain(str(tmp_path))
+    assert [i.seq for i in c.increments] == [1, 2] and c.step == 6 and c.leftovers == []
+    part = read_part(c.increments[1].path, c.increments[1].headers[1])
+    assert part["rank"] == 1 and torch.equal(part["rows"]["t"], torch.arange(3) + 2)
+
+
+def test_a_crash_mid_increment_leaves_the_previous_one_the_latest(tmp_path):
+    base = _base(str(tmp_path), 0)
+    _increment(base, 1, 3, 0)
+    _increment(base, 2, 6, 3, ranks=(0,))  # rank 1's header never written
+    c = chains.latest_chain(str(tmp_path))
+    assert c.step == 3 and c.leftovers == [increment_dir(base, 2)]
+
+
+def test_a_base_without_metadata_or_info_does_not_count(tmp_path):
+    root = str(tmp_path)
+    old = _base(root, 0)
+    _base(root, 8, metadata=False)  # a crash inside dcp.save
+    assert chains.latest_chain(root).base == old
+    with pytest.raises(IncompleteBaseError, match=r"\.metadata"):
+        chains.open_base(base_dir(root, 8))
+    _base(root, 16, info=False)  # dcp.save finished, the info file never came
+    with pytest.raises(IncompleteBaseError, match="persistent_delta_base.json"):
+        chains.open_base(base_dir(root, 16))
+    assert chains.latest_chain(root).base == old
+    with pytest.raises(IncompleteBaseError, match="no complete base"):
+        chains.latest_chain(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("gap", "gap"),
+    ("hole", "gap"),
+    ("duplicate", "duplicate"),
+    ("other_base", "of base"),
+    ("other_job", "another job"),
+    ("mixed_runs", "different increments"),
+    ("other_timeline", "another timeline"),
+])
+def test_a_broken_chain_is_refused(tmp_path, damage, match):
+    base = _base(str(tmp_path), 0)
+    _increment(base, 1, 3, 0)
+    if damage == "gap":
+        _increment(base, 3, 9, 6)
+    elif damage == "hole":  # an incomplete increment before a complete one
+        _increment(base, 2, 6, 3, ranks=(1,))
+        _increment(base, 3, 9, 6)
+    elif damage == "duplicate":
+        _increment(base, 2, 3, 3)
+    elif damage == "other_base":
+        _increment(base, 2, 6, 3, base_id="b0")
+    elif damage == "other_job":
+        _increment(base, 2, 6, 3, log="other")
+    elif damage == "mixed_runs":
+        _increment(base, 2, 6, 3, ranks=(0,), run="r1")
+        _increment(base, 2, 6, 3, ranks=(1,), run="r2")
+    elif damage == "other_timeline":
+        _increment(base, 2, 9, 5)
+    with pytest.raises(IncrementChainError, match=match):
+        chains.latest_chain(str(tmp_path))
+
+
+def test_another_world_size_or_shard_layout_is_a_typed_error(tmp_path):
+    info = chains.open_base(_base(str(tmp_path), 0))
+    chains.check_layout(info, 1, 2, dict(LAYOUT))
+    with pytest.raises(ShardLayoutError, match="saved by 2 ranks and this job runs 4"):
+        chains.check_layout(info, 1, 4, dict(LAYOUT))
+    with pytest.raises(ShardLayoutError, match="column-wise") as exc:
+        chains.check_layout(info, 0, 2, {"sparse.embeddings.t0": [0, 4, 50, 4]})
+    assert isinstance(exc.value, CheckpointError) and not isinstance(exc.value, WorldSizeMismatchError)
+    _increment(info_base := base_dir(str(tmp_path), 0), 1, 3, 0, world=1, ranks=(0, 1))
+    with pytest.raises(ShardLayoutError, match="world size 1"):
+        chains.chain_of(info_base, info)
+
+
+def test_a_damaged_part_is_detected_by_its_checksum(tmp_path):
+    base = _base(str(tmp_path), 0)
+    _increment(base, 1, 3, 0)
+    inc = chains.latest_chain(str(tmp_path)).increments[0]
+    part, _ = part_paths(inc.path, 0)
+    data = bytearray(open(part, "rb").read())
+    data[-5] ^= 0xFF
+    open(part, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match="CRC-32"):
+        read_part(inc.path, inc.headers[0])
