@@ -255,7 +255,7 @@ def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
 def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
     """Full tables (fqn -> [rows, cols]) from the per-rank files that
     ``persistent_delta.trainer.save_shards.save_local_shards`` wrote into ``ckpt_dir``."""
-    from persistent_delta.read.apply import load_base
+    from persistent_delta.serve.apply import load_base
 
     return load_base(ckpt_dir)
 
@@ -335,7 +335,7 @@ def _show_and_run(argv: List[str]) -> bool:
 def _stream_caught_up(args: argparse.Namespace) -> bool:
     """Whether the stream holds every published batch of the local logs."""
     from persistent_delta.fleet import subjects, wire
-    from persistent_delta.fleet.transport import open_transport
+    from persistent_delta.fleet.connect import open_transport
     from persistent_delta.read.consumer import DeltaReader
 
     with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:

@@ -17,8 +17,9 @@ from persistent_delta.log import codec
 from persistent_delta.fleet import subjects
 from persistent_delta.errors import InvalidInputError, LogLockedError, UnknownConsumerError
 from persistent_delta.fleet.auth import KeySpec
-from persistent_delta.fleet.remote import lock_key, offsets_key
-from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, open_transport
+from persistent_delta.fleet.subjects import lock_key, offsets_key
+from persistent_delta.fleet.connect import open_transport
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec
 from persistent_delta.ops.remote_positions import (RemoteConsumerRow, ShipperRow, behind_note, describe_remote,
                                                    rejected_note, remote_offsets, stream_ends_of)
 

@@ -84,7 +84,8 @@ from persistent_delta.log.layout import DATA_FILE, EMPTY_RANK_GRACE_S, PathLike,
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import CHANNELS, LOOKUPS, META_TRACKER, SNAPSHOTS, LogIdentity, TrackerMeta, check_channel
 from persistent_delta.threads import intra_op_threads
-from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport, open_transport
+from persistent_delta.fleet.connect import open_transport
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, StreamOptions, Transport
 from persistent_delta.fleet.wire import RankTables
 from persistent_delta.log.watch import FileWatch
 

@@ -29,8 +29,9 @@ window the consumer drops it: a range ending at or below its position is never a
 
 **Buckets** (key-value, same replicas as the stream): ``PD_<job>_meta`` (per rank: the table
 metadata a remote consumer needs, key :func:`tables_key`; per shipper: its epoch and
-statistics, key :func:`shipper_key`), ``PD_<job>_offsets`` (remote consumers' positions),
-``PD_<job>_locks`` (one active process per remote consumer name: a key created exclusively,
+statistics, key :func:`shipper_key`), ``PD_<job>_offsets`` (remote consumers' positions, key
+:func:`offsets_key`), ``PD_<job>_locks`` (one active process per remote consumer name, key
+:func:`lock_key`: created exclusively,
 refreshed by a heartbeat, expiring by the bucket's TTL when its holder died), and the object
 store ``PD_<job>_base`` (each rank's base, object :func:`base_name`). The ``meta`` key
 :data:`LAYOUT_KEY` records a layout over several streams (:mod:`persistent_delta.fleet.streams`).
@@ -198,6 +199,16 @@ def shipper_key(rank: int, channel: str) -> str:
     return f"{SHIPPER_KEYS}{int(rank)}.{channel}"
 
 
+def offsets_key(name: str, channel: str) -> str:
+    """The ``offsets`` bucket's key of a remote consumer's stored positions on one channel."""
+    return f"{token(name)}.{channel}"
+
+
+def lock_key(name: str) -> str:
+    """The ``locks`` bucket's key of a remote consumer name's one-process claim."""
+    return token(name)
+
+
 def base_name(rank: int) -> str:
     """The object name of a rank's base in the job's ``base`` store."""
     return f"rank-{int(rank)}"
@@ -206,4 +217,4 @@ def base_name(rank: int) -> str:
 __all__ = ["check_job", "token", "untoken", "stream_name", "stream_subjects", "group_stream_name", "rank_subjects",
            "filters_overlap", "bucket", "data_subject", "end_subject",
            "rank_filter", "ends_filter", "fqn_of_subject", "subject_matches", "msg_id", "new_epoch", "tables_key",
-           "shipper_key", "base_name", "META", "OFFSETS", "LOCKS", "BUCKETS", "BASE", "TABLES_KEYS", "SHIPPER_KEYS", "LAYOUT_KEY"]
+           "shipper_key", "offsets_key", "lock_key", "base_name", "META", "OFFSETS", "LOCKS", "BUCKETS", "BASE", "TABLES_KEYS", "SHIPPER_KEYS", "LAYOUT_KEY"]

@@ -4,8 +4,9 @@ Owns: the :class:`Transport` protocol -- exactly what the shipper
 (:mod:`persistent_delta.fleet.ship`), the remote consumer (:mod:`persistent_delta.fleet.remote`)
 and ``persistent-delta offsets --server`` ask of a streaming engine -- with the types it
 speaks (:class:`StoredMessage`, :class:`KvEntry`, :class:`StreamOptions`,
-:class:`ConnectOptions`) and :func:`open_transport`, which gives the default implementation
-for a server URL (:class:`persistent_delta.fleet.nats.Connection`, NATS JetStream).
+:class:`ConnectOptions`). The default implementation for a server URL
+(:class:`persistent_delta.fleet.nats.Connection`, NATS JetStream) is opened by
+:func:`persistent_delta.fleet.connect.open_transport`.
 :class:`persistent_delta.fleet.memory.MemoryTransport` is a second implementation, in process.
 What travels is :mod:`persistent_delta.fleet.wire`'s; its names are
 :mod:`persistent_delta.fleet.subjects`'.
@@ -262,22 +263,4 @@ class Transport(Protocol):
         ...
 
 
-def open_transport(server: ServerSpec, options: Optional[ConnectOptions] = None, wait: float = 0.0) -> Transport:
-    """The default transport for a server URL: NATS JetStream (``nats://HOST:PORT``,
-    ``tls://``; several, comma-separated or a list, for a cluster).
-
-    Args:
-        server: the URL(s).
-        options: authentication and TLS.
-        wait: seconds to keep trying to connect.
-
-    Raises:
-        TransportError: the servers cannot be reached within ``wait``.
-        InvalidInputError: no server given.
-    """
-    from persistent_delta.fleet.nats import Connection  # nats-py is optional: imported when a URL is used
-
-    return Connection(server, options, wait=wait)
-
-
-__all__ = ["Transport", "StoredMessage", "KvEntry", "StreamOptions", "ConnectOptions", "ServerSpec", "open_transport"]
+__all__ = ["Transport", "StoredMessage", "KvEntry", "StreamOptions", "ConnectOptions", "ServerSpec"]

@@ -21,9 +21,10 @@ from persistent_delta.errors import PersistentDeltaError, TransportError
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.auth import KeySpec, Keyring, resolve_keyring
 from persistent_delta.fleet.ranges import MarkerScan, scan_markers
-from persistent_delta.fleet.remote import lock_key, stored_history
+from persistent_delta.fleet.positions import stored_history
 from persistent_delta.fleet.streams import Layout, read_layout
-from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport, open_transport
+from persistent_delta.fleet.connect import open_transport
+from persistent_delta.fleet.transport import ConnectOptions, ServerSpec, Transport
 from persistent_delta.fleet.wire import MAX_BATCH_IDX, Marker
 from persistent_delta.log import codec, position_rules
 from persistent_delta.log.schema import SNAPSHOTS, valid_commit_time
@@ -260,7 +261,7 @@ def describe_stream(conn: Transport, job: str, ends: StreamEnds, stall_after_s: 
                             behind=snaps and bool(behind)))
             consumers.append(RemoteConsumerRow(str(d.get("name")), str(d.get("channel")), r, pos, end[r],
                                                None if pos is None else max(0, end[r] - pos), when,
-                                               lock_key(str(d.get("name"))) in locks, state.value, bad,
+                                               subjects.lock_key(str(d.get("name"))) in locks, state.value, bad,
                                                behind.get(r) if snaps else None))
     shippers: List[ShipperRow] = []
     for key, (value, _) in conn.kv_entries(job, subjects.META, subjects.SHIPPER_KEYS).items():

@@ -17,7 +17,8 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import DeltaReader, errors
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.nats import Connection
-from persistent_delta.fleet.remote import RemoteConsumer, offsets_key
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.fleet.subjects import offsets_key
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.fleet.wire import Message
 from persistent_delta.log import codec

@@ -79,8 +79,8 @@ def test_an_offsets_entry_with_a_commit_time_out_of_bounds_is_shown_malformed(tm
 
     from persistent_delta.cli import main
     from persistent_delta.fleet import subjects
-    from persistent_delta.fleet.remote import offsets_key
-    from persistent_delta.fleet.transport import open_transport
+    from persistent_delta.fleet.subjects import offsets_key
+    from persistent_delta.fleet.connect import open_transport
     from persistent_delta.log import codec
 
     root, job = str(tmp_path / "log"), "job-x"

@@ -22,7 +22,8 @@ from persistent_delta.errors import (
 from persistent_delta.fleet import subjects, wire
 from persistent_delta.fleet.nats import Connection
 from persistent_delta.fleet.permissions import authorization_block
-from persistent_delta.fleet.remote import RemoteConsumer, offsets_key
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.fleet.subjects import offsets_key
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.fleet.transport import ConnectOptions, StreamOptions
 from persistent_delta.fleet.wire import FORMAT_HEADER, FORMAT_VERSION, Message

@@ -14,7 +14,9 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import LmdbDeltaStore
 from persistent_delta.fleet import subjects
 from persistent_delta.fleet.memory import MemoryBroker
-from persistent_delta.fleet.remote import RemoteConsumer, offsets_key, stored_history
+from persistent_delta.fleet.positions import stored_history
+from persistent_delta.fleet.remote import RemoteConsumer
+from persistent_delta.fleet.subjects import offsets_key
 from persistent_delta.fleet.ship import Shipper
 from persistent_delta.log import codec
 from persistent_delta.log.schema import COMMIT_HISTORY

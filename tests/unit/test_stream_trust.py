@@ -350,7 +350,7 @@ def test_a_malformed_stored_position_is_a_typed_error(tmp_path, stored):
     root = _log(tmp_path, batches=2)
     broker = MemoryBroker()
     _ship(root, broker)
-    from persistent_delta.fleet.remote import offsets_key
+    from persistent_delta.fleet.subjects import offsets_key
 
     broker.connect().kv_put(JOB, subjects.OFFSETS, offsets_key("r", "lookups"), codec.pack(stored))
     if isinstance(stored["ranks"], dict):
