@@ -15,6 +15,7 @@ The errors come in families, one base class each, so a caller can catch a kind o
 - :class:`ConsumerError`: a consumer or its position (unknown, out of range, moved meanwhile,
   the wrong role, a poll short of some ranks).
 - :class:`WriterError`: the tracker's background writer failed.
+- :class:`CheckpointError`: a base or an increment cannot be used for a restore.
 - :class:`StreamError`: across hosts -- the stream server, the job's stream and buckets, the
   stream key, and :class:`RejectedMessageError`, a message a reader refuses and skips (it does
   not authenticate or does not fit the job's tables).
@@ -370,18 +371,7 @@ class OlderLogError(StreamDataError):
     job's subjects (``docs/guides/security.md``)."""
 
 
-# ---------------------------------------------------------------- a stop, not a failure
-
-class CommandStoppedError(PersistentDeltaError):
-    """A long-running command (``ship``, ``exporter``, ``top``) was stopped by SIGTERM/SIGINT
-    while blocked -- in a system call, a wait on the server -- and interrupted rather than
-    ending its loop. The command line reports it on stderr and exits 0: the stop was asked
-    for. ``signal`` is the signal's number."""
-
-    def __init__(self, message: str, signal: int = 0) -> None:
-        super().__init__(message)
-        self.signal = signal
-
+# ---------------------------------------------------------------- checkpoints
 
 class CheckpointError(PersistentDeltaError):
     """A base or an increment (``persistent_delta.checkpoint``) cannot be used for a restore:
@@ -407,3 +397,16 @@ class ShardLayoutError(ConfigMismatchError, CheckpointError):
     """A base or increment was saved with another world size, sharding plan or column split
     than this job's: its per-rank shards (and row-wise Adagrad's 1-D momentum of a column-wise
     table) cannot be resharded. Restore with the world size and plan it was saved with."""
+
+
+# ---------------------------------------------------------------- a stop, not a failure
+
+class CommandStoppedError(PersistentDeltaError):
+    """A long-running command (``ship``, ``exporter``, ``top``) was stopped by SIGTERM/SIGINT
+    while blocked -- in a system call, a wait on the server -- and interrupted rather than
+    ending its loop. The command line reports it on stderr and exits 0: the stop was asked
+    for. ``signal`` is the signal's number."""
+
+    def __init__(self, message: str, signal: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal
