@@ -79,9 +79,8 @@ from persistent_delta.log.schema import (
     check_table_filter,
 )
 from persistent_delta.read.base import BaseTables
-from persistent_delta.read.polling import check_poll_args, tell_behind
+from persistent_delta.read.polling import check_poll_args, poll_loop, tell_behind
 from persistent_delta.read.results import DeltaPoll, RankDelta, join_int8
-from persistent_delta.threads import intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -390,30 +389,29 @@ class RemoteConsumer:
         self._check()
         check_poll_args(max_batches, timeout, max_bytes)
         self._check_stale()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._wake.clear()
-            try:
-                fetch = self._fetch
-                if self.missing_ranks() or not fetch.fetches:
-                    fetch.refresh_meta()
-                    for r, f in fetch.fetches.items():
-                        if fetch.positions[r].pos is None and f.seq == 1 and self.reset == "latest":
-                            fetch.to_latest(f, fetch.positions[r])
+        return poll_loop(self, max_batches, timeout, max_bytes, self._read_threads)
+
+    def _poll_begin(self) -> None:
+        self._wake.clear()
+        try:
+            fetch = self._fetch
+            if self.missing_ranks() or not fetch.fetches:
+                fetch.refresh_meta()
                 for r, f in fetch.fetches.items():
-                    fetch.fill(f, fetch.positions[r])
-                self.last_error = ""
-            except TransportError as exc:
-                # the server is unreachable (restarting, a leader election): like Kafka's
-                # consumer, the poll delivers what it has and retries until its timeout
-                if self.last_error != str(exc):
-                    logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
-                self.last_error = str(exc)
-            with intra_op_threads(self._read_threads):
-                result = self._poll_once(max_batches, max_bytes)
-            if not result.empty or deadline is None or time.monotonic() >= deadline:
-                return result
-            self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
+                    if fetch.positions[r].pos is None and f.seq == 1 and self.reset == "latest":
+                        fetch.to_latest(f, fetch.positions[r])
+            for r, f in fetch.fetches.items():
+                fetch.fill(f, fetch.positions[r])
+            self.last_error = ""
+        except TransportError as exc:
+            # the server is unreachable (restarting, a leader election): like Kafka's
+            # consumer, the poll delivers what it has and retries until its timeout
+            if self.last_error != str(exc):
+                logger.warning("remote consumer %r: %s (retrying)", self.name, exc)
+            self.last_error = str(exc)
+
+    def _poll_wait(self, deadline: float) -> None:
+        self._wake.wait(min(max(0.0, deadline - time.monotonic()), _RECHECK_S))
 
     def _check_stale(self) -> None:
         """Raise for a stored position of an older log than the rank's newest (:class:`~persistent_delta.fleet.coordinator.Coordinator`)."""

@@ -68,9 +68,8 @@ from persistent_delta.lifecycle import warn_unclosed
 from persistent_delta.log.lmdbenv import ConsumerClaims
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
 from persistent_delta.read import fetch
-from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops, tell_behind
+from persistent_delta.read.polling import byte_cut, check_poll_args, clip_stops, poll_loop, tell_behind
 from persistent_delta.read.results import DeltaPoll
-from persistent_delta.threads import intra_op_threads
 from persistent_delta.log.watch import FileWatch
 from persistent_delta.log.schema import (
     LOOKUPS,
@@ -183,6 +182,7 @@ class DeltaReader:
         self._positions: Dict[int, int] = {}
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._told_behind: Set[int] = set()  # ranks a warning said are behind on the snapshots channel
+        self._seen: Tuple[int, ...] = ()  # the logs' visible transactions when the last poll began
         self._watcher: Optional[FileWatch] = None
         self._watched: List[str] = []
         self._buffers = ResultBuffers()  # polls' row buffers, reused once the caller drops a poll
@@ -313,23 +313,22 @@ class DeltaReader:
         """
         self._check()
         check_poll_args(max_batches, timeout, max_bytes)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            seen = self._txnids()
-            with intra_op_threads(self._options.read_threads):
-                result = self._poll_once(max_batches, max_bytes)
-            if not result.empty or deadline is None or time.monotonic() >= deadline:
-                return result
-            watch = self._watch()
-            while self._txnids() == seen and time.monotonic() < deadline:
-                if self._written() != seen:
-                    # committed to the meta page, not yet published to new readers (LMDB
-                    # updates its lock file just after, with no file event): a moment
-                    time.sleep(_PUBLISH_S)
-                    continue
-                watch.wait(min(deadline - time.monotonic(), _RECHECK_S))
-                if self.missing_ranks():
-                    break  # a rank may have appeared: poll again
+        return poll_loop(self, max_batches, timeout, max_bytes, self._options.read_threads)
+
+    def _poll_begin(self) -> None:
+        self._seen = self._txnids()  # what _poll_wait waits to change
+
+    def _poll_wait(self, deadline: float) -> None:
+        watch = self._watch()
+        while self._txnids() == self._seen and time.monotonic() < deadline:
+            if self._written() != self._seen:
+                # committed to the meta page, not yet published to new readers (LMDB
+                # updates its lock file just after, with no file event): a moment
+                time.sleep(_PUBLISH_S)
+                continue
+            watch.wait(min(deadline - time.monotonic(), _RECHECK_S))
+            if self.missing_ranks():
+                return  # a rank may have appeared: poll again
 
     def _watch(self) -> FileWatch:
         """The reader's file watch, kept open between polls (closing an inotify descriptor

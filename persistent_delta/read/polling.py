@@ -1,13 +1,15 @@
-"""What every consumer's poll shares: the :class:`Consumer` protocol, a poll's arguments and the
-byte cut.
+"""What every consumer's poll shares: the :class:`Consumer` protocol, a poll's arguments, the
+poll loop, the byte cut and the ranks-behind warning.
 
 Owns: the surface that :class:`~persistent_delta.read.consumer.DeltaReader`,
 :class:`~persistent_delta.read.consumer.DeltaConsumer` and
 :class:`~persistent_delta.fleet.remote.RemoteConsumer` implement alike, the one check of a
 poll's arguments (:func:`check_poll_args`; a shipper's batch bound too:
-:func:`check_max_batches`), and the one rule that cuts a poll at a byte budget
-(:func:`byte_cut`, :func:`clip_stops`). Which batches a poll may read at all is
-:func:`persistent_delta.log.position_rules.poll_stops`'.
+:func:`check_max_batches`), the poll loop written once (:func:`poll_loop` over each
+consumer's :class:`PollCycle`), the one rule that cuts a poll at a byte budget
+(:func:`byte_cut`, :func:`clip_stops`), and how a snapshots poll tells the ranks behind
+(:func:`tell_behind`). Which batches a poll may read at all, and which ranks are behind, is
+:mod:`persistent_delta.log.position_rules`'.
 
 The byte cut
 ------------
@@ -26,12 +28,14 @@ batch index on every rank, so a publish's column halves and row shards stay in o
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from typing import Dict, List, Mapping, Optional, Protocol, Set, Tuple, TypeVar, runtime_checkable
 
 from persistent_delta.errors import InvalidInputError, RanksBehindWarning
 from persistent_delta.log import position_rules
 from persistent_delta.read.results import DeltaPoll
+from persistent_delta.threads import intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +222,38 @@ def clip_stops(positions: Mapping[int, int], stops: Mapping[int, int], cut: int)
         rank -> its new stop.
     """
     return {rank: max(positions[rank], min(stop, cut)) for rank, stop in stops.items()}
+
+
+class PollCycle(Protocol):
+    """The three steps a consumer's poll repeats (:func:`poll_loop`), each consumer its own way:
+    a local reader reads its LMDB logs and waits on their files, a remote consumer fetches
+    from the stream and waits for a marker's wake-up."""
+
+    def _poll_begin(self) -> None:
+        """Before each read: take in what is new (open ranks, fetch messages) and note what
+        :meth:`_poll_wait` compares with."""
+
+    def _poll_once(self, max_batches: Optional[int], max_bytes: Optional[int]) -> DeltaPoll:
+        """One read at the positions, moving them past what it delivers."""
+
+    def _poll_wait(self, deadline: float) -> None:
+        """Wait (at most until ``deadline``, monotonic) until something new may be readable."""
+
+
+def poll_loop(cycle: PollCycle, max_batches: Optional[int], timeout: Optional[float], max_bytes: Optional[int],
+              read_threads: int) -> DeltaPoll:
+    """The poll of every consumer, written once: begin, read (on ``read_threads`` torch
+    intra-op threads), and, while the result is empty and ``timeout`` (seconds; None: no
+    wait) has not passed, wait and read again. The arguments are checked by the caller
+    (:func:`check_poll_args`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        cycle._poll_begin()
+        with intra_op_threads(read_threads):
+            result = cycle._poll_once(max_batches, max_bytes)
+        if not result.empty or deadline is None or time.monotonic() >= deadline:
+            return result
+        cycle._poll_wait(deadline)
 
 
 def tell_behind(where: str, ends: Mapping[int, Tuple[int, int]], told: Set[int], stacklevel: int = 2) -> Dict[int, int]:
