@@ -391,43 +391,47 @@ class Prefetch:
 
     def __init__(self, env: lmdb.Environment, path: str) -> None:
         self.psize = int(env.stat()["psize"])
+        self._vec = ctypes.create_string_buffer(1)  # mincore's answer for one page
         self._data_file = os.path.join(path, DATA_FILE)
         self.base: Optional[int] = None  # the map's address: found at the first large value, corrected by after()
         self._looked = False
-        self.enabled = _madvise() is not None
+        self.enabled = _madvise() is not None and _mincore() is not None
         self._misses = 0
 
     def before(self, key: Any) -> Optional[int]:
-        """Read ahead the value of the leaf node whose key view is ``key``; returns the
-        predicted address of the value (for :meth:`after`), or None."""
+        """Read ahead the value of the leaf node whose key view is ``key`` (unless its first and
+        last pages are in memory already); returns the value's predicted offset in the map
+        (for :meth:`after`), or None."""
         if not self.enabled or not isinstance(key, memoryview):
             return None
-        at = int(np.frombuffer(key, dtype=np.uint8).ctypes.data)
-        lo, hi, flags, ksize = (int(x) for x in np.frombuffer(ctypes.string_at(at - 8, 8), dtype="<u2"))
+        at = np.frombuffer(key, dtype=np.uint8).__array_interface__["data"][0]
+        lo, hi, flags, ksize = _NODE.unpack(ctypes.string_at(at - 8, 8))
         if ksize != len(key):
             self.enabled = False  # not the node layout this expects
             return None
         size = lo | hi << 16
         if not flags & self._F_BIGDATA or size < self.MIN_BYTES:
             return None
-        pgno = int(np.frombuffer(ctypes.string_at(at + ksize, 8), dtype="<u8")[0])
+        (pgno,) = _PGNO.unpack(ctypes.string_at(at + ksize, 8))
         offset = pgno * self.psize + self._PAGE_HEADER
         if self.base is None and not self._looked:
             self._looked = True
             self.base = _map_address(self._data_file)
         if self.base is not None:
             start, end = self.base + pgno * self.psize, self.base + offset + size
-            madvise = _madvise()
-            # in steps: the kernel reads at most its readahead window per call
-            for at in range(start, end, self._STEP):
-                madvise(at, min(self._STEP, end - at), self._MADV_WILLNEED)
+            last = end - 1 - (end - 1) % self.psize
+            if not (_resident(start, self._vec) and _resident(last, self._vec)):
+                madvise = _madvise()
+                # in steps: the kernel reads at most its readahead window per call
+                for at in range(start, end, self._STEP):
+                    madvise(at, min(self._STEP, end - at), self._MADV_WILLNEED)
         return offset
 
     def after(self, offset: Optional[int], value: Any) -> None:
         """Check :meth:`before`'s prediction against the value handed out."""
         if offset is None:
             return
-        at = int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+        at = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
         if self.base is not None and self.base + offset == at:
             return
         self.base = at - offset  # first use, or the map was moved (resized)
@@ -438,6 +442,28 @@ class Prefetch:
 
 
 _MADVISE: Any = None
+_MINCORE: Any = None
+_NODE = struct.Struct("<HHHH")  # an LMDB node's header: data size (low, high), flags, key size
+_PGNO = struct.Struct("<Q")
+
+
+def _mincore() -> Any:
+    """libc's ``mincore`` (None where it is missing)."""
+    global _MINCORE
+    if _MINCORE is None:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+            fn.restype = ctypes.c_int
+            _MINCORE = fn
+        except (OSError, AttributeError):
+            _MINCORE = False
+    return _MINCORE or None
+
+
+def _resident(page: int, vec: Any) -> bool:
+    """Whether the map's page at address ``page`` is in memory."""
+    return _mincore()(page, 1, vec) == 0 and vec.raw[0] & 1 == 1
 
 
 def _map_address(data_file: str) -> Optional[int]:
