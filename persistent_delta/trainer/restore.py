@@ -464,13 +464,16 @@ def agree_batch_idx(log: DeltaLog, batch_idx: int) -> Tuple[int, Optional[int]]:
     return batch_idx, None
 
 
-def share_dropped_ids(tables: Dict[str, LocalTable], dropped_ids: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def share_dropped_ids(tables: Dict[str, LocalTable],
+                      dropped_ids: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], bool]:
     """The ids a restore re-delivers for the batches the restart dropped (:func:`resume_at`):
     this rank's own, and for a column-split table every rank's (its ranks hold the same rows,
-    so the halves of each re-delivered row stay together). A collective when a process group
-    of more than one rank is initialised."""
+    so the halves of each re-delivered row stay together); and whether any rank has some (then
+    every rank restores by re-delivery, even with the checkpoint at the log's last batch, so
+    that all continue at the same batch). A collective when a process group of more than one
+    rank is initialised."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return dict(dropped_ids)
+        return dict(dropped_ids), any(t.numel() for t in dropped_ids.values())
     everyone: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, dropped_ids)
     out = dict(dropped_ids)
@@ -479,7 +482,7 @@ def share_dropped_ids(tables: Dict[str, LocalTable], dropped_ids: Dict[str, torc
             parts = [d[fqn] for d in everyone if isinstance(d, dict) and fqn in d]
             if parts:
                 out[fqn] = torch.unique(torch.cat(parts))
-    return out
+    return out, any(isinstance(d, dict) and any(t.numel() for t in d.values()) for d in everyone)
 
 
 def current_states(mode: TrackingMode, table: LocalTable, ids: torch.Tensor) -> Optional[torch.Tensor]:

@@ -453,7 +453,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Restore with a model checkpoint, after loading the model's weights and optimizer
         state: rows touched after the checkpoint are re-delivered to every consumer with their
         restored states (:mod:`.restore`); a collective with a process group. Returns fqn ->
-        rows re-delivered (empty when the log ended at the checkpoint). With :func:`attach`,
+        rows re-delivered (empty when the log ended at the checkpoint and the restart dropped no
+        batch of it on any rank: :func:`~.restore.resume_at`). With :func:`attach`,
         ``dmp.load_state_dict`` of a checkpoint from ``dmp.state_dict()`` calls it at the next
         step; the batch indices continue after the re-delivery batch (indices are never
         reused, so the lost timeline's indices are skipped).
@@ -473,13 +474,15 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         log_id = self._log.read(lambda r: r.meta("log_id"))
         ckpt = restore.check_state(state, log_id, self.rank, self._mode.value, self.path, restore.world_size())
         # A kill can leave ranks one step apart: all continue from the same batch index.
-        dropped = restore.share_dropped_ids(self._tables, self._dropped_ids)  # before the agreement: its last collective
+        dropped, any_dropped = restore.share_dropped_ids(self._tables, self._dropped_ids)  # (before the agreement)
         self._dropped_ids = {}
         last, gen = restore.agree_batch_idx(self._log, self.curr_batch_idx)
-        if ckpt >= last:
+        if ckpt >= last and not any_dropped:
             self.curr_batch_idx = self.curr_compact_index = ckpt
             self._log.write(lambda w: w.set_meta(META_CURR_BATCH, ckpt))
             return {}
+        # (a restart that dropped a publish made in the checkpoint's batch: its rows are re-delivered all the same)
+        last = max(last, ckpt)
         redelivered = self._log.write(
             lambda w: restore.redeliver(w, self._mode, self._update_mode, self._tables, ckpt, last, self.zch.redeliver, gen,
                                         dropped))
