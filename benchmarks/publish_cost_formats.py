@@ -24,6 +24,9 @@ uses is much less sensitive to the neighbours. Two parts are measured:
   the same format: the bare gather, the conversion to the format (cast, FBGEMM int8
   quantization), a CRC32C and a plain LMDB put of each table's bytes with the delete of the
   previous publish's, one transaction on a background thread. Target: <= 1.3x.
+* **the writer thread**: its own CPU clock (``pthread_getcpuclockid``) over the same span, per
+  publish: the conversion to each row format, the checksum, the LMDB puts and retention
+  (``writer_ms_median``).
 
 Workload: one rank (gloo), an EmbeddingCollection of 4 tables x 100,000 rows x dim 64, batch
 1024 x pooling 8, Zipf ids, fused row-wise Adagrad, ID_ONLY with consumer ``serving``: the
@@ -209,6 +212,17 @@ def _time_id_reads() -> None:
     publish.consume.consume_read_ids = timed  # type: ignore[assignment]
 
 
+def _writer_clock(root: str) -> Any:
+    """A function returning the CPU seconds used so far by the background writer thread of
+    the tracker whose log root is ``root`` (the thread is named after its rank log's path)."""
+    import threading
+
+    ident = next(t.ident for t in threading.enumerate()
+                 if t.name.startswith("persistent-delta-writer:") and t.name.split(":", 1)[1].startswith(root + os.sep))
+    clock = time.pthread_getcpuclockid(ident)
+    return lambda: time.clock_gettime(clock)
+
+
 def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict[str, Any]]:
     import torch
 
@@ -233,6 +247,8 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
     log("variants %s; %d rounds of %d steps", variants, rounds, every)
     train_s: Dict[str, List[float]] = {v: [] for v in variants}  # training thread CPU per publish
     ids_s: Dict[str, List[float]] = {v: [] for v in variants}  # of which the unread ids' read
+    writer_s: Dict[str, List[float]] = {v: [] for v in variants}  # the writer thread's CPU per publish
+    writer_clock = {v: _writer_clock(os.path.join(root, v)) for v in variants}
     proc_s: Dict[str, List[float]] = {v: [] for v in variants}  # process CPU per publish
     wall_s: Dict[str, List[float]] = {v: [] for v in variants}
     mb: Dict[str, float] = {}
@@ -256,11 +272,13 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
                 tracker = models[v][1]
                 fmt = "native" if v == "native_aa" else v
                 _IDS_S.clear()
+                wc0 = writer_clock[v]()
                 w0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
                 rows = tracker.publish(CONSUMER, formats=[fmt])
                 c1 = time.thread_time()
                 tracker._settle()  # the writer committed it (no fsync: see the module docs)
                 p1, w1 = time.process_time(), time.perf_counter()
+                wc1 = writer_clock[v]()
                 tracker.flush()  # untimed
                 rep_c = replicas[v]
                 rep_c.seek(rep_c.end_offsets()[0])  # the replica applied it (untimed)
@@ -269,6 +287,7 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
                     train_s[v].append(c1 - c0)
                     ids_s[v].append(sum(_IDS_S))
                     proc_s[v].append(p1 - p0)
+                    writer_s[v].append(wc1 - wc0)
                     wall_s[v].append(w1 - w0)
                     mb[v] = _record_bytes(tracker, fmt, rows) / 1e6
             else:
@@ -301,6 +320,8 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
             thread_over_gather=t / g, unread_ids_ms_median=1e3 * median(ids_s[v]),
             thread_minus_ids_over_gather=(t - median(ids_s[v])) / g,
             thread_over_gather_per_round=sorted(a / b for a, b in zip(train_s[v], gather_s[fmt])),
+            writer_ms_median=1e3 * median(writer_s[v]),
+            writer_ms_range=[1e3 * min(writer_s[v]), 1e3 * max(writer_s[v])],
             process_ms_median=1e3 * p, process_ms_range=[1e3 * min(proc_s[v]), 1e3 * max(proc_s[v])],
             floor_process_ms_median=1e3 * fp,
             process_ms_per_mb=1e3 * p / mb[v], floor_process_ms_per_mb=1e3 * fp / floor_mb[fmt],
@@ -312,6 +333,7 @@ def run(rounds: int, every: int, formats: List[str], seed: int = 0) -> List[Dict
         )
         out.append(rec)
     emit("publish_cost_formats_summary", aa_thread=median(train_s["native_aa"]) / median(train_s["native"]),
+         aa_writer=median(writer_s["native_aa"]) / median(writer_s["native"]),
          aa_process=median(proc_s["native_aa"]) / median(proc_s["native"]),
          aa_thread_per_round=sorted(a / b for a, b in zip(train_s["native_aa"], train_s["native"])),
          machine=machine())

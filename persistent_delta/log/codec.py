@@ -363,6 +363,27 @@ def encode_gathered(
                    checksum, into)
 
 
+def gather_record(
+    ids: torch.Tensor, source: torch.Tensor, rows: torch.Tensor, kind: int = KIND_SNAPSHOT,
+    publish_time: Optional[float] = None, into: Optional[bytearray] = None,
+) -> Tuple[Encoded, torch.Tensor]:
+    """:func:`encode_gathered` with ``checksum=False``, returning the gathered rows too: a view
+    of the record's states (valid as long as the record), from which a caller encodes the
+    same rows in other formats without decoding the record."""
+    if source.dim() != 2:
+        raise InvalidInputError(f"source must be 2-D, got shape {tuple(source.shape)}")
+    rows = rows.long()
+    shape = [int(rows.numel()), int(source.shape[1])]
+    views: List[torch.Tensor] = []
+
+    def fill(out: torch.Tensor) -> None:
+        _gather_into(source.detach(), rows, out)
+        views.append(out)
+
+    value = _encode(ids, (source.dtype, shape), fill, kind, None, None, publish_time, False, into)
+    return value, (views[0] if views else torch.empty(shape, dtype=source.dtype))
+
+
 def _gather_into(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = source[rows]``; a device table is gathered on its device, then copied to host."""
     if source.device.type == "cpu":

@@ -12,8 +12,8 @@ hot path (``record_lookup``) keeps references (EMBEDDING on CPU: a copy of the r
 block, :class:`~.capture.LookupBlocks`); ``step()`` hands the finished batch, with the
 new batch index, to the background writer as a :class:`~.operations.StepWrite`. Every read
 (``get_unique``, ``publish``) commits what was recorded, then runs TorchRec's consume rule (a
-publish is queued to the writer as a :class:`~.operations.PublishWrite` once its values are
-captured). Deliberate differences from TorchRec: see docs/concepts.md.
+publish is queued to the writer as a :class:`~.operations.PublishRequest` once its values are
+gathered). Deliberate differences from TorchRec: see docs/concepts.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from persistent_delta.log.schema import (
 from persistent_delta.trainer.sharding import LocalTable, local_tables
 from persistent_delta.trainer.torchrec_internals import dmp_wrapped_module
 from persistent_delta.trainer.unread import UnreadIds
-from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
+from persistent_delta.trainer.operations import Compaction, Operation, PublishRequest, StepWrite
 from persistent_delta.trainer.writer import BackgroundWriter, commit_operations
 from persistent_delta.trainer.window import WindowFilter
 from persistent_delta.trainer.zch_capture import ZchCapture
@@ -102,10 +102,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         # them answers for all: model.eval() sets every module's flag)
         self._eval_probe: Optional[nn.Module] = None if config.track_eval else next(iter(self.tracked_modules.values()), None)
         self._tables: Dict[str, LocalTable] = local_tables(self.tracked_modules, self.table_to_fqn)
-        # publish(): a record buffer per table, reused (publish.capture; free again once the
-        # writer committed the previous publish, which publish() waits for before capturing)
-        self._publish_buffers: Dict[str, bytearray] = {}
-        self._format_buffers: Dict[Tuple[str, str], bytearray] = {}  # the same, of converted records (writer)
         # get_unique(): the rows' memory, reused once the caller dropped an earlier result (a
         # fresh result of the window's size page-faults in every read)
         self._results = ResultBuffers()
@@ -134,8 +130,6 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             self._log.close()
             raise
         self.curr_compact_index = self.curr_batch_idx
-        # capped publishes: consumer -> rows still deferred (persistent_delta.log.deferred), as stored
-        self._publish_deferred: Dict[str, int] = self._log.read(deferred_by_consumer)
         # The newest closed publish stamp: a publish never takes one (a snapshots consumer may have
         # read past it); the publishes of a batch share its stamp until it closes, at the batch's
         # end or flush() (position_rules.open_stamp). A (re)start closes what an earlier writer left
@@ -150,6 +144,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             compact=not self._window.enabled, delete_on_read=config.delete_on_read, bound=self._retention)
         # publish(): per publishing consumer, the ids committed since its last publish (:mod:`.unread`)
         self._unread = UnreadIds({fqn: t.local_rows for fqn, t in self._tables.items()})
+        # publish(): reused buffers, and per consumer the rows still deferred (as stored)
+        self._publisher = publish.Publisher(self._tables, self._unread, self._log.read(deferred_by_consumer))
         self._writer: Optional[BackgroundWriter] = None
         if config.async_writes:
             self._writer = BackgroundWriter(self._log, self._update_mode, writer_options, self._window,
@@ -249,7 +245,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def _unsettled(self) -> List[AppendRecord]:
         """The records handed to the writer and not committed yet, for a read that adds them to
         the log's instead of waiting (publish); or, after waiting for the writer (:meth:`_settle`),
-        none. It waits when the queue holds a log operation (an earlier :class:`PublishWrite`: its
+        none. It waits when the queue holds a log operation (an earlier :class:`PublishRequest`: its
         record buffers are still in use, and it moves the consumer; a :class:`Compaction`) or
         device copies in flight."""
         pending = None if self._writer is None else self._writer.pending_records()
@@ -376,9 +372,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             ConsumerRoleError: ``consumer`` reads (:meth:`get_unique`); use another name to publish.
         """
         name, t = check_consumer_name(consumer), time.time()
-        formats = tuple(formats)
-        for f in formats:
-            codec.check_format(f)
+        formats = tuple(codec.check_format(f) for f in formats)
         self._check()
         cap = caps.check_cap(max_rows, max_bytes, order, self._tables)
         if self._pending_restore is not None:
@@ -390,17 +384,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         pending = self._unsettled()
         # the batch's stamp (shared by its publishes), or the first after the closed ones; the
         # batch index never moves (every rank's batches keep their numbers, however often it publishes)
-        end, stamp = self.curr_batch_idx + 1, max(self.curr_batch_idx, self._last_stamp + 1)
-        # the ids committed since the consumer's last publish (taken after the pending records:
-        # a record leaves those only once the accumulator has it), and a new accumulation from end
-        accumulated = self._unread.take(name, end)
+        end = self.curr_batch_idx + 1
+        request = PublishRequest(name, end, self.next_stamp, t, formats, cap, **self._read_rule)
         try:
-            captured = self._log.read(lambda r: publish.capture(r, name, end, stamp, self._tables, t,
-                                                                self._publish_buffers, pending, formats,
-                                                                self._format_buffers, cap, accumulated,
-                                                                self._unread))
+            self._publisher.capture(self._log, request, pending)
         except BaseException as exc:
-            self._unread.drop(name)  # the consumer stays where it was
             if step is not None:
                 self._hand_off(step)
             if isinstance(exc, InvalidInputError) and pending:
@@ -408,10 +396,9 @@ class PersistentDeltaTracker(ModelDeltaTracker):
             raise
         if step is not None:
             self._hand_off(step)
-        self._hand_off(PublishWrite(captured, **self._read_rule))
-        self._open_stamp = stamp
-        self._publish_deferred[name] = captured.deferred_rows
-        return captured.rows
+        self._hand_off(request)
+        self._open_stamp = request.stamp
+        return request.rows
 
     def state_dict(self) -> Dict[str, Any]:
         """The tracker's part of a model checkpoint. Flushes first and marks the checkpoint in
@@ -527,7 +514,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
 
         self._log.write(unregister)
         self._unread.drop(name)
-        self._publish_deferred.pop(name, None)
+        self._publisher.deferred.pop(name, None)
         self._claims.release(name)
         if name in self._consumers:
             self._consumers.remove(name)
@@ -568,7 +555,7 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         publishes that read their consumer's unread ids from the log, as a consumer's first
         publish in this process does (the others take them from :mod:`.unread`)."""
         out: Dict[str, float] = self._writer.stats() if self._writer is not None else {}
-        out["publish_deferred_rows"] = sum(self._publish_deferred.values())
+        out["publish_deferred_rows"] = sum(self._publisher.deferred.values())
         out["publish_log_reads"] = self._unread.log_reads
         return out
 

@@ -8,7 +8,7 @@ Design note
 The training thread only *captures* what a batch looked up (keeps references to the ids, copies
 EMBEDDING rows into reused blocks on CPU, or starts device-to-host copies), and hands each step's records to :meth:`BackgroundWriter.submit` as one
 :class:`~persistent_delta.trainer.operations.StepWrite`; a publish and ``auto_compact`` hand it a
-:class:`~persistent_delta.trainer.operations.PublishWrite` or
+:class:`~persistent_delta.trainer.operations.PublishRequest` or
 :class:`~persistent_delta.trainer.operations.Compaction`. A single writer thread lets small steps
 gather (up to ``linger_steps`` operations, ``linger_bytes`` or ``linger_s`` seconds, unless
 someone waits for it), then, for every run of queued operations (:func:`commit_operations`):
@@ -50,13 +50,13 @@ from persistent_delta.log.rows import compute_unique_rows, unique_ids
 from persistent_delta.log.schema import META_CURR_BATCH
 from persistent_delta.threads import default_kept, set_for_this_thread
 from persistent_delta.trainer import publish
-from persistent_delta.trainer.operations import Compaction, Operation, PublishWrite, StepWrite
+from persistent_delta.trainer.operations import Compaction, Operation, PublishRequest, StepWrite
 from persistent_delta.trainer.window import WindowFilter
 
 logger = logging.getLogger(__name__)
 
 
-_OPERATIONS = (StepWrite, PublishWrite, Compaction)
+_OPERATIONS = (StepWrite, PublishRequest, Compaction)
 
 
 @dataclass
@@ -70,7 +70,7 @@ class _Queued:
     @property
     def prompt(self) -> bool:
         """Commit without waiting to group more: someone waits to read a publish."""
-        return isinstance(self.op, PublishWrite)
+        return isinstance(self.op, PublishRequest)
 
 
 def tensor_bytes(t: Optional[torch.Tensor]) -> int:
@@ -82,8 +82,8 @@ def held_bytes(op: Operation) -> int:
     """The memory ``op`` holds until the writer writes it (captured rows and records)."""
     if isinstance(op, StepWrite):
         return sum(tensor_bytes(r.ids) + tensor_bytes(r.states) for r in op.records)
-    if isinstance(op, PublishWrite):
-        return op.captured.nbytes
+    if isinstance(op, PublishRequest):
+        return op.nbytes
     return 0
 
 
@@ -174,7 +174,7 @@ class BackgroundWriter:
 
         Args:
             op: a :class:`~persistent_delta.trainer.operations.StepWrite`,
-                :class:`~persistent_delta.trainer.operations.PublishWrite` or
+                :class:`~persistent_delta.trainer.operations.PublishRequest` or
                 :class:`~persistent_delta.trainer.operations.Compaction`.
 
         Raises:
@@ -182,7 +182,7 @@ class BackgroundWriter:
             WriterError: an earlier commit failed (see ``__cause__``); :meth:`resume` retries.
         """
         if not isinstance(op, _OPERATIONS):
-            raise InvalidInputError(f"the writer runs StepWrite, PublishWrite or Compaction, not {type(op).__name__}")
+            raise InvalidInputError(f"the writer runs StepWrite, PublishRequest or Compaction, not {type(op).__name__}")
         entry = _Queued(op, held_bytes(op))
         with self._cv:
             self._raise_if_failed()
@@ -367,7 +367,7 @@ class BackgroundWriter:
             self._committed([r for t in taken if isinstance(t.op, StepWrite) for r in t.op.records])
         dt = time.perf_counter() - t0
         done = time.monotonic()
-        published = [done - t.submitted for t in taken if isinstance(t.op, PublishWrite)]
+        published = [done - t.submitted for t in taken if isinstance(t.op, PublishRequest)]
         with self._cv:
             self._stats["publishes"] += len(published)
             self._stats["publish_s"] += sum(published)
@@ -388,7 +388,7 @@ def commit_operations(
     consumer offsets): drops rows already recorded in the window -- first, so that the
     per-(table, batch) dedup that follows only sorts what is new -- dedups, encodes and appends
     every :class:`StepWrite`'s records, persists the latest batch index among them, then runs
-    each :class:`PublishWrite` and :class:`Compaction` in order (:func:`write_log_operation`).
+    each :class:`PublishRequest` and :class:`Compaction` in order (:func:`write_log_operation`).
     The rows the filter keeps of a captured block are gathered straight into their encoded
     record (one copy); ``buffers``: the caller's reused encode buffers (one thread's).
 
@@ -440,12 +440,11 @@ def write_log_operation(w: WriteTxn, mode: UpdateMode, op: Operation) -> None:
     """Run a publish or a compaction inside ``w`` (``mode``: the log's update mode).
 
     Raises:
-        InvalidInputError: ``op`` is neither a :class:`PublishWrite` nor a :class:`Compaction`.
+        InvalidInputError: ``op`` is neither a :class:`PublishRequest` nor a :class:`Compaction`.
         ConsumerConflictError: a publish's consumer moved since its capture.
     """
-    if isinstance(op, PublishWrite):
-        publish.write_publish(w, op.captured, mode, compact=op.compact, delete_on_read=op.delete_on_read,
-                              bound=op.bound)
+    if isinstance(op, PublishRequest):
+        publish.write_publish(w, op, mode)
     elif isinstance(op, Compaction):
         position_rules.compact_behind(w, mode, op.end)
     else:

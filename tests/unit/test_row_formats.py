@@ -1,6 +1,6 @@
 """Row formats of snapshot records through the writer's conversion, a local read and the
 stream: a log whose publishes wrote native, float16 and int8 records (by
-:func:`persistent_delta.trainer.publish.formatted_records`, the writer's own step), shipped
+:func:`persistent_delta.trainer.publish.encode_formats`, the writer's own step), shipped
 through the in-process memory transport; each reader, local or remote, gets exactly its
 format's rows, and the remote ones equal the local ones bit for bit."""
 
@@ -20,7 +20,8 @@ from persistent_delta.log import codec
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import META_SNAPSHOT_END, SNAPSHOTS, ConsumerEntry
 from persistent_delta.read.consumer import DeltaReader
-from persistent_delta.trainer.publish import Captured, formatted_records
+from persistent_delta.trainer.operations import GatheredRows, PublishRequest
+from persistent_delta.trainer.publish import encode_formats
 
 JOB, DIM, ROWS = "job-formats", 8, 64
 
@@ -39,12 +40,13 @@ def _publish_log(path: str) -> torch.Tensor:
         for stamp in (1, 2, 3):
             table[stamp * 5:stamp * 5 + 9] += 0.5  # rows change between publishes
             ids = torch.arange(stamp * 5, stamp * 5 + 9 + stamp)
-            cap = Captured("serving", ConsumerEntry(0), stamp + 1, stamp, time.time(),
-                           formats=("native", "float16", "int8"), format_buffers=buffers)
-            value = codec.encode_gathered(ids, table, ids, codec.KIND_SNAPSHOT, cap.publish_time, checksum=False)
+            t = time.time()
+            value, values = codec.gather_record(ids, table, ids, codec.KIND_SNAPSHOT, t)
+            request = PublishRequest("serving", stamp + 1, stamp, t, entry=ConsumerEntry(0), buffers=buffers,
+                                     tables={"t": GatheredRows(ids, values, value, ("native", "float16", "int8"))})
 
-            def put(w, value=value, stamp=stamp, cap=cap):
-                for rec in formatted_records(cap, "t", value):
+            def put(w, stamp=stamp, request=request):
+                for rec in encode_formats(request, "t"):
                     w.put_record(w.table("t").table_id, stamp, rec, channel=SNAPSHOTS)
                 w.set_meta(META_SNAPSHOT_END, stamp + 1)
             log.write(put)

@@ -364,8 +364,7 @@ def test_the_queue_holds_the_named_operations_and_runs_each_by_its_type(tmp_path
     consumer moves, the snapshot end follows) and a compaction, written in order in one group;
     anything else is refused at submit."""
     from persistent_delta.log.schema import META_SNAPSHOT_END
-    from persistent_delta.trainer.operations import PublishWrite
-    from persistent_delta.trainer.publish import Captured
+    from persistent_delta.trainer.operations import PublishRequest
 
     log = log_with_consumer(str(tmp_path / "log"), UpdateMode.NONE)
     writer = BackgroundWriter(log, UpdateMode.NONE)
@@ -373,12 +372,12 @@ def test_the_queue_holds_the_named_operations_and_runs_each_by_its_type(tmp_path
     writer.submit(StepWrite(events=[HeldCopy(lambda: gate.wait(10))]))  # holds the writer
     step = StepWrite(records=[AppendRecord(b, "t", torch.tensor([b])) for b in range(3)], curr_batch_idx=3)
     entry = log.read(lambda r: r.consumer("a"))
-    published = PublishWrite(Captured(name="a", entry=entry, end=3, stamp=2, publish_time=0.0),
-                             compact=False, delete_on_read=False)
+    published = PublishRequest("a", end=3, stamp=2, publish_time=0.0, compact=False, delete_on_read=False,
+                               entry=entry)
     compaction = Compaction(end=3)
     for op in (step, published, compaction):
         writer.submit(op)
-    with pytest.raises(InvalidInputError, match="StepWrite, PublishWrite or Compaction"):
+    with pytest.raises(InvalidInputError, match="StepWrite, PublishRequest or Compaction"):
         writer.submit(lambda w: None)
     assert writer.queued()[1:] == [step, published, compaction]
     assert writer.pending_records() is None  # a publish is queued: a reader waits for it
