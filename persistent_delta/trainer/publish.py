@@ -51,7 +51,7 @@ consumer carries them first.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar
+from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
@@ -59,12 +59,12 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta.errors import ConsumerConflictError, InvalidInputError
 from persistent_delta.log import codec, position_rules
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
-from persistent_delta.log.deferred import read_deferred, write_deferred
+from persistent_delta.log.deferred import deferred_by_consumer, read_deferred, write_deferred
 from persistent_delta.log.records import AppendRecord, check_row_ids, log_start
 from persistent_delta.log.schema import SNAPSHOTS, ConsumerEntry
 from persistent_delta.log.zch_records import reinitialised, slot_moves
 from persistent_delta.trainer import caps, consume
-from persistent_delta.trainer.operations import GatheredRows, PublishRequest
+from persistent_delta.trainer.operations import GatheredRows, Operation, PublishRequest, StepWrite
 from persistent_delta.trainer.sharding import LocalTable, shard_weights
 from persistent_delta.trainer.unread import UnreadIds, UnreadSince
 
@@ -92,31 +92,100 @@ def reusable(buffers: Dict[T, bytearray], key: T, size: int) -> bytearray:
     return into
 
 
+class Feed(Protocol):
+    """What a publish needs of the writer (:class:`persistent_delta.trainer.writer.WriterFeed`)."""
+
+    def hand_off(self, op: Operation) -> None: ...
+
+    def settle(self) -> None: ...
+
+    def unsettled(self) -> List[AppendRecord]: ...
+
+
 class Publisher:
     """One tracker's publishes on this rank: the tables they read, the buffers they reuse from
-    publish to publish, each consumer's unread ids (:mod:`persistent_delta.trainer.unread`), and
-    the rows still deferred per consumer.
+    publish to publish, each consumer's unread ids (:mod:`persistent_delta.trainer.unread`), the
+    rows still deferred per consumer, and the stamps.
 
-    Thread-safety: :meth:`capture` runs on the training thread; the requests it fills are
-    written on the writer thread (:func:`write_publish`), which alone uses the converted
+    Stamps: a publish never takes a closed stamp (a snapshots consumer may have read past it);
+    the publishes of a batch share its stamp until it closes, at the batch's end or ``flush()``
+    (:func:`persistent_delta.log.position_rules.open_stamp`). Opening closes what an earlier
+    writer left open, and the batch index the tracker continues at counts as closed (an earlier
+    writer may have published at it), the same on every rank (``resume_at`` agreed on it).
+
+    Thread-safety: the training thread calls every method; the requests :meth:`capture` fills
+    are written on the writer thread (:func:`write_publish`), which alone uses the converted
     records' buffers. The caller must not capture again before the previous request was
-    written: its records live in the reused buffers (the tracker waits for its writer first).
+    written: its records live in the reused buffers (:meth:`publish` waits for the writer first).
 
     Args:
+        log: this rank's log (read: the deferred rows; written: the stamps closed).
         tables: fqn -> this rank's shard of each tracked table.
         unread: the ids the writer committed since each consumer's previous publish.
-        deferred: consumer -> rows still deferred (as stored: :func:`persistent_delta.log.deferred.deferred_by_consumer`).
+        curr_batch_idx: the batch index the tracker continues at.
     """
 
-    def __init__(self, tables: Dict[str, LocalTable], unread: UnreadIds, deferred: Dict[str, int]) -> None:
-        self._tables = tables
-        self._unread = unread
-        self.deferred = deferred  # consumer -> rows its latest publish deferred (stats)
+    def __init__(self, log: DeltaLog, tables: Dict[str, LocalTable], unread: UnreadIds, curr_batch_idx: int) -> None:
+        self._log, self._tables, self._unread = log, tables, unread
+        self.deferred: Dict[str, int] = log.read(deferred_by_consumer)  # consumer -> rows still deferred (stats)
         self._records: Dict[str, bytearray] = {}  # fqn -> the native record's buffer (training thread)
         self._converted: Dict[Tuple[str, str], bytearray] = {}  # (fqn, format) -> buffer (writer thread)
+        self._last_stamp = max(log.write(position_rules.close_stamps) - 1, curr_batch_idx)  # the newest closed
+        self._open_stamp: Optional[int] = None  # the stamp of this batch's publishes, not closed yet
 
-    def capture(self, log: DeltaLog, request: PublishRequest, pending: Sequence[AppendRecord] = ()) -> None:
-        """Fill ``request`` in: read its consumer's unread rows (a read transaction of ``log``)
+    def forget(self, consumer: str) -> None:
+        """``consumer`` was unregistered: its unread ids and deferred count go."""
+        self._unread.drop(consumer)
+        self.deferred.pop(consumer, None)
+
+    def stats(self) -> Dict[str, float]:
+        """``publish_deferred_rows`` and ``publish_log_reads`` of ``tracker.stats()``."""
+        return {"publish_deferred_rows": sum(self.deferred.values()), "publish_log_reads": self._unread.log_reads}
+
+    def next_stamp(self, curr_batch_idx: int) -> int:
+        """The stamp a publish made now carries (``tracker.next_stamp``)."""
+        return max(curr_batch_idx, self._last_stamp + 1)
+
+    def batch_ended(self, curr_batch_idx: int) -> None:
+        """A step began batch ``curr_batch_idx``: an open stamp below it is closed."""
+        if self._open_stamp is not None and self._open_stamp < curr_batch_idx:
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
+
+    def close_stamps(self) -> None:
+        """Close the open stamp now (``flush()``): its publishes become readable, a later one takes the next."""
+        if self._open_stamp is not None:
+            self._log.write(position_rules.close_stamps)
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
+
+    def publish(self, feed: Feed, request: PublishRequest, step: StepWrite) -> Dict[str, int]:
+        """Capture ``request`` and hand it to ``feed`` after ``step``, the records captured so
+        far: handed first when it holds any (an empty one goes with the publish: one transaction,
+        not two). Returns fqn -> rows captured.
+
+        Raises:
+            as :meth:`capture`; the step is handed to the writer all the same.
+        """
+        held: Optional[StepWrite] = step
+        if step.records or step.events:
+            feed.hand_off(step)
+            held = None
+        pending = feed.unsettled()
+        try:
+            self.capture(request, pending)
+        except BaseException as exc:
+            if held is not None:
+                feed.hand_off(held)
+            if isinstance(exc, InvalidInputError) and pending:
+                feed.settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
+            raise
+        if held is not None:
+            feed.hand_off(held)
+        feed.hand_off(request)
+        self._open_stamp = request.stamp
+        return request.rows
+
+    def capture(self, request: PublishRequest, pending: Sequence[AppendRecord] = ()) -> None:
+        """Fill ``request`` in: read its consumer's unread rows (a read transaction of the log)
         and gather their current values (tables of this tracker only; empty tables are left
         out). The request is then the writer's to write (:func:`write_publish`).
 
@@ -143,7 +212,7 @@ class Publisher:
         # a record leaves those only once the unread set has it), and a new unread set from end
         taken = self._unread.take(request.consumer, request.end)
         try:
-            log.read(lambda r: self._capture(r, request, pending, taken))
+            self._log.read(lambda r: self._capture(r, request, pending, taken))
         except BaseException:
             self._unread.drop(request.consumer)  # the consumer stays where it was
             raise

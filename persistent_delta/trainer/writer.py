@@ -378,6 +378,58 @@ class BackgroundWriter:
             self._stats["commit_time_s"] += dt
 
 
+class WriterFeed:
+    """The training thread's side of the writer: hands operations to a :class:`BackgroundWriter`
+    (``background``), or, without one, commits each at once (:func:`commit_operations`), and
+    waits for it. ``committed`` is told every committed step's records either way (the unread
+    ids of publishing consumers, :mod:`persistent_delta.trainer.unread`). Training thread only.
+    """
+
+    def __init__(self, log: DeltaLog, mode: UpdateMode, window: Optional[WindowFilter],
+                 committed: Callable[[List[AppendRecord]], None], options: Optional[WriterOptions] = None,
+                 background: bool = True) -> None:
+        self._log, self._mode, self._window, self._committed = log, mode, window, committed
+        self.writer: Optional[BackgroundWriter] = (
+            BackgroundWriter(log, mode, options, window, committed=committed) if background else None)
+
+    def hand_off(self, op: Operation) -> None:
+        """Queue ``op`` for the writer thread, or, without one, commit it now."""
+        if self.writer is not None:
+            self.writer.submit(op)
+        else:
+            commit_operations(self._log, self._mode, [op], self._window)
+            if isinstance(op, StepWrite):
+                self._committed(op.records)
+
+    def settle(self) -> None:
+        """Wait until the writer committed what it was handed (a queued publish moves its
+        consumer only when the writer commits it)."""
+        if self.writer is not None:
+            self.writer.barrier()
+
+    def resume(self) -> None:
+        """After a failed commit, once the cause is fixed: retry what the writer kept."""
+        if self.writer is not None:
+            self.writer.resume()
+
+    def close(self) -> None:
+        """Stop the writer thread without committing what is queued."""
+        if self.writer is not None:
+            self.writer.close(drain=False)
+
+    def unsettled(self) -> List[AppendRecord]:
+        """The records handed to the writer and not committed yet, for a read that adds them to
+        the log's instead of waiting (publish); or, after waiting for the writer (:meth:`settle`),
+        none. It waits when the queue holds a log operation (an earlier :class:`PublishRequest`:
+        its record buffers are still in use, and it moves the consumer; a :class:`Compaction`) or
+        device copies in flight."""
+        pending = None if self.writer is None else self.writer.pending_records()
+        if pending is None:
+            self.settle()
+            return []
+        return pending
+
+
 def commit_operations(
     log: DeltaLog, mode: UpdateMode, ops: List[Operation], window: Optional[WindowFilter] = None,
     buffers: Optional[EncodeBuffers] = None,
@@ -451,4 +503,4 @@ def write_log_operation(w: WriteTxn, mode: UpdateMode, op: Operation) -> None:
         raise InvalidInputError(f"not a log operation of the writer: {type(op).__name__}")
 
 
-__all__ = ["BackgroundWriter", "commit_operations", "dedup_records", "held_bytes", "write_log_operation"]
+__all__ = ["BackgroundWriter", "WriterFeed", "commit_operations", "dedup_records", "held_bytes", "write_log_operation"]
