@@ -101,7 +101,7 @@ def _poll(rows: int, n: int, seed: int) -> Any:
 def run(rows: int, poll_rows: int, rounds: int) -> List[Dict[str, Any]]:
     from torchrec.inference.modules import quantize_inference_model
 
-    from persistent_delta.read.inference import InferenceReplica
+    from persistent_delta.serve.inference import InferenceReplica
 
     torch.set_num_threads(1)
     replicas = {

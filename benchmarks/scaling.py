@@ -375,7 +375,7 @@ def child_loglen(cfg: Dict[str, Any]) -> Dict[str, Any]:
     from persistent_delta.log.records import AppendRecord
     from persistent_delta.log.position_rules import safe_compact
     from persistent_delta.read.consumer import DeltaReader
-    from persistent_delta.read.store import LmdbDeltaStore
+    from persistent_delta.adapters.delta_store import LmdbDeltaStore
 
     torch.set_num_threads(1)
     n, ids_per, dim = cfg["batches"], cfg["ids"], cfg["dim"]

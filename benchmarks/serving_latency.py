@@ -14,7 +14,7 @@ each. Per replica kind, two runs:
 
 Replica kinds: ``float`` (today's replica: a dict of float32 tables that ``apply_poll`` writes,
 requests are ``F.embedding_bag`` sums over them, no lock), ``int8`` and ``fp16``
-(:class:`persistent_delta.read.inference.InferenceReplica` over ``quantize_inference_model`` of
+(:class:`persistent_delta.serve.inference.InferenceReplica` over ``quantize_inference_model`` of
 an EmbeddingBagCollection of the same tables; requests are ``replica.forward(kjt)``).
 
 A request is 64 samples x 4 features x 8 Zipf ids (pooled sums), issued every
@@ -89,7 +89,7 @@ def replica_main(root: str, kind: str, out: str, stop: str, from_stamp: int, int
     else:
         from torchrec.inference.modules import quantize_inference_model
 
-        from persistent_delta.read.inference import InferenceReplica
+        from persistent_delta.serve.inference import InferenceReplica
 
         class Serving(nn.Module):
             def __init__(self) -> None:

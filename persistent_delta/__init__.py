@@ -4,16 +4,15 @@ TorchRec's ``ModelDeltaTracker`` keeps "which rows changed" in process memory; p
 writes it to an append-only LMDB log, so deltas and consumer positions survive restarts.
 
 The names here are what a user needs, by role. Everything else stays importable from its
-package (``persistent_delta.log``, ``.trainer``, ``.read``, ``.fleet``), and every error from
-:mod:`persistent_delta.errors`.
+package (``persistent_delta.log``, ``.trainer``, ``.read``, ``.serve``, ``.adapters``,
+``.fleet``), and every error from :mod:`persistent_delta.errors`.
 """
 
 from importlib import metadata as _metadata
 
 # in the trainer
 from persistent_delta.config import Durability, RetentionBound
-from persistent_delta.trainer.attach import attach
-from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig
+from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
 from persistent_delta.trainer.save_shards import save_local_shards
 
 # reading, in any process
@@ -22,15 +21,16 @@ from persistent_delta.read.consumer import DeltaConsumer, DeltaReader
 from persistent_delta.read.results import DeltaPoll, MergedDelta, RankDelta, TableDelta
 
 # serving replicas
-from persistent_delta.read.apply import Applied, apply_poll, load_base
-from persistent_delta.log.zch_records import RawIdMap, ZchDelta
+from persistent_delta.serve.apply import Applied, apply_poll, load_base
+from persistent_delta.log.zch_records import ZchDelta
+from persistent_delta.serve.raw_id_map import RawIdMap
 
 # across hosts
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.fleet.remote import RemoteConsumer
 
 # TorchRec's DeltaStore, on disk
-from persistent_delta.read.store import LmdbDeltaStore
+from persistent_delta.adapters.delta_store import LmdbDeltaStore
 
 # the errors most callers catch (all of them: persistent_delta.errors)
 from persistent_delta.errors import LogLockedError, OffsetOutOfRangeError, PersistentDeltaError

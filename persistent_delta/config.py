@@ -141,11 +141,8 @@ class LogOptions:
         max_map_size: the map never grows past this; a write that needs more raises
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
-        readahead: read each record ahead, whole, before it is used
-            (:class:`~persistent_delta.log.lmdbenv.Prefetch`). The map itself is read page by
-            page (no OS readahead), so a cold open or a short read costs what it touches, not
-            the device's readahead window around every page. Leave it on: without it a cold
-            read of a large record faults in its pages one by one.
+        readahead: OS readahead on the map. Leave it on: cold reads fault in page by page
+            without it.
         group_access: create logs group-readable and -writable (files 0660, directories 0770,
             whatever the umask) so that readers running as another user of the group work;
             default owner-only (0600 / 0700). Environment: ``PERSISTENT_DELTA_GROUP_ACCESS=1``.
@@ -155,7 +152,7 @@ class LogOptions:
             poll's one buffer is kept by glibc itself up to its 32 MiB mmap-threshold maximum).
             Off by default because it is process-wide (see :mod:`persistent_delta.log.alloc`).
         read_threads: torch intra-op threads a reader's polls, ``merged()`` and
-            :func:`~persistent_delta.read.apply.apply_poll` run with (default 1; 0: the process's
+            :func:`~persistent_delta.serve.apply.apply_poll` run with (default 1; 0: the process's
             own setting). The read path is memory-bound; parallel regions leave OpenMP's
             workers spinning after them, which on a machine shared with a trainer took cores
             from the trainer and doubled a replica's p99 freshness (see

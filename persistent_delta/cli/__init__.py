@@ -1,10 +1,13 @@
-"""The ``persistent-delta`` command: eleven subcommands, one module each.
+"""The ``persistent-delta`` command: eleven subcommands, one module each (here, or the library's
+module the command calls: replay and apply are the serving side's, :mod:`persistent_delta.serve`).
 
 * ``offsets`` (:mod:`.offsets`; ``--server``: :mod:`.remote`): consumers' positions, lag and
   health; reset, register or delete a position.
 * ``verify`` (:mod:`.verify`): check every record, key, position and meta value.
-* ``replay`` (:mod:`.replay`): export a batch range, all ranks merged, as safetensors.
-* ``apply`` (:mod:`.apply`): apply a base and replay outputs to a replica, in order.
+* ``replay`` (:mod:`persistent_delta.serve.replay`): export a batch range, all ranks merged, as
+  safetensors.
+* ``apply`` (:mod:`persistent_delta.serve.apply_files`): apply a base and replay outputs to a
+  replica, in order.
 * ``vacuum`` (:mod:`.vacuum`): reclaim disk space while no process has the log open.
 * ``upgrade`` (:mod:`.upgrade`): rewrite logs of an older format version in place.
 * ``report`` (:mod:`.report`): PNG plots of a job computed from its log.

@@ -1,4 +1,4 @@
-"""Managed-collision (ZCH) side records: what they hold, reading them, and a replica's raw-id map.
+"""Managed-collision (ZCH) side records: what they hold and reading them.
 
 Owns: the meaning of the side records of a managed-collision table (record kinds 2 and 3, stored
 under the table's side id: :func:`persistent_delta.log.codec.side_table_id`) and the rule that turns
@@ -27,7 +27,8 @@ of every slot whose raw id changed (TorchRec re-initialises them): a replica tha
 snapshots channel follows the map and the rows (:func:`slot_moves`).
 
 Applying every reassignment in batch order, from the log start, gives exactly the trainer's
-(admitted raw id -> slot) map: :class:`RawIdMap` does that. Local reads (:func:`read_side`)
+(admitted raw id -> slot) map: a replica's :class:`~persistent_delta.serve.raw_id_map.RawIdMap`
+does that. Local reads (:func:`read_side`)
 and remote ones (the records a shipper shipped: :func:`shipped_side`, read back by
 :mod:`persistent_delta.fleet.remote`) turn records into a :class:`ZchDelta` by one rule,
 :func:`side_delta`. Ranges are half-open
@@ -105,7 +106,7 @@ class ZchDelta:
     ranks: List[int] = field(default_factory=list)
 
 
-def _last_per_key(keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def last_per_key(keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ascending unique ``keys`` and, for each, the value of its last occurrence."""
     if keys.numel() == 0:
         return _empty(), _empty()
@@ -120,7 +121,7 @@ def _evicted(taken: torch.Tensor, given: torch.Tensor, slots: torch.Tensor) -> t
     out = taken[taken != NO_RAW_ID]
     if out.numel() == 0:
         return _empty()
-    _, final = _last_per_key(slots, given)
+    _, final = last_per_key(slots, given)
     out = torch.unique(out)
     kept: torch.Tensor = out[~torch.isin(out, final)]
     return kept
@@ -176,7 +177,7 @@ def side_delta(
     if looked:
         st, ls = torch.cat(looked), torch.cat(looked_slots) + row_offset
         admitted = st[:, ADMITTED] != 0
-        out.raw_ids, out.slot_ids = _last_per_key(st[admitted, RAW], ls[admitted])
+        out.raw_ids, out.slot_ids = last_per_key(st[admitted, RAW], ls[admitted])
         out.unadmitted_raw_ids = torch.unique(st[~admitted, RAW])
         out.unadmitted_raw_ids = out.unadmitted_raw_ids[~torch.isin(out.unadmitted_raw_ids, out.raw_ids)]
     if moves:
@@ -237,8 +238,8 @@ def reduce_raw_ids(ids: torch.Tensor, states: torch.Tensor) -> SideRecord:
     :func:`side_delta` reads the same: each admitted raw id once with the last slot it was
     looked up in, then each raw id never admitted in them once (with its last slot)."""
     admitted = states[:, ADMITTED] != 0
-    a_raw, a_slot = _last_per_key(states[admitted, RAW], ids[admitted].to(torch.int64))
-    u_raw, u_slot = _last_per_key(states[~admitted, RAW], ids[~admitted].to(torch.int64))
+    a_raw, a_slot = last_per_key(states[admitted, RAW], ids[admitted].to(torch.int64))
+    u_raw, u_slot = last_per_key(states[~admitted, RAW], ids[~admitted].to(torch.int64))
     keep = ~torch.isin(u_raw, a_raw)
     flags = torch.cat([torch.ones(a_raw.numel(), dtype=torch.int64), torch.zeros(int(keep.sum()), dtype=torch.int64)])
     return codec.KIND_RAW_IDS, torch.cat([a_slot, u_slot[keep]]), raw_ids_states(torch.cat([a_raw, u_raw[keep]]), flags)
@@ -290,53 +291,6 @@ def merge_side(fqn: str, parts: List[Tuple[int, ZchDelta]]) -> ZchDelta:
                    ranks=sorted(rank for rank, _ in parts))
     out.evicted_raw_ids = _evicted(out.taken, out.given, out.slots)
     return out
-
-
-class RawIdMap:
-    """A replica's (admitted raw id -> global slot) map of managed-collision tables, built by
-    applying slot reassignments in order (:meth:`apply`). Memory: one int64 per slot of each
-    table (``global_rows``, the table's size)."""
-
-    def __init__(self) -> None:
-        self._slot_raw: Dict[str, torch.Tensor] = {}
-
-    def _table(self, fqn: str, need: int) -> torch.Tensor:
-        cur = self._slot_raw.get(fqn)
-        if cur is None or cur.numel() < need:
-            grown = torch.full((max(need, 2 * (0 if cur is None else cur.numel())),), NO_RAW_ID, dtype=torch.int64)
-            if cur is not None:
-                grown[: cur.numel()] = cur
-            self._slot_raw[fqn] = cur = grown
-        return cur
-
-    def apply(self, delta: ZchDelta) -> int:
-        """Apply a range's reassignments (their order kept; the last one of a slot wins).
-        Returns the number applied. Apply ranges in order, without gaps
-        (:mod:`persistent_delta.read.ordered` checks that for replay outputs)."""
-        if delta.slots.numel() == 0:
-            return 0
-        slots, given = _last_per_key(delta.slots, delta.given)
-        table = self._table(delta.fqn, int(slots.max()) + 1)
-        table[slots] = given
-        return int(delta.slots.numel())
-
-    def tables(self) -> List[str]:
-        return sorted(self._slot_raw)
-
-    def map(self, fqn: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(raw_ids ascending, global slots)`` of a table's admitted raw ids."""
-        table = self._slot_raw.get(fqn)
-        if table is None:
-            return _empty(), _empty()
-        slots = (table != NO_RAW_ID).nonzero().squeeze(1)
-        raw = table.index_select(0, slots)
-        order = torch.argsort(raw)
-        return raw[order], slots[order]
-
-    def as_dict(self, fqn: str) -> Dict[int, int]:
-        """raw id -> global slot (small tables, tests and examples)."""
-        raw, slots = self.map(fqn)
-        return dict(zip(raw.tolist(), slots.tolist()))
 
 
 def raw_lookups(

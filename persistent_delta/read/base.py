@@ -2,10 +2,10 @@
 
 Owns: :class:`BaseTables` (a base's full tables with, per rank, the snapshots position they
 continue from) and :class:`Continuation`, the check an apply makes before it writes anything.
-:func:`persistent_delta.read.apply.load_base` and
+:func:`persistent_delta.serve.apply.load_base` and
 :meth:`persistent_delta.fleet.remote.RemoteConsumer.bootstrap` return a :class:`BaseTables`;
-:func:`persistent_delta.read.apply.apply_poll` and
-:class:`persistent_delta.read.inference.InferenceReplica` check each poll against it.
+:func:`persistent_delta.serve.apply.apply_poll` and
+:class:`persistent_delta.serve.inference.InferenceReplica` check each poll against it.
 
 Design note
 -----------
@@ -130,8 +130,8 @@ class Continuation:
 
 class BaseTables(Dict[str, torch.Tensor]):
     """A replica's base: fqn -> the full table ``(global_rows, global_cols)``, a ``dict`` as
-    :func:`~persistent_delta.read.apply.load_base` always returned, that also knows where it
-    continues from. :func:`~persistent_delta.read.apply.apply_poll` onto it checks every poll
+    :func:`~persistent_delta.serve.apply.load_base` always returned, that also knows where it
+    continues from. :func:`~persistent_delta.serve.apply.apply_poll` onto it checks every poll
     first (:class:`Continuation`) and raises
     :class:`~persistent_delta.errors.StaleBaseError` for one that does not continue it.
     ``dict(base)`` (or a copy of its tables) is a plain dict again, unchecked. Pickled (by

@@ -44,7 +44,7 @@ from persistent_delta.log import codec
 from persistent_delta.log.alloc import ResultBuffers
 from persistent_delta.errors import InvalidInputError, UnsupportedModeError, UnsupportedTrackingError
 from persistent_delta.log.records import AppendRecord
-from persistent_delta.trainer import torchrec_internals as trec
+import persistent_delta.torchrec_internals as trec
 from persistent_delta.trainer.sharding import LocalTable, feature_index, has_fused_state
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ Hooked = List[Tuple[nn.Module, str]]
 
 class Discovery:
     """TorchRec's table discovery (``fqns_to_skip``, DMP/DDP prefix stripping), run through its
-    own ``ModelDeltaTrackerTrec.fqn_to_feature_names`` (:func:`.torchrec_internals.tracker_discovery`)
-    so fqns match its tracker's exactly."""
+    own ``ModelDeltaTrackerTrec.fqn_to_feature_names``
+    (:func:`persistent_delta.torchrec_internals.tracker_discovery`) so fqns match its tracker's
+    exactly."""
 
     def __init__(self, model: nn.Module, fqns_to_skip: List[str]) -> None:
         self._fqn_to_feature_map, self.tracked_modules, self.table_to_fqn = trec.tracker_discovery(

@@ -33,7 +33,7 @@ def save_local_shards(tracker: ShardSource, shard_dir: PathLike) -> str:
     Call it on every rank (the training thread, between steps) with the same directory.
     The file records the batch it was taken at and the stamp of the next publish
     (``tracker.next_stamp``): a replica starting from these files
-    (:func:`persistent_delta.read.apply.load_base`) must read the snapshots from that stamp or
+    (:func:`persistent_delta.serve.apply.load_base`) must read the snapshots from that stamp or
     earlier, and its first poll is checked for it (:mod:`persistent_delta.read.base`). It also
     records the identity of the rank's log (``log_id``, ``log_stamp``:
     :class:`~persistent_delta.log.schema.LogIdentity`; :func:`~persistent_delta.log.shard_files.shard_identities`):

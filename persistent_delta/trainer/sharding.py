@@ -1,7 +1,7 @@
 """What this rank holds of each tracked table.
 
 Owns: a rank's shard of a table (placement, weights, optimizer state), read out of TorchRec and
-FBGEMM through :mod:`persistent_delta.trainer.torchrec_internals` (which holds every private
+FBGEMM through :mod:`persistent_delta.torchrec_internals` (which holds every private
 attribute it reads).
 
 For every table fqn that TorchRec's tracker would track (``"<module>.embeddings.<table>"`` for
@@ -31,7 +31,7 @@ from torch import nn
 
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.schema import DATA_PARALLEL
-from persistent_delta.trainer import torchrec_internals as trec
+import persistent_delta.torchrec_internals as trec
 
 
 @dataclass

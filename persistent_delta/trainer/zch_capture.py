@@ -46,7 +46,7 @@ from persistent_delta.log import codec
 from persistent_delta.log.deltalog import WriteTxn
 from persistent_delta.log.records import AppendRecord
 from persistent_delta.log.zch_records import GIVEN, NO_RAW_ID, ZCH_META, iter_side, raw_ids_states, slots_states
-from persistent_delta.trainer import torchrec_internals as trec
+import persistent_delta.torchrec_internals as trec
 
 logger = logging.getLogger(__name__)
 

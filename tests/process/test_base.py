@@ -9,7 +9,7 @@ import torch
 
 from harness import run_spawn
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.read.apply import load_base
+from persistent_delta.serve.apply import load_base
 from replica_cases import same_name_case, shard_files_case
 
 pytestmark = pytest.mark.dist

@@ -19,7 +19,7 @@ import torch
 from harness import global_table_weights, run_spawn
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError
 from persistent_delta.log import codec
-from persistent_delta.read.apply import apply_poll
+from persistent_delta.serve.apply import apply_poll
 from persistent_delta.read.consumer import DeltaConsumer
 from tracker_cases import FORMAT_CONSUMERS, publish_formats_case
 

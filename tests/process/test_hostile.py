@@ -13,7 +13,7 @@ from torchrec.distributed.model_tracker.types import UpdateMode
 from persistent_delta import DeltaConsumer, DeltaReader, LmdbDeltaStore
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.cli import main
-from persistent_delta.cli.replay import file_name, load_export, replay
+from persistent_delta.serve.replay import file_name, load_export, replay
 from procs import REPO
 
 
@@ -204,7 +204,7 @@ def _apply_refused(inputs, match: str, **kw) -> None:
     must not make it wait for a writer)."""
     import threading
 
-    from persistent_delta.cli.apply import apply_inputs
+    from persistent_delta.serve.apply_files import apply_inputs
 
     for dry_run in (True, False):
         got = []

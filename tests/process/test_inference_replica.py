@@ -17,7 +17,7 @@ import torch
 from harness import global_table_weights, run_spawn
 from inference_cases import full_tables, publishing_trainer, quantized, same_output, sharded_quantized, torchrec_bytes
 from persistent_delta import DeltaConsumer, apply_poll
-from persistent_delta.read.inference import InferenceReplica
+from persistent_delta.serve.inference import InferenceReplica
 
 pytestmark = pytest.mark.dist
 

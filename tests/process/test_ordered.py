@@ -15,10 +15,10 @@ import torch
 
 from harness import run_spawn
 from persistent_delta.cli import main
-from persistent_delta.cli.apply import apply_inputs
-from persistent_delta.cli.replay import replay
+from persistent_delta.serve.apply_files import apply_inputs
+from persistent_delta.serve.replay import replay
 from persistent_delta.errors import OrderError
-from persistent_delta.read.ordered import Replica
+from persistent_delta.serve.ordered import Replica
 from persistent_delta.log.shard_files import load_shards, full_rows, shard_batches
 from procs import REPO
 from zch_cases import ordered_case

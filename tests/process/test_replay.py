@@ -21,7 +21,7 @@ from persistent_delta import DeltaConsumer, LmdbDeltaStore
 from persistent_delta.cli import main
 from persistent_delta.log import records
 from persistent_delta.log.deltalog import DeltaLog
-from persistent_delta.cli.replay import load_export, replay
+from persistent_delta.serve.replay import load_export, replay
 from persistent_delta.log.records import read_unique
 
 

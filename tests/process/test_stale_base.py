@@ -22,7 +22,7 @@ from persistent_delta.errors import OrderError, StaleBaseError
 from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper, upload_base
-from persistent_delta.read.inference import InferenceReplica
+from persistent_delta.serve.inference import InferenceReplica
 from stale_base_cases import fresh_start_case, full, serving_job_case
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ from persistent_delta import DeltaConsumer, PersistentTrackerConfig, attach
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.deferred import read_deferred
 from persistent_delta.log.records import log_start
-from persistent_delta.read.apply import apply_poll
+from persistent_delta.serve.apply import apply_poll
 
 ROW_BYTES = 8 + 8 * 4  # an id and 8 float32 values (build_sharded_model's dim)
 
@@ -206,7 +206,7 @@ def mc_snapshot_replica_case(rank: int, world_size: int, root: str, mode_name: s
     names = {fqn: z.name for fqn, z in t.zch.tables.items()}
     rows = {fqn: t.local_tables[fqn].weights().detach().clone() for fqn in names}
     dim = int(next(iter(rows.values())).shape[1])
-    from persistent_delta.read.inference import InferenceReplica
+    from persistent_delta.serve.inference import InferenceReplica
 
     serving = InferenceReplica(_quantized_mc_model(rows, dim))
     raw_map = RawIdMap()

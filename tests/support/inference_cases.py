@@ -15,7 +15,7 @@ from torchrec.inference.modules import quantize_inference_model
 
 from harness import build_sharded_model, make_batches, table_shard_info, train_step
 from persistent_delta import PersistentTrackerConfig, attach
-from persistent_delta.read.inference import InferenceReplica
+from persistent_delta.serve.inference import InferenceReplica
 
 WEIGHT_TYPES = {"int8": torch.int8, "fp16": torch.float16}
 

@@ -86,7 +86,7 @@ def rank0_only_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     from persistent_delta import DeltaReader
     from persistent_delta.errors import RanksBehindError, RanksBehindWarning
     from persistent_delta.ops.positions import describe
-    from persistent_delta.read.apply import apply_poll
+    from persistent_delta.serve.apply import apply_poll
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
@@ -129,7 +129,7 @@ def uneven_publishes_case(rank: int, world_size: int, root: str) -> Dict[str, An
 
     from persistent_delta import DeltaReader
     from persistent_delta.errors import RanksBehindWarning
-    from persistent_delta.read.apply import apply_poll
+    from persistent_delta.serve.apply import apply_poll
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))
@@ -170,7 +170,7 @@ def same_steps_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 
     from persistent_delta import DeltaReader
     from persistent_delta.errors import RanksBehindWarning
-    from persistent_delta.read.apply import apply_poll
+    from persistent_delta.serve.apply import apply_poll
 
     dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root))

@@ -140,7 +140,7 @@ def mch_hook_case(rank: int, world_size: int, root: str, steps: int = 10) -> Dic
     unadmitted one sits in the default slot and is in no map; the slot reassignments applied in
     order reproduce the module's map. The durable get_indexed_lookups gives the batch's raw ids."""
     from persistent_delta import PersistentTrackerConfig, RawIdMap, attach
-    from persistent_delta.read.raw_ids import install_raw_id_tracker
+    from persistent_delta.adapters.raw_ids import install_raw_id_tracker
     from persistent_delta.log import codec
     from persistent_delta.log.zch_records import ZchDelta
     from torchrec.distributed.model_tracker.types import TrackingMode
@@ -209,7 +209,7 @@ def hash_zch_case(rank: int, world_size: int, root: str, steps: int = 5) -> Dict
     from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
     from torchrec.distributed.model_tracker.types import TrackingMode
 
-    from persistent_delta.read.raw_ids import PersistentRawIdTracker
+    from persistent_delta.adapters.raw_ids import PersistentRawIdTracker
     from persistent_delta import PersistentTrackerConfig, attach
 
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from persistent_delta.log import position_rules
 from persistent_delta.trainer import consume
 from persistent_delta.cli import main
 from persistent_delta.cli.offsets import describe
-from persistent_delta.cli.replay import replay
+from persistent_delta.serve.replay import replay
 from persistent_delta.config import LogOptions
 from persistent_delta.log.lmdbenv import translate
 from persistent_delta.log.deltalog import DeltaLog

@@ -22,7 +22,7 @@ from torchrec.inference.modules import quantize_embeddings, quantize_inference_m
 from persistent_delta import apply_poll
 from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError, ServingLockError
 from persistent_delta.log.schema import ShardInfo
-from persistent_delta.read.inference import InferenceReplica
+from persistent_delta.serve.inference import InferenceReplica
 from persistent_delta.read.results import DeltaPoll, RankDelta, TableDelta
 
 from inference_cases import Sparse as _Sparse

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from persistent_delta.errors import ReplicaMismatchError
 from persistent_delta.log.zch_records import NO_RAW_ID, ZchDelta
-from persistent_delta.read.inference import InferenceReplica
+from persistent_delta.serve.inference import InferenceReplica
 from persistent_delta.read.results import DeltaPoll, RankDelta, TableDelta
 
 SLOTS, DIM = 16, 4

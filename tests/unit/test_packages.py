@@ -19,8 +19,17 @@ def test_every_import_keeps_the_package_rules():
 
 def test_readers_fleet_and_cli_never_reach_the_trainer():
     rules = packages.load_rules()
-    for name in ("log", "read", "fleet", "cli"):
+    for name in ("log", "read", "serve", "adapters", "fleet", "cli"):
         assert "trainer" not in rules[name].imports, name
+
+
+def test_the_serving_side_sits_above_the_read_path_and_beside_the_fleet():
+    """serve/ applies what read/ returns; it reaches a stream only through the consumer
+    protocol, so neither read/ nor fleet/ imports it."""
+    rules = packages.load_rules()
+    assert "read" in rules["serve"].imports and "fleet" not in rules["serve"].imports
+    for name in ("log", "read", "fleet", "adapters"):
+        assert "serve" not in rules[name].imports, name
 
 
 def test_the_architecture_page_shows_the_picture_drawn_from_the_rules():

@@ -443,7 +443,7 @@ def test_records_of_one_table_with_other_state_types_are_a_typed_error(tmp_path)
 def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, option, env, want):
     """A reader's poll, ``merged()`` and ``apply_poll`` run at ``LogOptions.read_threads``
     torch threads (default 1; 0: the process's own), and give the caller's count back."""
-    from persistent_delta.read import apply as apply_mod
+    from persistent_delta.serve import apply as apply_mod
     from persistent_delta.read import fetch as fetch_mod
     from persistent_delta.read import results as results_mod
     from persistent_delta.config import LogOptions

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from torchrec.distributed.model_tracker.types import UniqueRows
 
-from persistent_delta.cli.replay import _export_span
+from persistent_delta.serve.replay import _export_span
 from persistent_delta.log.schema import ShardInfo
 from persistent_delta.read.results import TableDelta, merge_table
 

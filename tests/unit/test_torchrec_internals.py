@@ -1,7 +1,8 @@
-"""TorchRec and FBGEMM internals are read in one module: ``persistent_delta.trainer.torchrec_internals``.
+"""TorchRec and FBGEMM internals are read in one module: ``persistent_delta.torchrec_internals``.
 
-Every other module of the trainer reaches a private attribute of a TorchRec or FBGEMM object
-only through its named functions, so a TorchRec upgrade that renames one breaks in one place.
+Every module of the layers that handle TorchRec objects (the trainer, the read path, the serving
+side, the TorchRec adapters) reaches a private attribute of a TorchRec or FBGEMM object only
+through its named functions, so a TorchRec upgrade that renames one breaks in one place.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import ast
 import pathlib
 from typing import List
 
-TRAINER = pathlib.Path(__file__).resolve().parents[2] / "persistent_delta" / "trainer"
-HOME = "torchrec_internals.py"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "persistent_delta"
+LAYERS = ("trainer", "read", "serve", "adapters")
+HOME = "torchrec_internals.py"  # at the top level of the package, where every layer reaches it
 # Private attributes of the library's own objects, reached from the module that defines them.
 OWN = {"_dmp"}  # the tracker's DMP, set by tracker.attach()
 
 
 def private_reads(source: str) -> List[str]:
     """``obj._name`` on anything but ``self``/``cls``, and ``getattr``/``hasattr``/``setattr``
-    with a ``"_name"`` string, as ``line: expression``."""
+    with a ``"_name"`` string on anything but them, as ``line: expression``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         name = None
@@ -29,7 +31,8 @@ def private_reads(source: str) -> List[str]:
               and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
             value = node.args[1].value
-            if value.startswith("_") and not value.startswith("__"):
+            on_self = isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")
+            if value.startswith("_") and not value.startswith("__") and not on_self:
                 name = value
         if name is not None and name not in OWN:
             found.append(f"{node.lineno}: {ast.unparse(node)}")
@@ -37,10 +40,12 @@ def private_reads(source: str) -> List[str]:
 
 
 def test_only_torchrec_internals_reads_private_attributes():
+    assert (PACKAGE / HOME).is_file()
     offenders = {
-        path.name: reads
-        for path in sorted(TRAINER.glob("*.py"))
-        if path.name != HOME and (reads := private_reads(path.read_text()))
+        f"{layer}/{path.name}": reads
+        for layer in LAYERS
+        for path in sorted((PACKAGE / layer).glob("*.py"))
+        if (reads := private_reads(path.read_text()))
     }
     assert offenders == {}, f"private attributes read outside {HOME}: {offenders}"
 
@@ -49,3 +54,4 @@ def test_the_check_sees_a_private_read():
     assert private_reads("def f(m):\n    return m._emb_module\n") == ["2: m._emb_module"]
     assert private_reads("def f(m):\n    return getattr(m, '_lookups', [])\n") == ["2: getattr(m, '_lookups', [])"]
     assert private_reads("class A:\n    def f(self):\n        return self._x\n") == []
+    assert private_reads("class A:\n    def f(self):\n        return getattr(self, '_x', None)\n") == []

@@ -31,7 +31,7 @@ With a shard-files directory (:func:`persistent_delta.trainer.save_shards.save_l
 values of every changed row (union over the spans) are written as an incremental snapshot,
 ``<out>/snapshot/<fqn>.safetensors`` (``ids``, ``values``: full rows). ``<out>/manifest.json``
 lists everything, with the range read per rank (``ranges``) and overall (``from_batch``,
-``to_batch``): ``persistent-delta apply`` (:mod:`persistent_delta.read.ordered`) checks them. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
+``to_batch``): ``persistent-delta apply`` (:mod:`persistent_delta.serve.ordered`) checks them. Files are written atomically (temp, fsync, rename). With ``commit`` (consumer
 mode) the consumer's offsets move to the end of the range only after every file is written.
 
 Reading is read-only and works while the trainer runs; batches at or past a rank's log end may

@@ -23,7 +23,7 @@ the same rule holds across calls.
 
 :class:`Replica` is what the inputs build: full tables (global rows; a base loads every row, an
 increment's ``snapshot/`` files -- replay with ``--shard-files`` -- overwrite the changed rows,
-newest last) and a managed-collision table's raw-id map (:class:`~persistent_delta.log.zch_records.RawIdMap`,
+newest last) and a managed-collision table's raw-id map (:class:`~persistent_delta.serve.raw_id_map.RawIdMap`,
 fed the slot reassignments of every span, in order).
 """
 
@@ -41,7 +41,8 @@ from safetensors.torch import save as safetensors_save
 from persistent_delta.errors import InvalidInputError, OrderError
 from persistent_delta.log.layout import PathLike, atomic_write_bytes
 from persistent_delta.log.shard_files import load_raw_id_maps, load_shards, shard_batches, whole_tables
-from persistent_delta.log.zch_records import RawIdMap, ZchDelta
+from persistent_delta.log.zch_records import ZchDelta
+from persistent_delta.serve.raw_id_map import RawIdMap
 
 REPLICA_FORMAT = "persistent_delta.replica/1"
 Ranges = Dict[int, Tuple[int, int]]

@@ -1,8 +1,8 @@
 """``persistent-delta apply``: build or continue a replica from a base and increments, in order.
 
 Owns: reading apply's inputs (shard-file directories, replay outputs) into
-:class:`persistent_delta.read.ordered.Piece` s. The order rule and the replica are
-:mod:`persistent_delta.read.ordered`'s.
+:class:`persistent_delta.serve.ordered.Piece` s. The order rule and the replica are
+:mod:`persistent_delta.serve.ordered`'s.
 
 ``apply INPUT... --out REPLICA [--replica PREV] [--dry-run]``: every INPUT is a shard-files directory
 directory (a base, first only) or a replay output directory (an increment); they are checked in
@@ -23,10 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from persistent_delta.cli.replay import REPLAY_FORMAT, load_export
+from persistent_delta.serve.replay import REPLAY_FORMAT, load_export
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.log.layout import PathLike
-from persistent_delta.read.ordered import Piece, Replica, apply_pieces, base_piece, check_order
+from persistent_delta.serve.ordered import Piece, Replica, apply_pieces, base_piece, check_order
 
 # Bounds on what an input may declare, checked before anything is read or allocated by it.
 MAX_MANIFEST_BYTES = 64 << 20

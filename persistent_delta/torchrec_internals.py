@@ -1,8 +1,9 @@
-"""TorchRec and FBGEMM internals the trainer reads: every private attribute, in one module.
+"""TorchRec and FBGEMM internals the package reads: every private attribute, in one module.
 
 Owns: each access to a private attribute of a TorchRec or FBGEMM object (written against
-TorchRec 1.8.0 and fbgemm-gpu 1.8.0). The rest of the trainer calls these functions by name,
-so a TorchRec upgrade that renames an attribute breaks here and nowhere else.
+TorchRec 1.8.0 and fbgemm-gpu 1.8.0). The trainer and the serving side call these functions by
+name, so a TorchRec upgrade that renames an attribute breaks here and nowhere else. It sits at
+the top level (it imports nothing of the package), where every layer can reach it.
 
 What is read, and from what:
 
@@ -16,7 +17,10 @@ What is read, and from what:
 * a managed-collision (MC) sharded module: its inner sharded EC/EBC, its managed-collision
   collection and that collection's modules, the TBE of each table; an
   ``MCHManagedCollisionModule``'s buffers (sorted raw ids, slot mapping), its size, its eviction
-  policy, and the names of the two methods the ZCH capture hooks.
+  policy, and the names of the two methods the ZCH capture hooks;
+* a quantized managed-collision model (the serving side): the float MC wrapper's quantized
+  collection and managed-collision collection, and an MCH module's output offset; a quantized
+  EC/EBC's FBGEMM modules.
 """
 
 from __future__ import annotations
@@ -118,6 +122,22 @@ def mc_collection(mc_module: nn.Module) -> nn.Module:
     return mcc
 
 
+def mc_collection_of(module: nn.Module) -> Optional[nn.Module]:
+    """The managed-collision collection of any module that holds one (a sharded or a quantized
+    managed-collision EC/EBC, TorchRec's ``QuantManagedCollisionEmbeddingCollection``); None
+    for a module without one."""
+    mcc = getattr(module, "_managed_collision_collection", None)
+    return mcc if isinstance(mcc, nn.Module) else None
+
+
+def mc_embedding_module_of(module: nn.Module) -> Optional[nn.Module]:
+    """The embedding collection a managed-collision wrapper holds (``quantize_inference_model``
+    keeps the float wrapper and quantizes this one); None for a module without one (TorchRec's
+    ``QuantManagedCollisionEmbeddingCollection`` is itself the collection)."""
+    inner = getattr(module, "_embedding_module", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def mc_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
     """Table name -> managed-collision module of a managed-collision collection."""
     return dict(mcc._managed_collision_modules.items())  # type: ignore[operator, union-attr]
@@ -146,6 +166,17 @@ def mch_slot_mapping(mcm: nn.Module) -> torch.Tensor:
     return out
 
 
+def quant_tbes(quant_collection: nn.Module) -> List[nn.Module]:
+    """The FBGEMM modules of TorchRec's quantized EC/EBC, one per group of tables (registered as
+    ``tbes`` only by ``quantize_inference_model``, not by ``quantize_embeddings``)."""
+    return list(getattr(quant_collection, "_emb_modules", []))
+
+
+def mch_output_offset(mcm: nn.Module) -> int:
+    """The first slot an MCH module maps to (0 for an unsharded module)."""
+    return int(mcm._output_global_offset)  # type: ignore[arg-type]
+
+
 def mch_eviction_policy(mcm: nn.Module) -> Any:
     """An MCH module's eviction policy (it may be shared by several modules)."""
     return mcm._eviction_policy
@@ -158,13 +189,17 @@ __all__ = [
     "embedding_modules",
     "group_tables",
     "mc_collection",
+    "mc_collection_of",
     "mc_embedding_module",
+    "mc_embedding_module_of",
     "mc_modules",
     "mch_eviction_policy",
+    "mch_output_offset",
     "mch_size",
     "mch_slot_mapping",
     "mch_sorted_raw_ids",
     "optimizer_states",
+    "quant_tbes",
     "sharded_lookups",
     "table_tbes",
     "tbe",

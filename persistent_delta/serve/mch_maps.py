@@ -31,6 +31,7 @@ from typing import Dict, Mapping, Optional, Protocol, Tuple
 import torch
 from torch import nn
 
+import persistent_delta.torchrec_internals as trec
 from persistent_delta.errors import ReplicaMismatchError
 from persistent_delta.log.zch_records import NO_RAW_ID, ZchDelta
 
@@ -38,7 +39,7 @@ EMPTY_RAW = torch.iinfo(torch.int64).max  # MCH's marker of an empty position of
 
 
 class _Table(Protocol):
-    """What this module needs of an inference table (:class:`~persistent_delta.read.inference.InferenceTable`)."""
+    """What this module needs of an inference table (:class:`~persistent_delta.serve.inference.InferenceTable`)."""
 
     fqn: str
     rows: int
@@ -68,8 +69,8 @@ class MchMap:
         self.fqn = fqn
         self.module = module
         # TorchRec's MCH keeps its map in private buffers (mc_modules.MCHManagedCollisionModule)
-        self.sorted_raw: torch.Tensor = module._mch_sorted_raw_ids
-        self.mapping: torch.Tensor = module._mch_remapped_ids_mapping
+        self.sorted_raw: torch.Tensor = trec.mch_sorted_raw_ids(module)
+        self.mapping: torch.Tensor = trec.mch_slot_mapping(module)
         self.size = int(self.sorted_raw.numel())
         sorted_raw, mapping = self.sorted_raw.cpu(), self.mapping.cpu()  # planned on the host
         held = sorted_raw != EMPTY_RAW
@@ -124,7 +125,7 @@ def mch_maps(model: nn.Module, tables: Mapping[str, _Table]) -> Dict[str, MchMap
 
     Args:
         model: the quantized model.
-        tables: its inference tables by fqn (:func:`~persistent_delta.read.inference.inference_tables`).
+        tables: its inference tables by fqn (:func:`~persistent_delta.serve.inference.inference_tables`).
 
     Raises:
         ReplicaMismatchError: a managed-collision module that is not an MCH module (HashZch...),
@@ -135,8 +136,8 @@ def mch_maps(model: nn.Module, tables: Mapping[str, _Table]) -> Dict[str, MchMap
 
     out: Dict[str, MchMap] = {}
     for path, mod in model.named_modules():
-        # TorchRec's quantized MC collections keep the float model's ManagedCollisionCollection here
-        mcc = getattr(mod, "_managed_collision_collection", None)
+        # TorchRec's quantized MC collections keep the float model's ManagedCollisionCollection
+        mcc = trec.mc_collection_of(mod)
         if mcc is None:
             continue
         if type(mod).__name__.startswith("Sharded"):
@@ -146,21 +147,22 @@ def mch_maps(model: nn.Module, tables: Mapping[str, _Table]) -> Dict[str, MchMap
         # quantize_inference_model keeps the float MC wrapper and quantizes its _embedding_module;
         # TorchRec's QuantManagedCollisionEmbeddingCollection is itself the quantized collection
         emb, emb_path = mod, path
-        if getattr(mod, "_embedding_module", None) is not None:
-            emb, emb_path = mod._embedding_module, f"{path}._embedding_module" if path else "_embedding_module"
+        inner = trec.mc_embedding_module_of(mod)
+        if inner is not None:  # the module path TorchRec's named_modules() gives it
+            emb, emb_path = inner, f"{path}._embedding_module" if path else "_embedding_module"
         attr = "embeddings" if isinstance(emb, QuantEC) else "embedding_bags"
         prefix = f"{emb_path}.{attr}." if emb_path else f"{attr}."
-        for name, mcm in mcc._managed_collision_modules.items():
+        for name, mcm in trec.mc_modules(mcc).items():
             fqn = prefix + name
             if not isinstance(mcm, MCHManagedCollisionModule):
                 raise ReplicaMismatchError(
                     f"table {fqn}: its managed-collision module is a {type(mcm).__name__}; an inference replica writes "
                     "the raw-id maps of MCHManagedCollisionModule")
             table = tables.get(fqn)
-            size = int(mcm._mch_sorted_raw_ids.numel())
-            if table is None or table.rows != size or int(mcm._output_global_offset):
+            size, offset = int(trec.mch_sorted_raw_ids(mcm).numel()), trec.mch_output_offset(mcm)
+            if table is None or table.rows != size or offset:
                 raise ReplicaMismatchError(
-                    f"table {fqn}: its MCH module maps to {size} slots from {int(mcm._output_global_offset)}; the "
+                    f"table {fqn}: its MCH module maps to {size} slots from {offset}; the "
                     f"inference model's table has {table.rows if table is not None else 'no'} rows")
             mcm.eval()
             out[fqn] = MchMap(fqn, mcm)

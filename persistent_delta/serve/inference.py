@@ -21,7 +21,7 @@ Design note:
 * **Which rows.** A poll is merged per table by the one rule of "applied"
   (:func:`persistent_delta.read.results.merge_table`: row-wise shards side by side, column
   halves joined into whole rows, a replicated table's newest publish per row), after the same
-  checks as :func:`persistent_delta.read.apply.apply_poll`.
+  checks as :func:`persistent_delta.serve.apply.apply_poll`.
 * **Which bytes.** Float rows (``"native"`` float32 or ``"float32"`` records) are quantized
   here with ``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(rows, 8)`` for int8
   tables and ``.half()`` for fp16 tables: the same bytes TorchRec's inference quantization
@@ -37,7 +37,7 @@ Design note:
   different polls while an apply runs. ``poll_atomic=True`` holds the write side for the whole
   poll: a request then sees all of a poll's rows or none.
 * **Managed collision.** A quantized managed-collision model remaps raw ids through its MCH
-  modules' buffers (:mod:`persistent_delta.read.mch_maps`); a poll's slot reassignments
+  modules' buffers (:mod:`persistent_delta.serve.mch_maps`); a poll's slot reassignments
   (``poll.zch()``) are written there, and a table with a map change has its map and all of the
   poll's rows for it written under one hold of the write side: a request never looks a raw id
   up in one publish's map and reads the slot's row of another.
@@ -54,11 +54,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+import persistent_delta.torchrec_internals as trec
 from persistent_delta.errors import IncompletePollError, InvalidInputError, ReplicaMismatchError, ServingLockError
 from persistent_delta.log import codec
-from persistent_delta.read.apply import Applied, check_poll
+from persistent_delta.serve.apply import Applied, check_poll
 from persistent_delta.read.base import continuation_of
-from persistent_delta.read.mch_maps import MapUpdate, MchMap, mch_maps
+from persistent_delta.serve.mch_maps import MapUpdate, MchMap, mch_maps
 from persistent_delta.read.results import DeltaPoll, MergedDelta, TableDelta, merge_table
 from persistent_delta.threads import intra_op_threads
 
@@ -198,9 +199,7 @@ def _check_not_pruned(tbe: nn.Module, where: str) -> None:
 def _unsharded_tables(mod: nn.Module, prefix: str) -> Dict[str, InferenceTable]:
     """The tables of TorchRec's quantized EC / EBC (one FBGEMM module per group of tables)."""
     out: Dict[str, InferenceTable] = {}
-    # TorchRec keeps the FBGEMM modules in _emb_modules (registered as ``tbes`` only by
-    # quantize_inference_model, not by quantize_embeddings)
-    for tbe in getattr(mod, "_emb_modules", []):
+    for tbe in trec.quant_tbes(mod):
         _check_not_pruned(tbe, f"{prefix}*")
         for spec, (values, scale_bias) in zip(tbe.embedding_specs, tbe.split_embedding_weights()):
             name, rows, dim = spec[0], int(spec[1]), int(spec[2])
@@ -404,7 +403,7 @@ class InferenceReplica:
     """A TorchRec inference model that follows the trainer's publishes, and serves meanwhile.
 
     Build it on the quantized model, apply every poll of the snapshots channel in order
-    (:meth:`apply_poll`, or :func:`persistent_delta.read.apply.apply_poll` with the replica in
+    (:meth:`apply_poll`, or :func:`persistent_delta.serve.apply.apply_poll` with the replica in
     place of the tables), and answer requests with :meth:`forward` (or inside
     :meth:`serving`) on any number of other threads.
 
@@ -422,7 +421,7 @@ class InferenceReplica:
             ``shard_quant_model`` (see the serving guide).
         chunk_rows: rows written per hold of the lock (bounds how long a request waits).
         poll_atomic: hold the lock over a whole poll instead of per chunk.
-        base: the float tables the model was loaded from (:func:`~persistent_delta.read.apply.load_base`):
+        base: the float tables the model was loaded from (:func:`~persistent_delta.serve.apply.load_base`):
             kept for column-wise tables, and, from ``load_base`` or ``bootstrap``, where the
             polls must continue from (each poll is checked as :func:`apply_poll` checks it).
 

@@ -145,7 +145,7 @@ class Applied:
 @runtime_checkable
 class PollTarget(Protocol):
     """A replica that applies polls itself, by the same rules (e.g.
-    :class:`persistent_delta.read.inference.InferenceReplica`): :func:`apply_poll` hands it
+    :class:`persistent_delta.serve.inference.InferenceReplica`): :func:`apply_poll` hands it
     the poll."""
 
     def apply_poll(self, poll: DeltaPoll, *, complete_only: bool = False, strict: bool = True) -> "Applied":
@@ -161,7 +161,7 @@ def apply_poll(
     Args:
         tables: fqn -> the replica's whole table, ``(global_rows, global_cols)``, of the
             trainer's dtype; or a :class:`PollTarget` (a TorchRec inference model's replica,
-            :class:`persistent_delta.read.inference.InferenceReplica`), which applies the poll
+            :class:`persistent_delta.serve.inference.InferenceReplica`), which applies the poll
             itself. Tables from :func:`load_base` (a
             :class:`~persistent_delta.read.base.BaseTables`) check that the poll continues
             them (see Raises) and move on to its end.
@@ -174,7 +174,7 @@ def apply_poll(
 
     Raises:
         InvalidInputError: not a snapshots poll; int8 rows (for a quantized inference model:
-            :mod:`persistent_delta.read.inference`); a table is missing (``strict``), not 2-D,
+            :mod:`persistent_delta.serve.inference`); a table is missing (``strict``), not 2-D,
             smaller than the shard says, or of another dtype.
         IncompletePollError: ``complete_only`` and the poll is not complete.
         StaleBaseError: ``tables`` is a :class:`~persistent_delta.read.base.BaseTables` and the
@@ -192,7 +192,7 @@ def apply_poll(
     if any(part.format == "int8" for part in poll):
         raise InvalidInputError(
             "this poll holds int8 rows (FBGEMM's row-wise int8: uint8 [n, dim + 4]); apply_poll writes float tables. "
-            "Apply them into a TorchRec quantized inference model (persistent_delta.read.inference.InferenceReplica), "
+            "Apply them into a TorchRec quantized inference model (persistent_delta.serve.inference.InferenceReplica), "
             "or read a float format (DeltaConsumer(..., format='native'))")
     with torch.no_grad(), intra_op_threads(poll.read_threads):
         plan: List[Tuple[torch.Tensor, TableDelta]] = []

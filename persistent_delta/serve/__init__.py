@@ -1,0 +1,19 @@
+"""The serving side: applies what :mod:`persistent_delta.read` returns; reaches a job's stream
+only through the consumer protocol (:class:`~persistent_delta.read.polling.Consumer`: it never
+imports :mod:`persistent_delta.fleet`).
+
+* :mod:`.apply`: :func:`~persistent_delta.serve.apply.load_base` (a replica's starting tables
+  from shard files) and :func:`~persistent_delta.serve.apply.apply_poll` (a poll into full
+  tables), the one definition of "applied";
+* :mod:`.inference`: :class:`~persistent_delta.serve.inference.InferenceReplica`, polls applied
+  into a TorchRec quantized inference model, and :mod:`.mch_maps`, its managed-collision maps;
+* :mod:`.raw_id_map`: :class:`~persistent_delta.serve.raw_id_map.RawIdMap`, a replica's raw-id
+  map of managed-collision tables;
+* :mod:`.replay` (the increment files: ``persistent-delta replay``'s export format),
+  :mod:`.ordered` (the order rule and the offline replica file) and :mod:`.apply_files`
+  (``persistent-delta apply``: reading and applying bases and increments in order).
+
+A base's continuation rule (:class:`~persistent_delta.read.base.BaseTables`) stays in
+:mod:`persistent_delta.read`: a remote consumer's ``bootstrap()`` returns one too, and
+:mod:`persistent_delta.fleet` does not import this package.
+"""
