@@ -335,7 +335,7 @@ def _show_and_run(argv: List[str]) -> bool:
 def _stream_caught_up(args: argparse.Namespace) -> bool:
     """Whether the stream holds every published batch of the local logs."""
     from persistent_delta.fleet import subjects, wire
-    from persistent_delta.fleet.transport import open_transport
+    from persistent_delta.fleet.connect import open_transport
     from persistent_delta.read.consumer import DeltaReader
 
     with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:
