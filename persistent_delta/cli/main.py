@@ -32,7 +32,7 @@ from persistent_delta.log.position_rules import behind_note
 from persistent_delta.serve.apply_files import apply_inputs
 from persistent_delta.cli.exporter import run_exporter
 from persistent_delta.cli.offsets import ResetTarget, delete_consumer, describe, register_consumer, reset_offsets
-from persistent_delta.cli.remote import change_remote, describe_remote, rejected_note
+from persistent_delta.cli.remote import behind_note as remote_behind_note, change_remote, describe_remote, rejected_note
 from persistent_delta.serve.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.keygen import run_keygen
@@ -257,16 +257,16 @@ def _remote_offsets(args: argparse.Namespace) -> Output:
         raise PersistentDeltaError("--register is for local logs (remote consumers register themselves)")
     found = describe_remote(args.server, args.job, opts, key=args.key_file, insecure=args.insecure)
     crow = [[c.rank, c.consumer, c.channel, c.offset if c.offset is not None else "earliest", c.stream_end, c.lag,
-             _when(c.commit_time), "yes" if c.active else "no", c.health] for c in found["consumers"]]
+             _when(c.commit_time), "yes" if c.active else "no", c.health,
+             "-" if c.snapshots_behind is None else f"missed {c.snapshots_behind}"] for c in found["consumers"]]
     srow = [[s.rank, s.channel, s.position, s.log_end, s.lag_batches, s.row_bytes, s.retries, _when(s.last_shipped),
              f"{s.host}:{s.pid}", s.last_error or "-"] for s in found["shippers"]]
     strow = [[st.stream, ",".join(str(r) for r in st.ranks) or "-", st.layout] for st in found["streams"]]
-    note = rejected_note(found)
-    notes = [note] if note else []
+    notes = [n for n in (remote_behind_note(found), rejected_note(found)) if n]
     return Output(data=_jsonable(found), notes=notes, tables=[
         Table("STREAMS", ["STREAM", "RANKS", "LAYOUT"], strow),
         Table("REMOTE CONSUMERS", ["RANK", "CONSUMER", "CHANNEL", "OFFSET", "STREAM-END", "LAG", "LAST-COMMIT", "ACTIVE",
-                                   "HEALTH"], crow),
+                                   "HEALTH", "SNAPSHOTS-BEHIND"], crow),
         Table("SHIPPERS", ["RANK", "CHANNEL", "POSITION", "LOG-END", "LAG", "ROW-BYTES", "RETRIES", "LAST-SHIPPED",
                            "HOST:PID", "LAST-ERROR"], srow)])
 
