@@ -140,7 +140,7 @@ def make_batch(args: argparse.Namespace, step: int, rank: int) -> Tuple[torch.Te
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    from persistent_delta.log.layout import atomic_write_bytes
+    from persistent_delta.log import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -148,7 +148,7 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    from persistent_delta.log.layout import atomic_write_bytes
+    from persistent_delta.log import atomic_write_bytes
 
     atomic_write_bytes(path, text.encode())
 
@@ -161,7 +161,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace, port: int) 
     from torchrec.distributed.model_tracker.types import TrackingMode
 
     from persistent_delta import PersistentTrackerConfig, attach
-    from persistent_delta.trainer.save_shards import save_local_shards
+    from persistent_delta import save_local_shards
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -255,7 +255,7 @@ def _shard_files(ckpt_dir: str, world_size: int) -> List[str]:
 def assemble(ckpt_dir: str) -> Dict[str, torch.Tensor]:
     """Full tables (fqn -> [rows, cols]) from the per-rank files that
     ``persistent_delta.trainer.save_shards.save_local_shards`` wrote into ``ckpt_dir``."""
-    from persistent_delta.serve.apply import load_base
+    from persistent_delta import load_base
 
     return load_base(ckpt_dir)
 
@@ -273,7 +273,7 @@ def serve(args: argparse.Namespace) -> int:
     applied_rows = 0
     done_file = "TRAINER_DONE"
     if args.fleet:
-        from persistent_delta.fleet.remote import RemoteConsumer
+        from persistent_delta.fleet import RemoteConsumer
 
         _forbid(os.path.join(out, "log"))  # the replica reads the stream only, never the trainer's disk
         consumer: Any = RemoteConsumer(args.server, "demo", "replica", channel="snapshots", wait=120,
@@ -333,20 +333,18 @@ def _show_and_run(argv: List[str]) -> bool:
 
 
 def _stream_caught_up(args: argparse.Namespace) -> bool:
-    """Whether the stream holds every published batch of the local logs."""
-    from persistent_delta.fleet import subjects, wire
-    from persistent_delta.fleet.connect import open_transport
-    from persistent_delta.read.consumer import DeltaReader
+    """Whether the stream holds every published batch of the local logs: each rank's latest
+    genuine range marker on the stream (read under the job's key) ends where its log ends."""
+    from persistent_delta import DeltaReader
+    from persistent_delta.fleet import open_transport
+    from persistent_delta.ops import stream_ends_of
 
     with DeltaReader(os.path.join(args.out, "log"), channel="snapshots") as reader:
         local = reader.end_offsets()
     conn = open_transport(args.server)
     try:
-        for rank, end in local.items():
-            last = conn.last_message("demo", subjects.end_subject("demo", "snapshots", rank))
-            if last is None or wire.Marker.decode(last.data, last.seq, "demo").end != end:
-                return False
-        return True
+        shipped = stream_ends_of(args.key_file, False, "demo").ends(conn, "demo", "snapshots", sorted(local))
+        return all(shipped.get(rank) == end for rank, end in local.items())
     finally:
         conn.close()
 
@@ -371,7 +369,7 @@ def drive(args: argparse.Namespace) -> int:
           f"SIGKILL at step {args.kill_at}; output in {out}", flush=True)
     nats = None
     if args.fleet:
-        from persistent_delta.fleet.auth import write_key_file
+        from persistent_delta.fleet import write_key_file
         from persistent_delta.testing import LocalServer
 
         nats = LocalServer(os.path.join(out, "nats")).start()

@@ -329,7 +329,7 @@ def _stream_caught_up(args: argparse.Namespace, probe: Any) -> bool:
 
 def drive(args: argparse.Namespace) -> int:
     from persistent_delta import RemoteConsumer
-    from persistent_delta.fleet.auth import write_key_file
+    from persistent_delta.fleet import write_key_file
     from persistent_delta.testing import LocalServer
 
     t0 = time.monotonic()
