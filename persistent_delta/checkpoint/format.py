@@ -8,7 +8,9 @@ Layout (``<step>`` 12 digits, ``<seq>`` 8 digits, so name order is numeric order
 
     <root>/base-<step>/                       a torch.distributed.checkpoint (DCP) directory:
                                               {"model": dmp.state_dict(), "fused": ..., "dense": ...}
-                                              ("fused", "dense": left out when without state)
+                                              (an optimizer without state left out), and
+                                              "persistent_delta_param_groups": {"fused": [...], "dense": [...]}
+                                              (their param_groups, which TorchRec's state_dict() leaves out)
     <root>/base-<step>/.metadata              DCP's, written last: the base is complete with it
     <root>/base-<step>/persistent_delta_base.json   BaseInfo, written once the DCP save returned
     <root>/base-<step>/increments/<seq>/rank-<r>.pt     rank r's part of increment seq (torch.save)
@@ -81,8 +83,9 @@ class BaseInfo:
         world_size: the ranks that saved it.
         ranks: per rank, its log identity and shard layout.
         fused_state: whether the DCP files hold ``"fused"`` (an optimizer without state, such
-            as EXACT_SGD, has none: DCP's load would refuse it as a missing key).
-        dense_state: whether they hold ``"dense"`` (none before the dense optimizer's first step).
+            as EXACT_SGD, has none: DCP stores no key for an empty state, and its load would
+            refuse it as missing).
+        dense_state: the same for ``"dense"`` (no state before the dense optimizer's first step).
     """
 
     base_id: str

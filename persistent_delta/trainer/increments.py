@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 import logging
 import os
 import shutil
@@ -56,6 +57,8 @@ from persistent_delta.trainer.sharding import LocalTable
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONSUMER = "increments"
+# A base's key for the optimizers' param_groups (the same on every rank; one opaque value)
+GROUPS_KEY = "persistent_delta_param_groups"
 
 
 @dataclass
@@ -173,6 +176,19 @@ def _set_groups(optimizer: Any, groups: List[Dict[str, Any]]) -> None:
         g.update(saved)
 
 
+def _to_bytes(value: Any) -> io.BytesIO:
+    """One opaque value for DCP (stored whole, as bytes)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
+
+
+def _from_bytes(buf: io.BytesIO) -> Any:
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 def _has_state(sd: Dict[str, Any]) -> bool:
     return any(len(v) for v in sd.get("state", {}).values())
 
@@ -286,12 +302,14 @@ class Checkpoints:
         marked: restore.TrackerState = sd[key]
         sd[key] = restore.TrackerState(marked.state)  # written unmarked: marked once the base is complete
         state: Dict[str, Any] = {"model": sd}
-        fused = self.fused.state_dict() if self.fused is not None else {}
-        if _has_state(fused):
-            state["fused"] = fused
-        dense = self.dense.state_dict() if self.dense is not None else {}
-        if _has_state(dense):  # before the first step it has none: DCP would store no key for it
-            state["dense"] = dense
+        # an optimizer without state (EXACT_SGD; a dense one before its first step) is left out:
+        # DCP stores no key for an empty state, and its load would miss it
+        for name, opt in self._optimizers().items():
+            osd = opt.state_dict()
+            if _has_state(osd):
+                state[name] = osd
+        # TorchRec's optimizers leave their param_groups (learning rates) out of state_dict()
+        state[GROUPS_KEY] = _to_bytes(self._groups())
         base_id = _everyone(uuid.uuid4().hex)[0]
         dcp.save(state, checkpoint_id=path)
         ident = self.tracker.log.read(lambda r: r.identity())
@@ -456,18 +474,28 @@ class Checkpoints:
             self.dense.init_state()  # a fresh optimizer's state, for DCP to load into
         model = self._model_state()
         target: Dict[str, Any] = {"model": model}
-        if chain.info.fused_state and self.fused is not None:
-            target["fused"] = self.fused.state_dict()
-        if chain.info.dense_state and self.dense is not None:
-            target["dense"] = self.dense.state_dict()
+        stored = {"fused": chain.info.fused_state, "dense": chain.info.dense_state}
+        opts = {name: opt for name, opt in self._optimizers().items() if stored[name]}
+        for name, opt in opts.items():
+            target[name] = opt.state_dict()
+        target[GROUPS_KEY] = io.BytesIO()
         dcp.load(target, checkpoint_id=chain.base)
         tracker_state = model.pop(self._tracker_key(model))
         self.dmp.load_state_dict(model)
-        if "fused" in target:
-            self.fused.load_state_dict(target["fused"])
-        if "dense" in target:
-            self.dense.load_state_dict(target["dense"])
+        for name, opt in opts.items():
+            opt.load_state_dict(target[name])
+        groups = _from_bytes(target[GROUPS_KEY])
+        for name, opt in self._optimizers().items():
+            _set_groups(opt, groups.get(name, []))
         return tracker_state
+
+    def _optimizers(self) -> Dict[str, Any]:
+        """The fused and dense optimizers, by their key in a base."""
+        return {name: opt for name, opt in (("fused", self.fused), ("dense", self.dense)) if opt is not None}
+
+    def _groups(self) -> Dict[str, List[Dict[str, Any]]]:
+        """Each optimizer's param_groups without the parameters (none for a missing optimizer)."""
+        return {name: _groups(opt) for name, opt in self._optimizers().items()}
 
     @staticmethod
     def _remove_leftovers(chain: chains.Chain) -> None:

@@ -436,6 +436,11 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         state = self._checkpoint_state()
         return restore.TrackerState(state, restore.CheckpointMark(self._mark_checkpoint, state["curr_batch_idx"]))
 
+    def checkpoint_state(self) -> restore.TrackerState:
+        """The state ``dmp.state_dict()`` carries (committed first); marks the checkpoint only
+        once written or ``.mark()``-ed (:mod:`.increments` marks an increment once complete)."""
+        return self._model_state()
+
     def _mark_checkpoint(self, batch: int) -> None:
         """Mark a checkpoint of ``batch`` in the log, durably (any thread: a DCP writer's)."""
         if self._closed:

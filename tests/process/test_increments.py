@@ -18,6 +18,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from harness import run_spawn
+from increments_cases import other_plan_case, other_world_case
 from persistent_delta.checkpoint.chain import latest_chain
 from persistent_delta.checkpoint.format import base_dir
 from persistent_delta.testing import free_port
@@ -156,3 +158,16 @@ def test_restore_after_random_kills_is_bit_exact_for_every_sharding_and_optimize
     last.finish()
     _check_lost(before, last.restored(), cases)
     _check_match(last, cases)
+
+
+def test_a_base_of_another_plan_or_world_size_is_refused_with_a_typed_error(tmp_path):
+    """A base of a column-wise table with row-wise Adagrad (its momentum one value per row and
+    column shard) restored into a row-wise plan, or by one rank instead of two: every rank raises
+    ShardLayoutError before anything is loaded, not DCP's ValueError."""
+    (res0, res1) = run_spawn(other_plan_case, 2, str(tmp_path), timeout=240)
+    for r, res in enumerate((res0, res1)):
+        assert (res["row_wise"] or "").startswith("ShardLayoutError"), res
+        assert "sharding plan" in res["row_wise"], res
+    (one,) = run_spawn(other_world_case, 1, str(tmp_path), timeout=240)
+    assert (one["column_wise"] or "").startswith("ShardLayoutError"), one
+    assert "saved by 2 ranks and this job runs 1" in one["column_wise"], one

@@ -8,7 +8,7 @@ Usage: python increments_trainer_ranks.py ROOT RANK PORT TOTAL CASE [CASE ...]
 A CASE is ``<sharding>:<fused optimizer>`` (an EC of 2 tables, both sharded so). Model i keeps
 its log in ``ROOT/case-i/log`` and its bases in ``ROOT/case-i/ckpt``. With no base there yet,
 it takes one at step 0; else it restores (prints ``RESTORED i <step>``). It trains every model
-to step TOTAL on the same batches, printing ``STEP i <steps done>`` after each step. At the end
+to step TOTAL on the same batches (the learning rates decaying every step), printing ``STEP i <steps done>`` after each step. At the end
 it builds an uninterrupted twin of each model in this process (same threads), trains it to
 TOTAL, and prints ``MATCH i`` or ``DIFF i <what differs>``, then ``DONE``.
 
@@ -52,6 +52,16 @@ def build(rank: int, case: str):  # type: ignore[no-untyped-def]
     sharding, optimizer = case.split(":")
     dmp = build_sharded_model(rank, 2, "ec", sharding, optimizer, rows=ROWS)
     return dmp, dense_adam(dmp)
+
+
+def step(dmp, dense, batch) -> None:  # type: ignore[no-untyped-def]
+    """A training step, then a learning-rate decay of both optimizers (as a scheduler's): a
+    restore must bring back their param_groups too."""
+    train_step(dmp, batch)
+    for opt in (dense, dmp.fused_optimizer):
+        for group in opt.param_groups:
+            group["lr"] *= 0.9
+    dmp.fused_optimizer.zero_grad()  # TorchRec's fused optimizer hands its lr to the TBE here
 
 
 def final_state(dmp, dense) -> dict:  # type: ignore[no-untyped-def]
@@ -137,7 +147,7 @@ def main() -> None:
                 continue
             if steps[i] % BASE_EVERY == 0 and ckpts[i].base != fmt.base_dir(ckpts[i].root, steps[i]):
                 ckpts[i].save_base()
-            train_step(dmp, batches[steps[i]])
+            step(dmp, _dense, batches[steps[i]])
             steps[i] += 1
             print("STEP", i, steps[i], flush=True)
     for ckpt in ckpts:
@@ -148,7 +158,7 @@ def main() -> None:
         tracker.close()
         twin, twin_dense = build(rank, case)
         for b in batches:
-            train_step(twin, b)
+            step(twin, twin_dense, b)
         bad = differences(got, final_state(twin, twin_dense))
         print("MATCH" if not bad else "DIFF", i, *bad, flush=True)
     dist.barrier()

@@ -1,0 +1,50 @@
+"""Per-rank bodies of the tests of restores that must be refused (module level, so spawned ranks
+can import them): a base of another sharding plan or world size than the job's."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from harness import build_sharded_model, make_batches, train_step
+from torchrec.distributed.model_tracker.types import TrackingMode
+
+from persistent_delta import PersistentTrackerConfig, attach
+from persistent_delta.trainer.increments import Checkpoints
+
+
+def _restore_error(rank: int, world_size: int, root: str, sharding: str, log: str) -> Optional[str]:
+    """Build a model sharded ``sharding`` with a tracker on ``log`` and restore from ``root``:
+    ``"<type>: <message>"`` of what the restore raises (None: nothing)."""
+    dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD")
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=log))
+    checkpoints = Checkpoints(dmp, None, root)
+    try:
+        checkpoints.restore()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoints.close()
+        tracker.close()
+    return None
+
+
+def other_plan_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Take a base of a column-wise model (row-wise Adagrad) after 2 steps; then restore it
+    into a row-wise one."""
+    dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_ROWWISE_ADAGRAD")
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=os.path.join(root, "log")))
+    checkpoints = Checkpoints(dmp, None, os.path.join(root, "ckpt"))
+    for batch in make_batches("ec", 2, 8, seed=3, world_size=world_size, rank=rank):
+        train_step(dmp, batch)
+    checkpoints.save_base()
+    checkpoints.close()
+    tracker.close()
+    return {"row_wise": _restore_error(rank, world_size, os.path.join(root, "ckpt"), "row_wise",
+                                       os.path.join(root, "log-row-wise"))}
+
+
+def other_world_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Restore ``other_plan_case``'s base with its plan but another world size."""
+    return {"column_wise": _restore_error(rank, world_size, os.path.join(root, "ckpt"), "column_wise",
+                                          os.path.join(root, "log-one-rank"))}
