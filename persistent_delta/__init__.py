@@ -12,7 +12,8 @@ from importlib import metadata as _metadata
 
 # in the trainer
 from persistent_delta.config import Durability, RetentionBound
-from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig, attach
+from persistent_delta.trainer.attach import attach
+from persistent_delta.trainer.tracker import PersistentDeltaTracker, PersistentTrackerConfig
 from persistent_delta.trainer.save_shards import save_local_shards
 
 # reading, in any process

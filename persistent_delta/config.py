@@ -141,8 +141,11 @@ class LogOptions:
         max_map_size: the map never grows past this; a write that needs more raises
             :class:`~persistent_delta.errors.LogFullError`.
         max_readers: LMDB reader slots (fixed by the first process that opens the log).
-        readahead: OS readahead on the map. Leave it on: cold reads fault in page by page
-            without it.
+        readahead: read each record ahead, whole, before it is used
+            (:class:`~persistent_delta.log.lmdbenv.Prefetch`). The map itself is read page by
+            page (no OS readahead), so a cold open or a short read costs what it touches, not
+            the device's readahead window around every page. Leave it on: without it a cold
+            read of a large record faults in its pages one by one.
         group_access: create logs group-readable and -writable (files 0660, directories 0770,
             whatever the umask) so that readers running as another user of the group work;
             default owner-only (0600 / 0700). Environment: ``PERSISTENT_DELTA_GROUP_ACCESS=1``.

@@ -12,7 +12,7 @@ from torchrec.distributed.model_tracker.types import Trackers
 
 from persistent_delta.config import PersistentTrackerConfig
 from persistent_delta.errors import InvalidInputError
-from persistent_delta.trainer.torchrec_internals import dmp_wrapped_module
+from persistent_delta.torchrec_internals import dmp_wrapped_module
 from persistent_delta.trainer.tracker import PersistentDeltaTracker
 
 

@@ -12,22 +12,25 @@ process reads them with ``DeltaConsumer(root, name, channel="snapshots")`` and a
 trainer's tables without sharing its memory. With ``delete_on_read``, snapshot records are
 deleted once every snapshots consumer has committed past them.
 
-A publish runs in two parts:
+A publish is one straight path, a :class:`~persistent_delta.trainer.operations.PublishRequest`
+from the training thread to the writer:
 
-* :func:`capture`, in the training thread: takes the ids of the consumer's rows -- those the
+* :meth:`Publisher.capture`, in the training thread: takes the ids of the consumer's rows -- those the
   writer marked for it as it committed them since its previous publish
   (:mod:`persistent_delta.trainer.unread`), or, at its first publish in this process or after
   anything else moved it, the log's (a read transaction, nothing written) -- adding those of
   the steps handed to the writer and not yet committed (``pending``; the tracker waits for the
-  writer instead only when its queue holds a log operation or device copies), and gathers their values straight into encoded snapshot
-  records (one copy of the row bytes, into buffers the tracker reuses from publish to publish;
-  the checksum is left to the writer). The values are those of the moment of the call;
-  training may change the tables as soon as it returns.
-* :func:`write_publish`, in the writer's transaction (the tracker hands the writer a
-  :class:`~persistent_delta.trainer.operations.PublishWrite`; without a background writer it
-  runs at once): moves the consumer past the rows read, writes the records and the new snapshot
-  end, and enforces retention -- all in one transaction, so a crash leaves either the whole
-  publish or none of it (the consumer then reads the same rows again at the next publish).
+  writer instead only when its queue holds a log operation or device copies), and gathers their
+  values once, straight into each table's native snapshot record (one copy of the row bytes,
+  into buffers reused from publish to publish; the checksum is left to the writer), kept in the
+  request with a view of the rows (:class:`~persistent_delta.trainer.operations.GatheredRows`).
+  The values are those of the moment of the call; training may change the tables as soon as it
+  returns.
+* :func:`write_publish`, in the writer's transaction (without a background writer it runs at
+  once): moves the consumer past the rows read, encodes and writes each table's records, one per
+  stored row format, from the gathered rows (:func:`encode_formats`), the new snapshot end, and
+  enforces retention -- all in one transaction, so a crash leaves either the whole publish or
+  none of it (the consumer then reads the same rows again at the next publish).
 
 Row formats. A publish writes its rows once per row format asked for
 (:data:`persistent_delta.log.codec.ROW_FORMATS`): the formats of the snapshots consumers
@@ -35,10 +38,10 @@ registered in the log when it is captured (:attr:`ConsumerEntry.format`) and tho
 ``tracker.publish(consumer, formats=...)``; ``"native"`` alone when nothing asks. The training
 thread's part does not change with them: it gathers the native rows once. The conversions
 (a cast for float16/bfloat16, FBGEMM's row-wise int8 quantization) run in
-:func:`write_publish`, on the writer thread. A float format of the table's own dtype is the
-native record (stored once). A column-wise shard's int8 record holds its float32 column half,
-flagged ``"int8"``: the scale and bias are the whole row's, which no rank holds, so the
-reader joins the halves and quantizes (:func:`persistent_delta.read.results.join_int8`).
+:func:`write_publish`, on the writer thread, from the gathered rows. A float format of the
+table's own dtype is the native record (stored once). A column-wise shard's int8 record holds its
+float32 column half, flagged ``"int8"``: the scale and bias are the whole row's, which no rank
+holds, so the reader joins the halves and quantizes (:func:`persistent_delta.read.results.join_int8`).
 
 A capped publish (``max_rows``/``max_bytes``, :mod:`persistent_delta.trainer.caps`) gathers only
 the rows it carries and stores the rest as the consumer's deferred rows
@@ -48,59 +51,24 @@ consumer carries them first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 from torchrec.distributed.model_tracker.types import UpdateMode
 
+from persistent_delta.errors import ConsumerConflictError, InvalidInputError
 from persistent_delta.log import codec, position_rules
-from persistent_delta.config import RetentionBound
-from persistent_delta.errors import ConsumerConflictError
-from persistent_delta.log.deltalog import ReadTxn, WriteTxn
-from persistent_delta.log.deferred import read_deferred, write_deferred
+from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
+from persistent_delta.log.deferred import deferred_by_consumer, read_deferred, write_deferred
 from persistent_delta.log.records import AppendRecord, check_row_ids, log_start
 from persistent_delta.log.schema import SNAPSHOTS, ConsumerEntry
 from persistent_delta.log.zch_records import reinitialised, slot_moves
 from persistent_delta.trainer import caps, consume
+from persistent_delta.trainer.operations import GatheredRows, Operation, PublishRequest, StepWrite
 from persistent_delta.trainer.sharding import LocalTable, shard_weights
 from persistent_delta.trainer.unread import UnreadIds, UnreadSince
 
-
-@dataclass
-class Captured:
-    """A publish captured by :func:`capture`, waiting for :func:`write_publish`."""
-
-    name: str
-    entry: ConsumerEntry  # the consumer as read
-    end: int  # the position the consumer moves to
-    stamp: int  # batch index the records are stored under
-    publish_time: float
-    records: Dict[str, codec.Encoded] = field(default_factory=dict)  # fqn -> encoded snapshot record (native)
-    rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows captured
-    formats: Tuple[str, ...] = (codec.NATIVE,)  # the row formats to write (write_publish converts)
-    column_half: FrozenSet[str] = frozenset()  # fqns of column-wise shards (int8: float32 halves)
-    # (fqn, format) -> a reusable buffer of converted records (the writer's; see capture's buffers)
-    format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None
-    # caps (persistent_delta.trainer.caps): the rows deferred to the next publish, and the
-    # stored deferred record read (its seq; whether it held rows)
-    deferred: Dict[str, torch.Tensor] = field(default_factory=dict)
-    due_seq: int = 0
-    had_due: bool = False
-    # managed-collision tables: fqn -> (shard-local slots, (taken, given) states) of the slot
-    # reassignments since the consumer's last read, in order (written as snapshots side records)
-    moves: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def deferred_rows(self) -> int:
-        """Rows this publish defers to the next one (all tables)."""
-        return int(sum(int(t.numel()) for t in self.deferred.values()))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(v) for v in self.records.values())
-
-
+T = TypeVar("T")
 BUFFER_HEADROOM = 1.25  # a new reusable buffer is this much larger than the record that needed it
 
 
@@ -116,130 +84,205 @@ def publish_formats(r: ReadTxn, asked: Iterable[str] = (),
     return tuple(f for f in codec.ROW_FORMATS if f in want) or (codec.NATIVE,)
 
 
-def capture(
-    r: ReadTxn, name: str, end: int, stamp: int, tables: Dict[str, LocalTable], publish_time: float,
-    buffers: Optional[Dict[str, bytearray]] = None, pending: Sequence[AppendRecord] = (), formats: Sequence[str] = (),
-    format_buffers: Optional[Dict[Tuple[str, str], bytearray]] = None,
-    cap: Optional[caps.PublishCap] = None, accumulated: Optional[UnreadSince] = None,
-    accumulator: Optional[UnreadIds] = None,
-) -> Captured:
-    """Read ``name``'s unread rows and gather their current values into encoded snapshot
-    records (tables of ``tables`` only; empty tables are left out).
+def reusable(buffers: Dict[T, bytearray], key: T, size: int) -> bytearray:
+    """``buffers[key]``, replaced by a larger one (``BUFFER_HEADROOM``) when shorter than ``size``."""
+    into = buffers.get(key)
+    if into is None or len(into) < size:
+        into = buffers[key] = bytearray(int(size * BUFFER_HEADROOM))
+    return into
 
-    ``formats``: row formats asked for besides those of the registered snapshots consumers
-    (:func:`publish_formats`); the records hold native rows, :func:`write_publish` converts,
-    into ``format_buffers`` ((fqn, format) -> buffer, kept by the caller like ``buffers``, under
-    the same rule) when given.
 
-    ``pending``: lookups records handed to the writer and not committed yet; their rows are
-    unread too (:func:`persistent_delta.trainer.consume.consume_read_ids`). The
-    :func:`write_publish` must run after the writer committed them, with no log operation in
-    between.
+class Feed(Protocol):
+    """What a publish needs of the writer (:class:`persistent_delta.trainer.writer.WriterFeed`)."""
 
-    ``buffers`` (fqn -> buffer, kept by the caller across publishes): encode each table's
-    record into its buffer, replaced by a larger one (``BUFFER_HEADROOM``) when too small, so
-    that a steady stream of publishes reuses warm memory instead of allocating, zeroing and
-    page-faulting its record bytes afresh each time. The caller must not capture into the
-    same buffers again before this capture's :func:`write_publish` has run (the tracker waits for its
-    writer first); their memory is the largest publish so far, per table.
+    def hand_off(self, op: Operation) -> None: ...
 
-    ``accumulated`` (taken from ``accumulator``): the ids the writer accumulated for ``name``
-    since its previous publish (:mod:`persistent_delta.trainer.unread`), read instead of the
-    log's records when they equal them (:func:`persistent_delta.trainer.consume.consume_read_ids`).
+    def settle(self) -> None: ...
 
-    ``cap``: what this publish may carry (:mod:`persistent_delta.trainer.caps`); the rows an
-    earlier capped publish deferred are due first, and the rows that do not fit are deferred
-    (``Captured.deferred``, stored by :func:`write_publish`). Only the rows carried are gathered.
+    def unsettled(self) -> List[AppendRecord]: ...
 
-    Raises:
-        UnknownConsumerError: ``name`` is not a lookups consumer of this log.
-        InvalidInputError: a pending record holds a negative id (the log never does); an
-            unknown format; int8 asked for a table whose values are not float32 or float16.
-        CorruptRecordError: the stored deferred rows are damaged.
+
+class Publisher:
+    """One tracker's publishes on this rank: the tables they read, the buffers they reuse from
+    publish to publish, each consumer's unread ids (:mod:`persistent_delta.trainer.unread`), the
+    rows still deferred per consumer, and the stamps.
+
+    Stamps: a publish never takes a closed stamp (a snapshots consumer may have read past it);
+    the publishes of a batch share its stamp until it closes, at the batch's end or ``flush()``
+    (:func:`persistent_delta.log.position_rules.open_stamp`). Opening closes what an earlier
+    writer left open, and the batch index the tracker continues at counts as closed (an earlier
+    writer may have published at it), the same on every rank (``resume_at`` agreed on it).
+
+    Thread-safety: the training thread calls every method; the requests :meth:`capture` fills
+    are written on the writer thread (:func:`write_publish`), which alone uses the converted
+    records' buffers. The caller must not capture again before the previous request was
+    written: its records live in the reused buffers (:meth:`publish` waits for the writer first).
+
+    Args:
+        log: this rank's log (read: the deferred rows; written: the stamps closed).
+        tables: fqn -> this rank's shard of each tracked table.
+        unread: the ids the writer committed since each consumer's previous publish.
+        curr_batch_idx: the batch index the tracker continues at.
     """
-    consumers = r.consumers()  # (parsed once: the consume rule and the formats both read them)
-    entry, unread = consume.consume_read_ids(r, name, pending, accumulated, accumulator, consumers)
-    # managed-collision tables: the slot reassignments since the consumer's last read travel with
-    # the publish, and every slot an eviction re-initialised is carried (in any tracking mode)
-    moves = slot_moves(r, max(entry.offset, log_start(r)), end,
-                       [(p.batch_idx, p.fqn, p.kind, p.ids, p.states) for p in pending if p.kind in codec.SIDE_KINDS])
-    for fqn, (slots, states) in moves.items():
-        if fqn in tables:
-            again = slots[reinitialised(states)]
-            if again.numel():
-                have = unread.get(fqn)
-                unread[fqn] = torch.unique(again if have is None else torch.cat([have.to(torch.int64), again]))
-    due = read_deferred(r, name, {fqn: t.local_rows for fqn, t in tables.items()})
-    out = Captured(name=name, entry=entry, end=end, stamp=stamp, publish_time=publish_time,
-                   formats=publish_formats(r, formats, consumers), format_buffers=format_buffers, due_seq=due.seq,
-                   had_due=bool(due.ids), moves={f: m for f, m in moves.items() if f in tables})
-    if due.ids or cap is not None:
-        unread, out.deferred = caps.select(due, unread, tables, cap)
-    halves = set()
-    views = shard_weights(tables, [fqn for fqn, ids in unread.items() if ids.numel() and fqn in tables])
-    for fqn, ids in unread.items():
-        if ids.numel() == 0 or fqn not in tables:
-            continue
-        check_row_ids(fqn, int(ids[0]))  # (ascending: the smallest) before gathering rows by them
-        weights = views[fqn]
-        if tables[fqn].local_cols != tables[fqn].global_cols:
-            halves.add(fqn)
-        for f in out.formats:  # refused here, in the caller's thread, not later by the writer
-            codec.format_states(f, weights.dtype, tuple(weights.shape[1:]), fqn in halves)
-        into = None
-        if buffers is not None:
+
+    def __init__(self, log: DeltaLog, tables: Dict[str, LocalTable], unread: UnreadIds, curr_batch_idx: int) -> None:
+        self._log, self._tables, self._unread = log, tables, unread
+        self.deferred: Dict[str, int] = log.read(deferred_by_consumer)  # consumer -> rows still deferred (stats)
+        self._records: Dict[str, bytearray] = {}  # fqn -> the native record's buffer (training thread)
+        self._converted: Dict[Tuple[str, str], bytearray] = {}  # (fqn, format) -> buffer (writer thread)
+        self._last_stamp = max(log.write(position_rules.close_stamps) - 1, curr_batch_idx)  # the newest closed
+        self._open_stamp: Optional[int] = None  # the stamp of this batch's publishes, not closed yet
+
+    def forget(self, consumer: str) -> None:
+        """``consumer`` was unregistered: its unread ids and deferred count go."""
+        self._unread.drop(consumer)
+        self.deferred.pop(consumer, None)
+
+    def stats(self) -> Dict[str, float]:
+        """``publish_deferred_rows`` and ``publish_log_reads`` of ``tracker.stats()``."""
+        return {"publish_deferred_rows": sum(self.deferred.values()), "publish_log_reads": self._unread.log_reads}
+
+    def next_stamp(self, curr_batch_idx: int) -> int:
+        """The stamp a publish made now carries (``tracker.next_stamp``)."""
+        return max(curr_batch_idx, self._last_stamp + 1)
+
+    def batch_ended(self, curr_batch_idx: int) -> None:
+        """A step began batch ``curr_batch_idx``: an open stamp below it is closed."""
+        if self._open_stamp is not None and self._open_stamp < curr_batch_idx:
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
+
+    def close_stamps(self) -> None:
+        """Close the open stamp now (``flush()``): its publishes become readable, a later one takes the next."""
+        if self._open_stamp is not None:
+            self._log.write(position_rules.close_stamps)
+            self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
+
+    def publish(self, feed: Feed, request: PublishRequest, step: StepWrite) -> Dict[str, int]:
+        """Capture ``request`` and hand it to ``feed`` after ``step``, the records captured so
+        far: handed first when it holds any (an empty one goes with the publish: one transaction,
+        not two). Returns fqn -> rows captured.
+
+        Raises:
+            as :meth:`capture`; the step is handed to the writer all the same.
+        """
+        held: Optional[StepWrite] = step
+        if step.records or step.events:
+            feed.hand_off(step)
+            held = None
+        pending = feed.unsettled()
+        try:
+            self.capture(request, pending)
+        except BaseException as exc:
+            if held is not None:
+                feed.hand_off(held)
+            if isinstance(exc, InvalidInputError) and pending:
+                feed.settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
+            raise
+        if held is not None:
+            feed.hand_off(held)
+        feed.hand_off(request)
+        self._open_stamp = request.stamp
+        return request.rows
+
+    def capture(self, request: PublishRequest, pending: Sequence[AppendRecord] = ()) -> None:
+        """Fill ``request`` in: read its consumer's unread rows (a read transaction of the log)
+        and gather their current values (tables of this tracker only; empty tables are left
+        out). The request is then the writer's to write (:func:`write_publish`).
+
+        ``pending``: lookups records handed to the writer and not committed yet; their rows are
+        unread too (:func:`persistent_delta.trainer.consume.consume_read_ids`). The request must
+        be written after the writer committed them, with no log operation in between.
+
+        The consumer's unread ids come from those the writer marked for it since its previous
+        publish (:mod:`persistent_delta.trainer.unread`) when they equal the log's; a new unread
+        set starts at ``request.end``, dropped again if the capture fails.
+
+        ``request.cap``: what this publish may carry (:mod:`persistent_delta.trainer.caps`); the rows an
+        earlier capped publish deferred are due first, and the rows that do not fit are deferred
+        (``request.deferred``, stored by :func:`write_publish`). Only the rows carried are gathered.
+
+        Raises:
+            UnknownConsumerError: the consumer is not a lookups consumer of this log.
+            ConsumerRoleError: it reads (``get_unique``).
+            InvalidInputError: a pending record holds a negative id (the log never does); an
+                unknown format; int8 asked for a table whose values are not float32 or float16.
+            CorruptRecordError: the stored deferred rows are damaged.
+        """
+        # the ids committed since the consumer's last publish (taken after the pending records:
+        # a record leaves those only once the unread set has it), and a new unread set from end
+        taken = self._unread.take(request.consumer, request.end)
+        try:
+            self._log.read(lambda r: self._capture(r, request, pending, taken))
+        except BaseException:
+            self._unread.drop(request.consumer)  # the consumer stays where it was
+            raise
+        request.buffers = self._converted
+        self.deferred[request.consumer] = request.deferred_rows
+
+    def _capture(self, r: ReadTxn, request: PublishRequest, pending: Sequence[AppendRecord],
+                 taken: Optional[UnreadSince]) -> None:
+        """:meth:`capture` inside the read transaction ``r``."""
+        name, tables = request.consumer, self._tables
+        consumers = r.consumers()  # (parsed once: the consume rule and the formats both read them)
+        entry, unread = consume.consume_read_ids(r, name, pending, taken, self._unread, consumers)
+        # managed-collision tables: the slot reassignments since the consumer's last read travel with
+        # the publish, and every slot an eviction re-initialised is carried (in any tracking mode)
+        moves = slot_moves(r, max(entry.offset, log_start(r)), request.end,
+                           [(p.batch_idx, p.fqn, p.kind, p.ids, p.states) for p in pending if p.kind in codec.SIDE_KINDS])
+        for fqn, (slots, states) in moves.items():
+            if fqn in tables:
+                again = slots[reinitialised(states)]
+                if again.numel():
+                    have = unread.get(fqn)
+                    unread[fqn] = torch.unique(again if have is None else torch.cat([have.to(torch.int64), again]))
+        due = read_deferred(r, name, {fqn: t.local_rows for fqn, t in tables.items()})
+        request.entry, request.due_seq, request.had_due = entry, due.seq, bool(due.ids)
+        request.moves = {f: m for f, m in moves.items() if f in tables}
+        if due.ids or request.cap is not None:
+            unread, request.deferred = caps.select(due, unread, tables, request.cap)
+        formats = publish_formats(r, request.asked, consumers)
+        views = shard_weights(tables, [fqn for fqn, ids in unread.items() if ids.numel() and fqn in tables])
+        for fqn, ids in unread.items():
+            if ids.numel() == 0 or fqn not in tables:
+                continue
+            check_row_ids(fqn, int(ids[0]))  # (ascending: the smallest) before gathering rows by them
+            weights = views[fqn]
+            half = tables[fqn].local_cols != tables[fqn].global_cols
+            tail = tuple(weights.shape[1:])
+            for f in formats:  # refused here, in the caller's thread, not later by the writer
+                codec.format_states(f, weights.dtype, tail, half)
+            stored = tuple(dict.fromkeys(codec.stored_format(f, weights.dtype) for f in formats))
             size = codec.encoded_size(ids, weights.dtype, (int(ids.numel()), int(weights.shape[1])),
-                                      codec.KIND_SNAPSHOT, publish_time)
-            into = buffers.get(fqn)
-            if into is None or len(into) < size:
-                into = buffers[fqn] = bytearray(int(size * BUFFER_HEADROOM))
-        out.records[fqn] = codec.encode_gathered(ids, weights, ids, codec.KIND_SNAPSHOT, publish_time,
-                                                 checksum=False, into=into)  # (checksum: by the writer, write_publish)
-        out.rows[fqn] = int(ids.numel())
-    out.column_half = frozenset(halves)
-    return out
+                                      codec.KIND_SNAPSHOT, request.publish_time)
+            record, values = codec.gather_record(ids, weights, ids, codec.KIND_SNAPSHOT, request.publish_time,
+                                                 into=reusable(self._records, fqn, size))
+            request.tables[fqn] = GatheredRows(ids, values, record, stored, half)
 
 
-def formatted_records(cap: Captured, fqn: str, value: codec.Encoded) -> Iterable[codec.Encoded]:
-    """``fqn``'s captured (native, unchecksummed) record as the records to store, one per
-    stored format of ``cap.formats``, checksummed: the native record itself when a format is
-    stored as native, else its rows converted (cast on their way into
-    the record, or :func:`persistent_delta.log.codec.quantize_int8`) into a record of their own."""
-    rec = codec.decode_record(value, verify=False)
-    assert rec.states is not None
-    native_done = False
-    for f in cap.formats:
-        stored = codec.stored_format(f, rec.states.dtype)
-        if stored == codec.NATIVE:
-            if not native_done:
-                native_done = True
-                yield codec.checksum_record(value)
+def encode_formats(request: PublishRequest, fqn: str) -> Iterator[codec.Encoded]:
+    """The records to store for table ``fqn`` of ``request``, one per stored format, each
+    encoded once from the gathered rows and checksummed: the native record as it was gathered,
+    the others converted (cast on their way into the record, or
+    :func:`persistent_delta.log.codec.quantize_int8` first) into the writer's reusable buffers."""
+    g = request.tables[fqn]
+    for fmt in g.formats:
+        if fmt == codec.NATIVE:
+            yield codec.checksum_record(g.record)
             continue
-        half = fqn in cap.column_half
-        dtype, tail = codec.format_states(stored, rec.states.dtype, tuple(rec.states.shape[1:]), half)
-        # float formats (and int8 halves) are cast on their way into the record; int8 quantized first
-        rows = codec.quantize_int8(rec.states) if dtype == torch.uint8 else rec.states
+        dtype, tail = codec.format_states(fmt, g.values.dtype, tuple(g.values.shape[1:]), g.column_half)
+        rows = codec.quantize_int8(g.values) if dtype == torch.uint8 else g.values
         into = None
-        if cap.format_buffers is not None:
-            size = codec.encoded_size(rec.ids, dtype, (int(rows.shape[0]), *tail), codec.KIND_SNAPSHOT,
-                                      cap.publish_time, stored)
-            into = cap.format_buffers.get((fqn, stored))
-            if into is None or len(into) < size:
-                into = cap.format_buffers[(fqn, stored)] = bytearray(int(size * BUFFER_HEADROOM))
-        yield codec.encode_cast(rec.ids, rows, dtype, codec.KIND_SNAPSHOT, cap.publish_time, stored, into)
+        if request.buffers is not None:
+            size = codec.encoded_size(g.ids, dtype, (int(rows.shape[0]), *tail), codec.KIND_SNAPSHOT,
+                                      request.publish_time, fmt)
+            into = reusable(request.buffers, (fqn, fmt), size)
+        yield codec.encode_cast(g.ids, rows, dtype, codec.KIND_SNAPSHOT, request.publish_time, fmt, into)
 
 
-def write_publish(
-    w: WriteTxn,
-    cap: Captured,
-    mode: UpdateMode,
-    *,
-    compact: bool,
-    delete_on_read: bool,
-    bound: Optional[RetentionBound] = None,
-) -> None:
-    """Write a captured publish inside ``w``: the consumer's new position (the consume rule's
-    write half), the snapshot records, their stamp as the open one, and retention of both channels.
+def write_publish(w: WriteTxn, request: PublishRequest, mode: UpdateMode) -> None:
+    """Write a captured publish inside ``w`` (the writer's step): the consumer's new position
+    (the consume rule's write half, with the request's rule), the snapshot records, their stamp
+    as the open one, and retention of both channels.
 
     With deferred rows (a capped publish), or when the capture found some (now carried), the
     consumer's deferred rows are stored in the same transaction
@@ -248,26 +291,30 @@ def write_publish(
     Raises:
         ConsumerConflictError: the consumer moved, or its deferred rows changed, since the
             capture (nothing is written).
+        InvalidInputError: the request was never captured.
     """
-    consume.consume_commit(w, cap.name, cap.entry, cap.end, mode, compact=compact, delete_on_read=delete_on_read,
-                           bound=bound)
-    if cap.deferred or cap.had_due:
-        stored = read_deferred(w, cap.name)
-        if stored.seq != cap.due_seq:
+    name = request.consumer
+    if request.entry is None:
+        raise InvalidInputError(f"the publish of consumer {name!r} was handed to the writer before its capture")
+    consume.consume_commit(w, name, request.entry, request.end, mode, compact=request.compact,
+                           delete_on_read=request.delete_on_read, bound=request.bound)
+    if request.deferred or request.had_due:
+        stored = read_deferred(w, name)
+        if stored.seq != request.due_seq:
             raise ConsumerConflictError(
-                f"the deferred rows of consumer {cap.name!r} of {w.path} changed between its publish's capture and "
+                f"the deferred rows of consumer {name!r} of {w.path} changed between its publish's capture and "
                 "its commit; the publish is not committed")
-        write_deferred(w, cap.name, cap.deferred, cap.due_seq + 1)
-    for fqn, value in cap.records.items():
+        write_deferred(w, name, request.deferred, request.due_seq + 1)
+    for fqn in request.tables:
         entry = w.table(fqn)
         if entry is not None:
-            for record in formatted_records(cap, fqn, value):
-                w.put_record(entry.table_id, cap.stamp, record, channel=SNAPSHOTS)
-    for fqn, (slots, states) in cap.moves.items():
+            for record in encode_formats(request, fqn):
+                w.put_record(entry.table_id, request.stamp, record, channel=SNAPSHOTS)
+    for fqn, (slots, states) in request.moves.items():
         entry = w.table(fqn)
         if entry is not None:  # the publish's raw-id changes (a snapshots replica's RawIdMap)
-            w.put_record(codec.side_table_id(entry.table_id), cap.stamp,
+            w.put_record(codec.side_table_id(entry.table_id), request.stamp,
                          codec.encode_record(slots, states, codec.KIND_SLOTS), channel=SNAPSHOTS)
-    position_rules.open_stamp(w, cap.stamp)  # readable once its batch ends (position_rules)
-    if delete_on_read:
-        position_rules.enforce_retention(w, SNAPSHOTS, bound)
+    position_rules.open_stamp(w, request.stamp)  # readable once its batch ends (position_rules)
+    if request.delete_on_read:
+        position_rules.enforce_retention(w, SNAPSHOTS, request.bound)

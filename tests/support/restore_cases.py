@@ -214,7 +214,7 @@ def model_state_case(rank: int, world_size: int, root: str, how: str) -> Dict[st
 
 
 
-def dropped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_batch: bool = False) -> Dict[str, Any]:
     """Two ranks (row-wise and column-wise tables, a publishing consumer "serving", each step
     committed at once): publish, train, checkpoint, train a step, publish again -- and a
     SIGKILL leaves rank 1's log as it was at the checkpoint (its writer had committed nothing
@@ -224,7 +224,12 @@ def dropped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any
     follow. A replica of the initial tables that applies every publish (``complete_only=True``)
     must equal the trainer's tables: the dropped publish carried rows changed *before* the
     checkpoint, which no other publish carries. Returns (each rank) whether its shards match,
-    and whether the restart dropped records on this rank."""
+    and whether the restart dropped records on this rank.
+
+    ``in_checkpoint_batch``: the publish is made in the checkpoint's own batch, right after the
+    checkpoint (no step between), and rank 0 then closes (as a rank does at exit when a
+    collective fails): its batch is complete there and not on rank 1, so the restart drops it
+    while the checkpoint is at the log's last batch."""
     import logging
     import shutil
 
@@ -250,14 +255,16 @@ def dropped_publish_case(rank: int, world_size: int, root: str) -> Dict[str, Any
     os.makedirs(killed)
     if rank == 1:  # rank 1's log as the SIGKILL leaves it: its writer committed nothing after the checkpoint
         t._log.copy_compacted(killed)
-    train_step(dmp, batches[6])
+    if not in_checkpoint_batch:
+        train_step(dmp, batches[6])
     t.publish("serving")  # committed at once (async_writes=False), its stamp open until the batch ends
-    if rank == 0:  # rank 0's log as the SIGKILL leaves it: the publish committed
+    if rank == 0 and not in_checkpoint_batch:  # rank 0's log as the SIGKILL leaves it: the publish committed
         t._log.copy_compacted(killed)
-    t.close()
-    for name in ("data.mdb", "lock.mdb"):
-        os.remove(os.path.join(rank_dir, name))
-    shutil.move(os.path.join(killed, "data.mdb"), os.path.join(rank_dir, "data.mdb"))
+    t.close()  # (in_checkpoint_batch: rank 0's log as its close leaves it)
+    if rank == 1 or not in_checkpoint_batch:
+        for name in ("data.mdb", "lock.mdb"):
+            os.remove(os.path.join(rank_dir, name))
+        shutil.move(os.path.join(killed, "data.mdb"), os.path.join(rank_dir, "data.mdb"))
     dist.barrier()
     seen: List[str] = []
     handler = logging.Handler()

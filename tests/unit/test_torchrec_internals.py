@@ -1,7 +1,7 @@
 """TorchRec and FBGEMM internals are read in one module: ``persistent_delta.torchrec_internals``.
 
-Every module of the layers that handle TorchRec objects (the trainer, the read path, the serving
-side, the TorchRec adapters) reaches a private attribute of a TorchRec or FBGEMM object only
+Every module of the layers that handle TorchRec objects (the trainer, the serving side, the
+TorchRec adapters) reaches a private attribute of a TorchRec or FBGEMM object only
 through its named functions, so a TorchRec upgrade that renames one breaks in one place.
 """
 
@@ -12,7 +12,7 @@ import pathlib
 from typing import List
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "persistent_delta"
-LAYERS = ("trainer", "read", "serve", "adapters")
+LAYERS = ("trainer", "serve", "adapters")  # the layers that hold TorchRec modules
 HOME = "torchrec_internals.py"  # at the top level of the package, where every layer reaches it
 # Private attributes of the library's own objects, reached from the module that defines them.
 OWN = {"_dmp"}  # the tracker's DMP, set by tracker.attach()
