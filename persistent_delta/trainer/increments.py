@@ -164,6 +164,14 @@ def _plain_tensors(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not isinstance(v, (ShardedTensor, DTensor))}
 
 
+def _local_sharded(sd: Dict[str, Any]) -> List[str]:
+    """The table fqns (``<fqn>.weight``'s ``<fqn>``) of a model state dict's sharded entries with
+    a shard on this rank."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return [k.rsplit(".", 1)[0] for k, v in sd.items() if isinstance(v, ShardedTensor) and v.local_shards()]
+
+
 def _groups(optimizer: Any) -> List[Dict[str, Any]]:
     """An optimizer's ``param_groups`` without the parameters (learning rates and the like)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
@@ -213,7 +221,8 @@ class Checkpoints:
         consumer: the name of the tracker's lookups consumer the increments read.
 
     Raises:
-        InvalidInputError: no tracker, ``every`` < 1, a dense optimizer without ``init_state``.
+        InvalidInputError: no tracker, ``every`` < 1, a dense optimizer without ``init_state``, a
+            sharded table the tracker does not track (``fqns_to_skip``).
     """
 
     def __init__(self, dmp: nn.Module, dense_optimizer: Any, root: str, every: Optional[int] = None,
@@ -238,7 +247,13 @@ class Checkpoints:
         tracker.add_consumer(consumer)
         self._tables: Dict[str, LocalTable] = tracker.local_tables
         self._layout = layout_of(self._tables)
-        self._dense_refs = _plain_tensors(self._model_state())
+        model_state = self._model_state()
+        untracked = sorted(set(_local_sharded(model_state)) - set(self._tables))
+        if untracked:
+            raise InvalidInputError(
+                f"tables {untracked} are sharded but not tracked (fqns_to_skip): an increment would miss their rows. "
+                "Track every sharded table to take increments")
+        self._dense_refs = _plain_tensors(model_state)
         self.run_id = _everyone(uuid.uuid4().hex)[0]  # rank 0's: every part of this run carries it
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-increments")
         self._hooks: List[Any] = [dmp.register_forward_pre_hook(self._before_forward),

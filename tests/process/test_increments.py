@@ -161,13 +161,15 @@ def test_restore_after_random_kills_is_bit_exact_for_every_sharding_and_optimize
 
 
 def test_a_base_of_another_plan_or_world_size_is_refused_with_a_typed_error(tmp_path):
-    """A base of a column-wise table with row-wise Adagrad (its momentum one value per row and
+    """Increments of a model whose tracker skips a sharded table are refused (its rows would be
+    missing). A base of a column-wise table with row-wise Adagrad (its momentum one value per row and
     column shard) restored into a row-wise plan, or by one rank instead of two: every rank raises
     ShardLayoutError before anything is loaded, not DCP's ValueError."""
     (res0, res1) = run_spawn(other_plan_case, 2, str(tmp_path), timeout=240)
     for r, res in enumerate((res0, res1)):
         assert (res["row_wise"] or "").startswith("ShardLayoutError"), res
         assert "sharding plan" in res["row_wise"], res
+        assert (res["skipped"] or "").startswith("InvalidInputError") and "table_1" in res["skipped"], res
     (one,) = run_spawn(other_world_case, 1, str(tmp_path), timeout=240)
     assert (one["column_wise"] or "").startswith("ShardLayoutError"), one
     assert "saved by 2 ranks and this job runs 1" in one["column_wise"], one

@@ -1,5 +1,6 @@
-"""Per-rank bodies of the tests of restores that must be refused (module level, so spawned ranks
-can import them): a base of another sharding plan or world size than the job's."""
+"""Per-rank bodies of the tests of what bases and increments refuse (module level, so spawned
+ranks can import them): a base of another sharding plan or world size than the job's, and a
+sharded table the tracker skips."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _restore_error(rank: int, world_size: int, root: str, sharding: str, log: st
 
 def other_plan_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     """Take a base of a column-wise model (row-wise Adagrad) after 2 steps; then restore it
-    into a row-wise one."""
+    into a row-wise one. And build Checkpoints for a model whose tracker skips a table."""
     dmp = build_sharded_model(rank, world_size, "ec", "column_wise", "EXACT_ROWWISE_ADAGRAD")
     tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=os.path.join(root, "log")))
     checkpoints = Checkpoints(dmp, None, os.path.join(root, "ckpt"))
@@ -40,8 +41,18 @@ def other_plan_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     checkpoints.save_base()
     checkpoints.close()
     tracker.close()
-    return {"row_wise": _restore_error(rank, world_size, os.path.join(root, "ckpt"), "row_wise",
-                                       os.path.join(root, "log-row-wise"))}
+    out = {"row_wise": _restore_error(rank, world_size, os.path.join(root, "ckpt"), "row_wise",
+                                      os.path.join(root, "log-row-wise"))}
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=os.path.join(root, "log-skip"),
+                                                  fqns_to_skip=["table_1"]))
+    try:
+        Checkpoints(dmp, None, os.path.join(root, "ckpt-skip"))
+        out["skipped"] = None
+    except Exception as exc:  # noqa: BLE001 - the test reads the type
+        out["skipped"] = f"{type(exc).__name__}: {exc}"
+    tracker.close()
+    return out
 
 
 def other_world_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
