@@ -1,4 +1,4 @@
-"""The ``persistent-delta`` command: eleven subcommands, one module each (here, or the library's
+"""The ``persistent-delta`` command: twelve subcommands, one module each (here, or the library's
 module the command calls: replay and apply are the serving side's, :mod:`persistent_delta.serve`).
 
 * ``offsets`` (:mod:`.offsets`; ``--server``: :mod:`.remote`): consumers' positions, lag and
@@ -10,6 +10,8 @@ module the command calls: replay and apply are the serving side's, :mod:`persist
   replica, in order.
 * ``vacuum`` (:mod:`.vacuum`): reclaim disk space while no process has the log open.
 * ``upgrade`` (:mod:`.upgrade`): rewrite logs of an older format version in place.
+* ``consolidate`` (:mod:`persistent_delta.checkpoint.consolidate`): fold a base and its increments
+  into a new base, offline; then, with ``--remove-older``, the older bases go.
 * ``report`` (:mod:`.report`): PNG plots of a job computed from its log.
 * ``ship`` (:mod:`.ship`): ship a host's rank logs to a NATS JetStream stream.
 * ``keygen`` (:mod:`.keygen`): create a job's stream key file.

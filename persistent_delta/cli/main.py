@@ -1,12 +1,13 @@
-"""The ``persistent-delta`` command line: offsets, verify, replay, apply, vacuum, upgrade, report,
-ship, keygen, exporter, top.
+"""The ``persistent-delta`` command line: offsets, verify, replay, apply, vacuum, upgrade, consolidate,
+report, ship, keygen, exporter, top.
 
 Owns: argument parsing and rendering; no tool logic.
 
 Each subcommand calls a data function of its module (``offsets``: :mod:`.offsets` and, with
 ``--server``, :mod:`.remote`; replay and apply: :mod:`persistent_delta.serve.replay` and
 :mod:`persistent_delta.serve.apply_files`, which own their file formats; the others: the module
-of their name, listed in :mod:`persistent_delta.cli`) and turns its result into a :class:`Output`: the JSON form and
+of their name, listed in :mod:`persistent_delta.cli`; consolidate:
+:mod:`persistent_delta.checkpoint.consolidate`) and turns its result into a :class:`Output`: the JSON form and
 the text tables. One renderer prints either (``--format text|json``). Errors go to stderr as
 ``persistent-delta: error: ...`` with exit status 1 (2 for usage errors). The long-running
 commands (ship, exporter, top) exit 0 within a second of SIGTERM/SIGINT (:mod:`.stopping`).
@@ -40,6 +41,7 @@ from persistent_delta.cli.ship import add_connect_arguments, connect_options, ni
 from persistent_delta.cli.stopping import exit_now, stopped_by
 from persistent_delta.cli.top import printable, run_top
 from persistent_delta.cli.upgrade import upgrade
+from persistent_delta.checkpoint.consolidate import consolidate, remove_old_bases
 from persistent_delta.cli.vacuum import vacuum
 from persistent_delta.cli.verify import verify
 from persistent_delta.errors import CommandStoppedError, PersistentDeltaError
@@ -390,6 +392,22 @@ def _cmd_upgrade(args: argparse.Namespace) -> Output:
                   tables=[Table("", ["RANK", "FROM", "TO", "RECORDS", "APPLIED", "PATH"], rows)], notes=notes)
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> Output:
+    done = consolidate(args.root, out=args.out)
+    rows = [[done.source, done.increments, done.path, done.step, done.bytes_written]]
+    out = Output(data={"consolidated": _jsonable(done)},
+                 tables=[Table("", ["SOURCE", "INCREMENTS", "BASE", "STEP", "BYTES"], rows)])
+    if not done.increments:
+        out.notes.append("nothing to fold: the newest complete base has no complete increment")
+    if args.remove_older:
+        removed = remove_old_bases(args.out or args.root, keep=args.keep, execute=args.execute)
+        out.data.update(removed=removed, dry_run=not args.execute)
+        out.tables.append(Table("", ["OLDER BASE (WITH ITS INCREMENTS)"], [[path] for path in removed]))
+        if not args.execute:
+            out.notes.append("DRY RUN: no base removed; add --execute to remove the older bases listed")
+    return out
+
+
 # ------------------------------------------------------------------------------ parser, main
 
 
@@ -510,6 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("root", help="log root")
     c.add_argument("--execute", action="store_true", help="compact (default: dry run, the same checks)")
     c.set_defaults(func=_cmd_vacuum)
+
+    n = sub.add_parser("consolidate", parents=[fmt], help="fold a base and its increments into a new base (offline)",
+                       description="Fold the newest complete base under ROOT and its complete increments into a new "
+                                   "DCP base (base-<step>, at the last increment's step) that plain TorchRec loads "
+                                   "with dcp.load; one chunk in memory at a time, no trainer, no process group. Run "
+                                   "it while no trainer writes increments under ROOT.")
+    n.add_argument("root", help="checkpoint root (the directory of the base-<step> directories)")
+    n.add_argument("--out", default=None, help="write the new base under this root instead of ROOT")
+    n.add_argument("--remove-older", action="store_true",
+                   help="then list the bases (with their increments) older than the newest complete one(s)")
+    n.add_argument("--keep", type=int, default=1, help="with --remove-older: complete bases to keep (default 1)")
+    n.add_argument("--execute", action="store_true", help="with --remove-older: remove them (default: dry run)")
+    n.set_defaults(func=_cmd_consolidate)
 
     u = sub.add_parser("upgrade", parents=[fmt], help="rewrite logs of an older format version in place",
                        description="Format 1 -> 2: every record re-checked and sealed with a checksum that covers "
