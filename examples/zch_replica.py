@@ -83,7 +83,7 @@ def _train(rank: int, world: int, root: str, port: int, steps: int, slots: int, 
     pg = dist.GroupMember.WORLD
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=planner.collective_plan(model, None, pg))
-    from persistent_delta.trainer.zch_capture import cpu_eviction_fallback
+    from persistent_delta.trainer import cpu_eviction_fallback
 
     cpu_eviction_fallback(dmp)  # MCH's eviction has no fbgemm CPU kernel
     tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, linger_steps=1))

@@ -8,4 +8,21 @@ persistent_delta unchanged.
 
 They import the log only (never the trainer, nor the read path's consumers); TorchRec's and
 FBGEMM's private attributes are :mod:`persistent_delta.torchrec_internals`'.
+
+The supported names (the package tier; every other module path is internal):
+:class:`LmdbDeltaStore` (also at the top level) and :class:`PersistentRawIdTracker`.
 """
+
+from typing import TYPE_CHECKING, Dict
+
+from persistent_delta.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from persistent_delta.adapters.delta_store import LmdbDeltaStore
+    from persistent_delta.adapters.raw_ids import PersistentRawIdTracker
+
+_EXPORTS: Dict[str, str] = {
+    "LmdbDeltaStore": "delta_store", "PersistentRawIdTracker": "raw_ids",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = ["LmdbDeltaStore", "PersistentRawIdTracker"]

@@ -16,4 +16,24 @@ imports :mod:`persistent_delta.fleet`).
 A base's continuation rule (:class:`~persistent_delta.read.base.BaseTables`) stays in
 :mod:`persistent_delta.read`: a remote consumer's ``bootstrap()`` returns one too, and
 :mod:`persistent_delta.fleet` does not import this package.
+
+The supported names (the package tier; every other module path is internal):
+:func:`load_base`, :func:`apply_poll`, :class:`Applied` (also at the top level),
+:class:`InferenceReplica` and :class:`RawIdMap`.
 """
+
+from typing import TYPE_CHECKING, Dict
+
+from persistent_delta.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from persistent_delta.serve.apply import Applied, apply_poll, load_base
+    from persistent_delta.serve.inference import InferenceReplica
+    from persistent_delta.serve.raw_id_map import RawIdMap
+
+_EXPORTS: Dict[str, str] = {
+    "load_base": "apply", "apply_poll": "apply", "Applied": "apply", "InferenceReplica": "inference",
+    "RawIdMap": "raw_id_map",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = ["load_base", "apply_poll", "Applied", "InferenceReplica", "RawIdMap"]
