@@ -48,6 +48,7 @@ SMOKE: Dict[str, List[str]] = {
     "writer_commit": ["--quick"],
     "inference_apply": ["--quick"],
     "stream_model": ["--quick"],
+    "checkpoint_increments": ["--quick", "--plot", "{tmp}/restore-curve.png"],
 }
 # Benchmark -> the benchmark whose smoke run runs its smoke run too.
 VIA: Dict[str, str] = {"poll_wait": "run_all"}
