@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-from consolidate_cases import load_plain, train_with_increments
+from consolidate_cases import load_plain, restore_with_checkpoints, train_with_increments
 from harness import run_spawn
 
 from persistent_delta.checkpoint.chain import latest_chain, list_bases
@@ -54,6 +54,12 @@ def test_consolidated_base_loads_in_plain_torchrec_equal_to_the_last_increment(t
     for rank in (0, 1):
         for i, case in enumerate(CASES):
             assert _differences(trained[rank][i], loaded[rank][i]) == [], (rank, case)
+    # a restarted trainer restores from the new base (the newest), to the same state
+    restored = run_spawn(restore_with_checkpoints, 2, str(tmp_path), CASES)
+    for rank in (0, 1):
+        for i, case in enumerate(CASES):
+            step, state = restored[rank][i]
+            assert step == STEPS and _differences(trained[rank][i], state) == [], (rank, case)
     # the old base alone (no increments folded) differs: the comparison can fail
     old = run_spawn(load_plain, 2, [d.source for d in done], CASES)
     assert all(_differences(trained[0][i], old[0][i]) for i in range(len(CASES)))

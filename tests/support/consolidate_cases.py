@@ -97,3 +97,21 @@ def load_plain(rank: int, world_size: int, bases: List[str], cases: List[str]) -
             dense.load_state_dict(target["dense"])
         out.append(local_state(dmp, dense))
     return out
+
+
+def restore_with_checkpoints(rank: int, world_size: int, root: str, cases: List[str]) -> List[Any]:
+    """A restarted trainer: fresh models, trackers attached to the job's logs again, and
+    ``Checkpoints.restore()``; return each model's (step restored to, state)."""
+    from persistent_delta import PersistentTrackerConfig, attach
+    from persistent_delta.trainer.increments import Checkpoints
+
+    out: List[Any] = []
+    for i, case in enumerate(cases):
+        dmp, dense = build(rank, case)
+        tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=f"{root}/case-{i}/log"))
+        ckpt = Checkpoints(dmp, dense, f"{root}/case-{i}/ckpt", every=K)
+        step = ckpt.restore()
+        ckpt.close()
+        out.append((step, local_state(dmp, dense)))
+        tracker.close()
+    return out
