@@ -53,7 +53,7 @@ META_CREATED_TIME = "created_time"
 META_NEXT_TABLE_ID = "next_table_id"
 META_TABLES_VERSION = "tables_version"  # bumped by every transaction that changes a table entry
 META_UPDATE_MODE = "update_mode"  # torchrec UpdateMode value of the lookups channel
-# Written by the delivery rules.
+# Written by the position rules.
 META_LOG_START = "log_start"  # batches below it were deleted (retention, clear)
 META_SNAPSHOT_START = "snapshot_start"  # publishes stamped below it were deleted (retention)
 # Written by the tracker.

@@ -24,8 +24,6 @@ LAYER_ROW = "[tool.persistent_delta.packages]"
 PENDING: Dict[str, Set[str]] = {
     "persistent_delta/trainer/publish.py": {"accumulat"},  # the local `accumulated` (-> taken)
     "persistent_delta/trainer/tracker.py": {"accumulat"},
-    "tests/unit/test_delivery.py": {"test_delivery"},  # -> tests/unit/test_position_rules.py
-    "tests/fuzz/test_delivery_model.py": {"test_delivery"},  # -> tests/fuzz/test_position_rules_model.py
 }
 
 

@@ -1,4 +1,4 @@
-"""The delivery rule on plain logs (no DMP): bounds, read start, statuses, retention, compaction,
+"""The position rules on plain logs (no DMP): bounds, read start, statuses, retention, compaction,
 and that every caller (replay, pending rows, compaction, retention, settings, the CLI) answers
 from the same rule."""
 

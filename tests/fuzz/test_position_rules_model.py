@@ -1,4 +1,4 @@
-"""Hypothesis state machine: the delivery rule (:mod:`persistent_delta.log.position_rules`) on a plain
+"""Hypothesis state machine: the position rules (:mod:`persistent_delta.log.position_rules`) on a plain
 LMDB log, without a DMP, against a simple reference.
 
 The log is driven the way the tracker drives it -- batches appended through
@@ -125,7 +125,7 @@ BATCH = st.tuples(
 )
 
 
-class DeliveryMachine(RuleBasedStateMachine):
+class PositionRulesMachine(RuleBasedStateMachine):
     """One log, one update mode per example (see the module docs for the reference).
 
     The log carries the tracker's meta (``META_TRACKER`` and ``META_CURR_BATCH``), not the
@@ -139,7 +139,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dir = tempfile.mkdtemp(prefix="pd-delivery-")
+        self.dir = tempfile.mkdtemp(prefix="pd-position-rules-")
         self.log: Optional[DeltaLog] = None
 
     def teardown(self) -> None:
@@ -471,10 +471,10 @@ class DeliveryMachine(RuleBasedStateMachine):
             assert c.pos <= end + 1
 
 
-DeliveryMachine.TestCase.settings = settings(
+PositionRulesMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-TestDelivery = DeliveryMachine.TestCase
+TestPositionRules = PositionRulesMachine.TestCase
 
 
 # ---------------------------------------------------------------------------------------------
