@@ -12,8 +12,10 @@ default 1%, 5%, 20%), so an interval touches about that share. Measured, interle
   thread's, vs the training thread's CPU time of the interval's ``K`` steps (``cpu_share``);
   CPU time, not wall clock, since the machine is shared;
 * ``restore``: with a base and ``--increments`` increments, the restore's data path -- ``dcp.load``
-  of the base into the model's state, ``load_state_dict``, then each part read and its rows
-  written (``trainer.increments.apply_rows``) -- for 0..n increments (the curve), vs one
+  of the base into the model's state, ``load_state_dict``, then the parts read memory-mapped
+  (``checkpoint.format.read_part``) and their rows written, each once
+  (``trainer.increments.apply_rows``, what ``Checkpoints.restore`` runs) -- for 0..n
+  increments (the curve), vs one
   ``dcp.load`` of a full checkpoint of the same state, and vs the base
   ``checkpoint.consolidate`` folded them into; repeated, interleaved, median; the A/A floor is
   two full loads.
@@ -108,8 +110,7 @@ def _timed_load(dmp: Any, path: str, parts: List[Any], tables: Dict[str, Any]) -
     dcp.load(state, checkpoint_id=path)
     dmp.load_state_dict(state["model"], strict=False)
     dmp.fused_optimizer.load_state_dict(state["fused"])
-    for inc, header in parts:
-        apply_rows(tables, read_part(inc, header)["rows"])
+    apply_rows(tables, [read_part(inc, header)["rows"] for inc, header in parts])
     return time.perf_counter() - t0
 
 

@@ -11,8 +11,9 @@ tensor) is written again at the same offsets, so whatever loaded the old base (p
 ``dcp.load`` into a DMP's ``state_dict()`` of the same plan) loads the new one. One chunk is
 in memory at a time: a save planner (:class:`FoldPlanner`) hands DCP's writer the chunks one by
 one, each read from the old base (:class:`ChunkRead`, DCP's own reader, one chunk per plan) and
-with the increments' rows written into it in chain order (a later increment's row wins). The
-parts are opened memory-mapped, so their rows are paged in as a chunk needs them.
+with the increments' rows written into it, each row once with its newest value (a later
+increment's row wins; one ``index_copy_`` per chunk). The parts are opened memory-mapped, so
+their rows are paged in as a chunk needs them.
 
 Which chunk a part's rows go to: a table's weight under ``model.<fqn>.weight``, the rank's
 shard at ``[row_offset, col_offset]`` (the base's recorded layout); its fused optimizer's
@@ -34,7 +35,6 @@ import logging
 import os
 import shutil
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -50,18 +50,14 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from persistent_delta.checkpoint import chain as chains
-from persistent_delta.checkpoint.format import BaseInfo, PartHeader, base_dir, part_paths, write_base_info
+from persistent_delta.checkpoint.format import (GROUPS_KEY, TRACKER_STATE_KEY, BaseInfo, PartHeader, base_dir, newest_rows,
+                                                part_paths, read_part, write_base_info)
 from persistent_delta.errors import (CheckpointError, IncompleteBaseError, IncrementChainError, InvalidInputError,
                                      ShardLayoutError)
 from persistent_delta.log.layout import fsync_path
 
 logger = logging.getLogger(__name__)
 
-# trainer/restore.STATE_KEY: rank r's tracker state is "<STATE_KEY>.rank_<r>" in dmp.state_dict()
-TRACKER_STATE_KEY = "persistent_delta_tracker"
-# trainer/increments.GROUPS_KEY: the optimizers' param_groups, {"fused": [...], "dense": [...]}
-GROUPS_KEY = "persistent_delta_param_groups"
-_CRC_BLOCK = 1 << 20
 
 Offsets = Tuple[int, ...]
 
@@ -111,24 +107,18 @@ class Fold:
 # ------------------------------------------------------------------ reading
 def open_part(increment: str, header: PartHeader) -> Dict[str, Any]:
     """The payload of one rank's part, memory-mapped (its tensors are paged in when read),
-    after checking its size and CRC-32 against ``header``.
+    after checking its size and CRC-32 against ``header`` (:func:`~.format.read_part`).
 
     Raises:
         IncrementChainError: the file is missing or damaged.
     """
     path, _ = part_paths(increment, header.rank)
     try:
-        crc, size = 0, 0
-        with open(path, "rb") as f:
-            while block := f.read(_CRC_BLOCK):
-                crc, size = zlib.crc32(block, crc), size + len(block)
-        if (size, crc) != (header.size, header.crc32):
-            raise IncrementChainError(f"{path}: {size} bytes with CRC-32 {crc:#x}, its header records {header.size} "
-                                      f"bytes with CRC-32 {header.crc32:#x}: the part is damaged")
-        out: Dict[str, Any] = torch.load(path, mmap=True, weights_only=True)
+        return read_part(increment, header)
+    except ValueError as exc:
+        raise IncrementChainError(f"{exc}: the part is damaged") from exc
     except (OSError, RuntimeError) as exc:
         raise IncrementChainError(f"{path}: cannot read rank {header.rank}'s part: {exc}") from exc
-    return out
 
 
 class ChunkRead(LoadPlanner):
@@ -345,13 +335,18 @@ class FoldPlanner(DefaultSavePlanner):
         return out
 
     def _apply(self, out: torch.Tensor, target: RowTarget) -> None:
-        for part in self.parts[target.rank]:
-            rows = part["rows"][target.fqn]
-            value = rows["weights"] if target.state is None else rows["states"][target.state]
-            if target.state is not None and value.shape[:1] != rows["ids"].shape:
-                out.copy_(value)  # a state kept whole (not one entry per row)
-            else:
-                out[rows["ids"].long()] = value
+        """Write rank ``target.rank``'s rows of the chain into ``out``: each row once, with its
+        newest value, in one ``index_copy_``."""
+        mine = [part["rows"][target.fqn] for part in self.parts[target.rank] if target.fqn in part["rows"]]
+        if not mine:
+            return
+        values = [rows["weights"] if target.state is None else rows["states"][target.state] for rows in mine]
+        if target.state is not None and values[-1].shape[:1] != mine[-1]["ids"].shape:
+            out.copy_(values[-1])  # a state kept whole (not one entry per row): the newest
+            return
+        masks = newest_rows([rows["ids"] for rows in mine])
+        ids = torch.cat([rows["ids"].reshape(-1).long()[m] for rows, m in zip(mine, masks)])
+        out.index_copy_(0, ids, torch.cat([v[m] for v, m in zip(values, masks)]))
 
     def _bytes(self, key: str) -> io.BytesIO:
         if key in self.fold.tracker:
@@ -482,5 +477,4 @@ def remove_old_bases(root: str, keep: int = 1, execute: bool = False) -> List[st
     return paths
 
 
-__all__ = ["BaseReader", "ChunkRead", "Consolidated", "Fold", "FoldPlanner", "RowTarget", "TRACKER_STATE_KEY",
-           "consolidate", "open_part", "plan_fold", "removable_bases", "remove_old_bases"]
+__all__ = ["BaseReader", "ChunkRead", "Consolidated", "Fold", "FoldPlanner", "RowTarget", "consolidate", "open_part", "plan_fold", "removable_bases", "remove_old_bases"]

@@ -33,7 +33,7 @@ import json
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,12 @@ FORMAT_VERSION = 1
 BASE_INFO = "persistent_delta_base.json"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's, written last by its save
 INCREMENTS = "increments"
+# The start of rank r's tracker state key in ``dmp.state_dict()`` ("<TRACKER_STATE_KEY>.rank_<r>"),
+# and the whole key of a checkpoint taken before one key per rank
+TRACKER_STATE_KEY = "persistent_delta_tracker"
+# A base's key for the optimizers' param_groups, {"fused": [...], "dense": [...]} (one opaque value)
+GROUPS_KEY = "persistent_delta_param_groups"
+_CRC_BLOCK = 1 << 20
 
 # fqn -> [row_offset, col_offset, local_rows, local_cols] of a rank's shard
 Layout = Dict[str, List[int]]
@@ -177,21 +183,40 @@ def write_part(increment: str, header: PartHeader, payload: Dict[str, Any]) -> P
 
 
 def read_part(increment: str, header: PartHeader) -> Dict[str, Any]:
-    """The payload of the part ``header`` describes.
+    """The payload of the part ``header`` describes, memory-mapped (its tensors are paged in
+    when read, copy-on-write), after checking the file's size and CRC-32 against ``header``.
 
     Raises:
         ValueError: the file's size or checksum differs from the header's.
         OSError: it cannot be read.
+        RuntimeError: torch cannot load it.
     """
     part, _ = part_paths(increment, header.rank)
+    crc, size = 0, 0
     with open(part, "rb") as f:
-        data = f.read()
-    if len(data) != header.size or zlib.crc32(data) != header.crc32:
-        raise ValueError(f"{part}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#x}, the header records "
+        while block := f.read(_CRC_BLOCK):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    if size != header.size or crc != header.crc32:
+        raise ValueError(f"{part}: {size} bytes with CRC-32 {crc:#x}, the header records "
                          f"{header.size} bytes with CRC-32 {header.crc32:#x}")
-    out: Dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    out: Dict[str, Any] = torch.load(part, mmap=True, weights_only=True)
     return out
 
 
-__all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "INCREMENTS", "Layout", "PartHeader", "RankInfo",
-           "base_dir", "increment_dir", "part_paths", "read_part", "write_base_info", "write_part"]
+def newest_rows(ids: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Which rows of each part a chain's restore writes, so that each row is written once, with
+    its newest value: ``ids[j]`` are part ``j``'s ids of one table (chain order, each part's ids
+    unique); returns per part the boolean mask of its ids that no later part holds."""
+    masks: List[torch.Tensor] = [torch.empty(0, dtype=torch.bool)] * len(ids)
+    newer = torch.empty(0, dtype=torch.int64)
+    for j in range(len(ids) - 1, -1, -1):
+        i = ids[j].reshape(-1).long()
+        masks[j] = ~torch.isin(i, newer) if newer.numel() else torch.ones(i.numel(), dtype=torch.bool)
+        if j:
+            newer = torch.cat([newer, i[masks[j]]])
+    return masks
+
+
+__all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "GROUPS_KEY", "INCREMENTS", "Layout", "PartHeader",
+           "RankInfo", "TRACKER_STATE_KEY", "base_dir", "increment_dir", "newest_rows", "part_paths", "read_part",
+           "write_base_info", "write_part"]

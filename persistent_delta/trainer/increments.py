@@ -39,7 +39,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from persistent_delta.checkpoint import chain as chains
-from persistent_delta.checkpoint.format import (BaseInfo, Layout, PartHeader, RankInfo, base_dir, increment_dir,
-                                                read_part, write_base_info, write_part)
+from persistent_delta.checkpoint.format import (GROUPS_KEY, BaseInfo, Layout, PartHeader, RankInfo, base_dir,
+                                                increment_dir, newest_rows, read_part, write_base_info, write_part)
 from persistent_delta.errors import CheckpointError, IncrementChainError, InvalidInputError
 from persistent_delta.trainer import restore
 import persistent_delta.torchrec_internals as trec
@@ -57,8 +57,6 @@ from persistent_delta.trainer.sharding import LocalTable
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONSUMER = "increments"
-# A base's key for the optimizers' param_groups (the same on every rank; one opaque value)
-GROUPS_KEY = "persistent_delta_param_groups"
 
 
 @dataclass
@@ -142,17 +140,23 @@ def capture_rows(tables: Dict[str, LocalTable], ids: Dict[str, torch.Tensor]) ->
     return out
 
 
-def apply_rows(tables: Dict[str, LocalTable], rows: Dict[str, Dict[str, Any]]) -> None:
-    """Write an increment part's rows into this rank's shards (weights and optimizer states)."""
+def apply_rows(tables: Dict[str, LocalTable], parts: Sequence[Dict[str, Dict[str, Any]]]) -> None:
+    """Write the rows of a chain's increment parts (``parts[j]`` is part ``j``'s ``"rows"``, in
+    chain order) into this rank's shards, weights and fused optimizer states: each row once,
+    with its newest value (:func:`~persistent_delta.checkpoint.format.newest_rows`), one
+    ``index_copy_`` per table and state. A state kept whole comes from the newest part."""
     with torch.no_grad():
-        for fqn, part in rows.items():
-            t, i = tables[fqn], part["ids"].long()
-            t.weights()[i] = part["weights"]
-            for s, saved in zip(_table_states(t), part["states"]):
+        for fqn in sorted({f for rows in parts for f in rows}):
+            mine = [rows[fqn] for rows in parts if fqn in rows]
+            t = tables[fqn]
+            masks = newest_rows([p["ids"] for p in mine])
+            ids = torch.cat([p["ids"].reshape(-1).long()[m] for p, m in zip(mine, masks)])
+            t.weights().index_copy_(0, ids, torch.cat([p["weights"][m] for p, m in zip(mine, masks)]))
+            for k, s in enumerate(_table_states(t)):
                 if _state_rows(s, t.local_rows):
-                    s[i] = saved
+                    s.index_copy_(0, ids, torch.cat([p["states"][k][m] for p, m in zip(mine, masks)]))
                 else:
-                    s.copy_(saved)
+                    s.copy_(mine[-1]["states"][k])
 
 
 def _plain_tensors(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -442,18 +446,19 @@ class Checkpoints:
             error = exc
         _raise_first(_everyone(error))
         tracker_state = self._load_base(chain)
-        for part in parts:
-            if self.dense is not None and not self.dense.state and _has_state(part["dense_optimizer"]):
+        apply_rows(self._tables, [part["rows"] for part in parts])
+        if parts:  # the dense state, param_groups and tracker state are whole in each part: the last one's
+            last = parts[-1]
+            if self.dense is not None and not self.dense.state and _has_state(last["dense_optimizer"]):
                 self.dense.init_state()  # a base taken before the first step: build the state to load
-            apply_rows(self._tables, part["rows"])
             with torch.no_grad():
-                for k, v in part["dense"].items():
+                for k, v in last["dense"].items():
                     self._dense_refs[k].copy_(v)
             if self.dense is not None:
-                self.dense.load_state_dict(part["dense_optimizer"])
-                _set_groups(self.dense, part["dense_groups"])
-            _set_groups(self.fused, part["fused_groups"])
-            tracker_state = part["tracker"]
+                self.dense.load_state_dict(last["dense_optimizer"])
+                _set_groups(self.dense, last["dense_groups"])
+            _set_groups(self.fused, last["fused_groups"])
+            tracker_state = last["tracker"]
         if self.fused is not None:
             self.fused.zero_grad()  # TorchRec's fused optimizer hands its lr to the TBE here
         self.tracker.load_state_dict(tracker_state)

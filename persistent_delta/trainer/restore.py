@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_tracker.types import TrackingMode, UpdateMode
 
+from persistent_delta.checkpoint.format import TRACKER_STATE_KEY as STATE_KEY
 from persistent_delta.log import codec, position_rules
 from persistent_delta.errors import ConfigMismatchError, InvalidInputError, OffsetOutOfRangeError, WorldSizeMismatchError
 from persistent_delta.log.deltalog import DeltaLog, ReadTxn, WriteTxn
@@ -252,9 +253,9 @@ def world_size() -> Optional[int]:
     return dist.get_world_size() if dist.is_initialized() else None
 
 
-# The key under which ``dmp.state_dict()`` carried the tracker's state before it had one key
-# per rank (still loaded), and the start of each rank's key (:func:`state_key`).
-STATE_KEY = "persistent_delta_tracker"
+# STATE_KEY (checkpoint.format.TRACKER_STATE_KEY, which consolidate reads without the trainer):
+# the key under which ``dmp.state_dict()`` carried the tracker's state before it had one key per
+# rank (still loaded), and the start of each rank's key (:func:`state_key`).
 
 
 def state_key(rank: int) -> str:
