@@ -1,5 +1,5 @@
 """Any replica gets a fresh base from the trainer's checkpoints (``persistent_delta.serve.fresh_base``):
-one real two-rank job (row-wise TorchRec model, ``delete_on_read``, a base at step 0 and an
+one real two-rank job (a TorchRec model row-wise, or one table column-wise and one table-wise; ``delete_on_read``, a base at step 0 and an
 increment every 2 steps through ``Checkpoints``) publishes after every step. A replica process
 following it is SIGKILLed mid-training and started again with no state of its own; another is
 added after the job ended, when ``delete_on_read`` has dropped the early snapshots. Both end
@@ -40,8 +40,8 @@ def _follow(follower: Follower, done: threading.Event, deadline: float) -> None:
     raise AssertionError(f"the replica did not catch up: {follower.positions()}")
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["row_wise", "column_wise,table_wise"])
+def job(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     d = tmp_path_factory.mktemp("fresh-base")
     root, ckpt, base0, go = str(d / "log"), str(d / "ckpt"), str(d / "base0"), str(d / "go")
     result: Dict[str, Any] = {}
@@ -49,7 +49,8 @@ def job(tmp_path_factory):  # type: ignore[no-untyped-def]
 
     def train() -> None:
         try:
-            result["ranks"] = run_spawn(checkpointed_job_case, 2, root, ckpt, base0, go, timeout=240)
+            result["ranks"] = run_spawn(checkpointed_job_case, 2, root, ckpt, base0, go, request.param,
+                                       timeout=240)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             result["error"] = exc
         finally:

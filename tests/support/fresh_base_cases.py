@@ -18,12 +18,13 @@ from persistent_delta.trainer.increments import Checkpoints
 ROWS, STEPS, PAUSE_AFTER, EVERY = 60, 13, 7, 2  # the last increment at step 12, then one publish
 
 
-def checkpointed_job_case(rank: int, world_size: int, root: str, ckpt: str, base0: str, go: str) -> Dict[str, Any]:
-    """A row-wise job on a ``delete_on_read`` log that publishes to ``"serving"`` after every
+def checkpointed_job_case(rank: int, world_size: int, root: str, ckpt: str, base0: str, go: str,
+                          sharding: str = "row_wise") -> Dict[str, Any]:
+    """A job (its 2 tables sharded by ``sharding``, as the harness reads it) on a ``delete_on_read`` log that publishes to ``"serving"`` after every
     step, takes a base at step 0 (and the batch-0 shard files ``base0``: the old way) and an
     increment every ``EVERY`` steps; after ``PAUSE_AFTER`` steps it waits for the file ``go``
     (the test kills its replica meanwhile). Returns this rank's shards at the end."""
-    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=ROWS)
+    dmp = build_sharded_model(rank, world_size, "ec", sharding, "EXACT_ROWWISE_ADAGRAD", rows=ROWS)
     t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
                                             delete_on_read=True))
     ckpts = Checkpoints(dmp, None, ckpt, every=EVERY)
