@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from persistent_delta.checkpoint import chain as chains
-from persistent_delta.checkpoint.format import read_part
+from persistent_delta.checkpoint.format import TRACKER_STATE_KEY, read_part
 from persistent_delta.errors import IncompleteBaseError, IncrementChainError, OffsetOutOfRangeError, StaleBaseError
 from persistent_delta.log.schema import LogIdentity
 from persistent_delta.read.base import BaseTables
@@ -53,8 +53,6 @@ from persistent_delta.serve.apply import Applied, apply_poll
 
 logger = logging.getLogger(__name__)
 
-# trainer/restore.state_key(rank) is "<_TRACKER_KEY>.rank_<rank>" in dmp.state_dict()
-_TRACKER_KEY = "persistent_delta_tracker"
 
 
 def _weight_key(keys: List[str], fqn: str, base: str) -> str:
@@ -73,7 +71,7 @@ def _base_batches(base: str, keys: Dict[str, Any], ranks: int) -> Dict[int, int]
     target: Dict[str, Any] = {}
     names: Dict[str, int] = {}
     for rank in range(ranks):
-        name = f"{_TRACKER_KEY}.rank_{rank}"
+        name = f"{TRACKER_STATE_KEY}.rank_{rank}"
         found = [k for k, v in keys.items() if isinstance(v, BytesStorageMetadata) and k.endswith("." + name)]
         if len(found) != 1:
             raise IncompleteBaseError(f"{base}: {found} hold rank {rank}'s tracker state ({name}), not one entry")
