@@ -103,7 +103,7 @@ class Continuation:
                 "would stay stale. Nothing was applied. Start from a fresh base: save_local_shards(tracker, shard_dir) "
                 "on every rank of the trainer, then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), "
                 "with the consumer at or before its batch; or from the trainer's checkpoints, "
-                "persistent_delta.serve.fresh_base.Follower(consumer, root), which positions the consumer",
+                "persistent_delta.serve.Follower(consumer, root), which positions the consumer",
                 rank=rank, start=start, position=position)
 
     def _check_log(self, rank: int, read: Optional[LogIdentity], start: int) -> None:
@@ -119,7 +119,7 @@ class Continuation:
             "publishes it holds; applied, rows would be wrong or stale. Nothing was applied. Start from a fresh "
             "base of this log: save_local_shards(tracker, shard_dir) on every rank of the trainer that writes it, "
             "then load_base(shard_dir) (across hosts: RemoteConsumer.bootstrap()), with the consumer at or before "
-            "its batch; or from the trainer's checkpoints, persistent_delta.serve.fresh_base.Follower(consumer, root)",
+            "its batch; or from the trainer's checkpoints, persistent_delta.serve.Follower(consumer, root)",
             rank=rank, start=start, position=self.positions.get(rank, 0))
 
     def advance(self, poll: DeltaPoll) -> None:
