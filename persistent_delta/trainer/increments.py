@@ -143,20 +143,29 @@ def capture_rows(tables: Dict[str, LocalTable], ids: Dict[str, torch.Tensor]) ->
 def apply_rows(tables: Dict[str, LocalTable], parts: Sequence[Dict[str, Dict[str, Any]]]) -> None:
     """Write the rows of a chain's increment parts (``parts[j]`` is part ``j``'s ``"rows"``, in
     chain order) into this rank's shards, weights and fused optimizer states: each row once,
-    with its newest value (:func:`~persistent_delta.checkpoint.format.newest_rows`), one
-    ``index_copy_`` per table and state. A state kept whole comes from the newest part."""
+    with its newest value (:func:`~persistent_delta.checkpoint.format.newest_rows`), by
+    ``index_copy_`` from the parts' (memory-mapped) tensors; a part none of whose rows a newer
+    one holds is copied without a gather. A state kept whole comes from the newest part."""
     with torch.no_grad():
         for fqn in sorted({f for rows in parts for f in rows}):
             mine = [rows[fqn] for rows in parts if fqn in rows]
             t = tables[fqn]
-            masks = newest_rows([p["ids"] for p in mine])
-            ids = torch.cat([p["ids"].reshape(-1).long()[m] for p, m in zip(mine, masks)])
-            t.weights().index_copy_(0, ids, torch.cat([p["weights"][m] for p, m in zip(mine, masks)]))
-            for k, s in enumerate(_table_states(t)):
-                if _state_rows(s, t.local_rows):
-                    s.index_copy_(0, ids, torch.cat([p["states"][k][m] for p, m in zip(mine, masks)]))
-                else:
+            states = _table_states(t)
+            for k, s in enumerate(states):
+                if not _state_rows(s, t.local_rows):
                     s.copy_(mine[-1]["states"][k])
+            rowwise = [k for k, s in enumerate(states) if _state_rows(s, t.local_rows)]
+            for part, keep in zip(mine, newest_rows([p["ids"] for p in mine])):
+                ids = part["ids"].reshape(-1).long()
+                every = bool(keep.all())
+                if not every:
+                    ids = ids[keep]
+                if not ids.numel():
+                    continue
+                t.weights().index_copy_(0, ids, part["weights"] if every else part["weights"][keep])
+                for k in rowwise:
+                    saved = part["states"][k]
+                    states[k].index_copy_(0, ids, saved if every else saved[keep])
 
 
 def _plain_tensors(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
