@@ -128,6 +128,6 @@ def test_a_poll_past_the_checkpoint_base_is_refused_and_says_how_to_get_a_fresh_
     with DeltaConsumer(root, "probe.snapshots", channel="snapshots") as consumer:
         for rank, position in base.positions.items():
             consumer.seek(position + 1, rank=rank)
-        with pytest.raises(StaleBaseError, match="checkpoint base.*fresh_base.Follower"):
+        with pytest.raises(StaleBaseError, match="checkpoint base.*serve.Follower"):
             apply_poll(base, consumer.poll(timeout=1.0), complete_only=True)
     assert _same(dict(base), before)
