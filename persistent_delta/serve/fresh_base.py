@@ -34,6 +34,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -66,6 +67,14 @@ def _weight_key(keys: List[str], fqn: str, base: str) -> str:
     return found[0]
 
 
+def _load_offline(target: Dict[str, Any], path: str) -> None:
+    """``dcp.load`` of ``target`` from the base in ``path`` in this one process (no process
+    group), without DCP's warning that it assumes a single process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+
+
 def _base_batches(base: str, keys: Dict[str, Any], ranks: int) -> Dict[int, int]:
     """rank -> the tracker's batch when the base was taken (its stored tracker state)."""
     target: Dict[str, Any] = {}
@@ -76,7 +85,7 @@ def _base_batches(base: str, keys: Dict[str, Any], ranks: int) -> Dict[int, int]
         if len(found) != 1:
             raise IncompleteBaseError(f"{base}: {found} hold rank {rank}'s tracker state ({name}), not one entry")
         target[found[0]], names[found[0]] = io.BytesIO(), rank
-    dcp.load(target, storage_reader=FileSystemReader(base), no_dist=True)
+    _load_offline(target, base)
     out: Dict[int, int] = {}
     for key, rank in names.items():
         state = getattr(target[key], "state", target[key])
@@ -118,7 +127,7 @@ def load_checkpoint_base(root: str) -> BaseTables:
         md = keys[key]
         assert isinstance(md, TensorStorageMetadata)
         target[key], key_of[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype), key
-    dcp.load(target, storage_reader=FileSystemReader(chain.base), no_dist=True)
+    _load_offline(target, chain.base)
     tables = {fqn: target[key] for fqn, key in key_of.items()}
     batches = _base_batches(chain.base, keys, info.world_size)
     with torch.no_grad():
