@@ -15,7 +15,7 @@ deleted once every snapshots consumer has committed past them.
 A publish is one straight path, a :class:`~persistent_delta.trainer.operations.PublishRequest`
 from the training thread to the writer:
 
-* :meth:`Publisher.capture`, in the training thread: takes the ids of the consumer's rows -- those the
+* :meth:`Publisher.gather`, in the training thread: takes the ids of the consumer's rows -- those the
   writer marked for it as it committed them since its previous publish
   (:mod:`persistent_delta.trainer.unread`), or, at its first publish in this process or after
   anything else moved it, the log's (a read transaction, nothing written) -- adding those of
@@ -34,7 +34,7 @@ from the training thread to the writer:
 
 Row formats. A publish writes its rows once per row format asked for
 (:data:`persistent_delta.log.codec.ROW_FORMATS`): the formats of the snapshots consumers
-registered in the log when it is captured (:attr:`ConsumerEntry.format`) and those passed to
+registered in the log when it is gathered (:attr:`ConsumerEntry.format`) and those passed to
 ``tracker.publish(consumer, formats=...)``; ``"native"`` alone when nothing asks. The training
 thread's part does not change with them: it gathers the native rows once. The conversions
 (a cast for float16/bfloat16, FBGEMM's row-wise int8 quantization) run in
@@ -113,9 +113,9 @@ class Publisher:
     writer left open, and the batch index the tracker continues at counts as closed (an earlier
     writer may have published at it), the same on every rank (``resume_at`` agreed on it).
 
-    Thread-safety: the training thread calls every method; the requests :meth:`capture` fills
+    Thread-safety: the training thread calls every method; the requests :meth:`gather` fills
     are written on the writer thread (:func:`write_publish`), which alone uses the converted
-    records' buffers. The caller must not capture again before the previous request was
+    records' buffers. The caller must not gather again before the previous request was
     written: its records live in the reused buffers (:meth:`publish` waits for the writer first).
 
     Args:
@@ -158,12 +158,12 @@ class Publisher:
             self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
 
     def publish(self, feed: Feed, request: PublishRequest, step: StepWrite) -> Dict[str, int]:
-        """Capture ``request`` and hand it to ``feed`` after ``step``, the records captured so
+        """Gather ``request`` and hand it to ``feed`` after ``step``, the records captured so
         far: handed first when it holds any (an empty one goes with the publish: one transaction,
-        not two). Returns fqn -> rows captured.
+        not two). Returns fqn -> rows gathered.
 
         Raises:
-            as :meth:`capture`; the step is handed to the writer all the same.
+            as :meth:`gather`; the step is handed to the writer all the same.
         """
         held: Optional[StepWrite] = step
         if step.records or step.events:
@@ -171,7 +171,7 @@ class Publisher:
             held = None
         pending = feed.unsettled()
         try:
-            self.capture(request, pending)
+            self.gather(request, pending)
         except BaseException as exc:
             if held is not None:
                 feed.hand_off(held)
@@ -184,7 +184,7 @@ class Publisher:
         self._open_stamp = request.stamp
         return request.rows
 
-    def capture(self, request: PublishRequest, pending: Sequence[AppendRecord] = ()) -> None:
+    def gather(self, request: PublishRequest, pending: Sequence[AppendRecord] = ()) -> None:
         """Fill ``request`` in: read its consumer's unread rows (a read transaction of the log)
         and gather their current values (tables of this tracker only; empty tables are left
         out). The request is then the writer's to write (:func:`write_publish`).
@@ -195,7 +195,7 @@ class Publisher:
 
         The consumer's unread ids come from those the writer marked for it since its previous
         publish (:mod:`persistent_delta.trainer.unread`) when they equal the log's; a new unread
-        set starts at ``request.end``, dropped again if the capture fails.
+        set starts at ``request.end``, dropped again if the gather fails.
 
         ``request.cap``: what this publish may carry (:mod:`persistent_delta.trainer.caps`); the rows an
         earlier capped publish deferred are due first, and the rows that do not fit are deferred
@@ -212,16 +212,16 @@ class Publisher:
         # a record leaves those only once the unread set has it), and a new unread set from end
         taken = self._unread.take(request.consumer, request.end)
         try:
-            self._log.read(lambda r: self._capture(r, request, pending, taken))
+            self._log.read(lambda r: self._gather(r, request, pending, taken))
         except BaseException:
             self._unread.drop(request.consumer)  # the consumer stays where it was
             raise
         request.buffers = self._converted
         self.deferred[request.consumer] = request.deferred_rows
 
-    def _capture(self, r: ReadTxn, request: PublishRequest, pending: Sequence[AppendRecord],
+    def _gather(self, r: ReadTxn, request: PublishRequest, pending: Sequence[AppendRecord],
                  taken: Optional[UnreadSince]) -> None:
-        """:meth:`capture` inside the read transaction ``r``."""
+        """:meth:`gather` inside the read transaction ``r``."""
         name, tables = request.consumer, self._tables
         consumers = r.consumers()  # (parsed once: the consume rule and the formats both read them)
         entry, unread = consume.consume_read_ids(r, name, pending, taken, self._unread, consumers)
@@ -280,29 +280,29 @@ def encode_formats(request: PublishRequest, fqn: str) -> Iterator[codec.Encoded]
 
 
 def write_publish(w: WriteTxn, request: PublishRequest, mode: UpdateMode) -> None:
-    """Write a captured publish inside ``w`` (the writer's step): the consumer's new position
+    """Write a gathered publish inside ``w`` (the writer's step): the consumer's new position
     (the consume rule's write half, with the request's rule), the snapshot records, their stamp
     as the open one, and retention of both channels.
 
-    With deferred rows (a capped publish), or when the capture found some (now carried), the
+    With deferred rows (a capped publish), or when the gather found some (now carried), the
     consumer's deferred rows are stored in the same transaction
     (:func:`persistent_delta.log.deferred.write_deferred`).
 
     Raises:
         ConsumerConflictError: the consumer moved, or its deferred rows changed, since the
-            capture (nothing is written).
-        InvalidInputError: the request was never captured.
+            gather (nothing is written).
+        InvalidInputError: the request was never gathered.
     """
     name = request.consumer
     if request.entry is None:
-        raise InvalidInputError(f"the publish of consumer {name!r} was handed to the writer before its capture")
+        raise InvalidInputError(f"the publish of consumer {name!r} was handed to the writer before its rows were gathered")
     consume.consume_commit(w, name, request.entry, request.end, mode, compact=request.compact,
                            delete_on_read=request.delete_on_read, bound=request.bound)
     if request.deferred or request.had_due:
         stored = read_deferred(w, name)
         if stored.seq != request.due_seq:
             raise ConsumerConflictError(
-                f"the deferred rows of consumer {name!r} of {w.path} changed between its publish's capture and "
+                f"the deferred rows of consumer {name!r} of {w.path} changed between its publish's gather and "
                 "its commit; the publish is not committed")
         write_deferred(w, name, request.deferred, request.due_seq + 1)
     for fqn in request.tables:

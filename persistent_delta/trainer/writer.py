@@ -125,7 +125,7 @@ class BackgroundWriter:
 
     ``committed``: called on the writer thread with the step records of each commit, after it
     committed and before its operations leave the queue (``pending_records`` stops listing
-    them): a publish's accumulator of unread ids (:mod:`persistent_delta.trainer.unread`).
+    them): a publish's unread ids (:mod:`persistent_delta.trainer.unread`).
     """
 
     def __init__(
@@ -239,7 +239,7 @@ class BackgroundWriter:
     def pending_records(self) -> Optional[List[AppendRecord]]:
         """The records submitted and not yet committed (those of the transaction in flight,
         then the queued ones), for a reader that adds them to what the log holds instead of
-        waiting for them (a publish's capture: what it submits next commits after these).
+        waiting for them (a publish's gather: what it submits next commits after these).
         None when one of those operations is not a :class:`StepWrite` (a publish or a
         compaction may move a consumer or merge records) or has device copies in flight: wait
         with :meth:`barrier` then. The records are the caller's to read only.

@@ -21,10 +21,7 @@ LAYER_ROW = "[tool.persistent_delta.packages]"
 
 # Renames asked of the owners of modules being moved in this round (file -> patterns still
 # there); an entry goes once its file is renamed or gone.
-PENDING: Dict[str, Set[str]] = {
-    "persistent_delta/trainer/publish.py": {"accumulat"},  # the local `accumulated` (-> taken)
-    "persistent_delta/trainer/tracker.py": {"accumulat"},
-}
+PENDING: Dict[str, Set[str]] = {}
 
 
 def retired(glossary: str = GLOSSARY) -> List[Tuple[str, List[str]]]:
