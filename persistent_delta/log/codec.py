@@ -283,6 +283,25 @@ def table_prefix(table_id: int) -> bytes:
     return _TABLE_PREFIX.pack(table_id)
 
 
+def range_stop_key(table_id: int, end_idx: Optional[int]) -> bytes:
+    """The first key past the records of ``table_id`` with ``batch_idx < end_idx`` (None: all
+    of them). Keys are big-endian ``(table_id, batch_idx, seq)``, so bytes order is key order."""
+    if end_idx is not None and end_idx < 1 << 64:
+        return record_key(table_id, max(0, end_idx), 0)
+    if table_id + 1 < 1 << 32:
+        return table_prefix(table_id + 1)
+    return table_prefix(table_id) + b"\xff" * (KEY_SIZE - 4) + b"\xff"  # the last table id
+
+
+def key_name(key: Union[bytes, memoryview], db: str) -> str:
+    """A table fqn or consumer name stored as a key of database ``db``; a damaged one is a
+    typed error."""
+    try:
+        return bytes(key).decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptRecordError(f"a key of the {db} database is not valid UTF-8 ({bytes(key)[:40]!r}): damaged") from exc
+
+
 # ------------------------------------------------------------------------------- records
 
 

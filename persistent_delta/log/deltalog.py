@@ -101,14 +101,6 @@ class StoredRecord:
 # ----------------------------------------------------------------------------- transactions
 
 
-def _name(key: Union[bytes, memoryview], db: str) -> str:
-    """A table fqn or consumer name stored as a key; a damaged one is a typed error."""
-    try:
-        return bytes(key).decode()
-    except UnicodeDecodeError as exc:
-        raise CorruptRecordError(f"a key of the {db} database is not valid UTF-8 ({bytes(key)[:40]!r}): damaged") from exc
-
-
 
 class ReadTxn:
     """Read access to the log inside one LMDB transaction.
@@ -160,12 +152,7 @@ class ReadTxn:
         cur = self._cursor_at(table_id, start_idx, channel)
         if cur is None:
             return
-        if end_idx is not None and end_idx < 1 << 64:
-            stop = codec.record_key(table_id, max(0, end_idx), 0)
-        elif table_id + 1 < 1 << 32:
-            stop = codec.table_prefix(table_id + 1)
-        else:  # the last table id: stop where the prefix ends
-            stop = codec.table_prefix(table_id) + b"\xff" * (codec.KEY_SIZE - 4) + b"\xff"
+        stop = codec.range_stop_key(table_id, end_idx)
         # Keys first: py-lmdb reads a value in whole (it touches every page) as the cursor hands
         # it out, so the record just past the range (the next table's oldest: possibly large,
         # and cold on a reopen) is never fetched.
@@ -268,7 +255,7 @@ class ReadTxn:
         """Every registered consumer, by name."""
         out = {}
         for k, v in self.txn.cursor(db=self._dbs[DB_CONSUMERS]):
-            name = _name(k, DB_CONSUMERS)
+            name = codec.key_name(k, DB_CONSUMERS)
             out[name] = ConsumerEntry.from_bytes(name, bytes(v))
         return out
 
@@ -291,7 +278,7 @@ class ReadTxn:
         return LogIdentity(str(self.meta(META_LOG_ID)), created_stamp(self.meta(META_CREATED_TIME)))
 
     def all_meta(self) -> Dict[str, Any]:
-        return {_name(k, DB_META): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
+        return {codec.key_name(k, DB_META): codec.unpack(v, "meta") for k, v in self.txn.cursor(db=self._dbs[DB_META])}
 
 
 class WriteTxn(ReadTxn):
@@ -543,7 +530,7 @@ class DeltaLog:
 
     def _check_meta(self, update_mode: Optional[str]) -> None:
         def read(r: ReadTxn) -> Tuple[Any, Any, List[str], Any]:
-            keys = [_name(k, DB_META) for k in r.txn.cursor(db=r._dbs[DB_META]).iternext(keys=True, values=False)]
+            keys = [codec.key_name(k, DB_META) for k in r.txn.cursor(db=r._dbs[DB_META]).iternext(keys=True, values=False)]
             return r.meta(META_FORMAT_VERSION), r.meta(META_UPDATE_MODE), keys, r.meta(META_CREATED_TIME)
 
         version, stored, keys, created = self.read(read, refresh_tables=False)
@@ -586,7 +573,7 @@ class DeltaLog:
                 return
             tables: Dict[str, TableEntry] = {}
             for k, v in r.txn.cursor(db=self._shared.dbs[DB_TABLES]):
-                fqn = _name(k, DB_TABLES)
+                fqn = codec.key_name(k, DB_TABLES)
                 tables[fqn] = TableEntry.from_bytes(fqn, bytes(v))
             self._tables = tables
             self._tables_seen_version = version

@@ -32,6 +32,38 @@ def test_the_serving_side_sits_above_the_read_path_and_beside_the_fleet():
         assert "serve" not in rules[name].imports, name
 
 
+# One room per idea: no module of the package is over MAX_LINES; the tracker's wiring and the
+# modules split out of RemoteConsumer stay at SMALL_LINES or fewer.
+MAX_LINES = 800
+SMALL_LINES = 500
+SMALL = ["trainer/tracker.py", "fleet/remote.py", "fleet/claim.py", "fleet/positions.py", "fleet/coordinator.py",
+         "fleet/fetcher.py", "fleet/assembly.py", "fleet/delivery.py", "fleet/bootstrap.py", "fleet/connect.py"]
+
+
+def module_lines(pkg: str = os.path.join(REPO, "persistent_delta")) -> dict:
+    """Path relative to the package -> its number of lines, for every module."""
+    out = {}
+    for root, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                with open(path) as fh:
+                    out[os.path.relpath(path, pkg)] = sum(1 for _ in fh)
+    return out
+
+
+def test_no_module_holds_more_than_one_room():
+    lines = module_lines()
+    assert not {m: n for m, n in lines.items() if n > MAX_LINES}, f"modules over {MAX_LINES} lines"
+    assert not {m: lines[m] for m in SMALL if lines[m] > SMALL_LINES}, f"modules over {SMALL_LINES} lines"
+
+
+def test_the_size_check_sees_a_long_module(tmp_path):
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n")
+    assert module_lines(str(tmp_path)) == {"long.py": MAX_LINES + 1, "short.py": 1}
+
+
 def test_the_architecture_page_shows_the_picture_drawn_from_the_rules():
     page = open(os.path.join(REPO, "docs", "architecture.md")).read()
     assert packages.picture(packages.load_rules()) in page, \
