@@ -96,20 +96,34 @@ def list_bases(root: str) -> List[Tuple[int, str]]:
 
 
 def latest_chain(root: str) -> Chain:
-    """The newest complete base under ``root`` and its chain (newer incomplete bases, saves
-    that did not finish, are logged and passed over).
+    """The chain under ``root`` that reaches the furthest step (ties: the newer base's): a
+    trainer that went on writing increments after its base was consolidated has the newer
+    state in the older base's chain. Incomplete bases (saves that did not finish) are logged
+    and passed over, and so is an older base whose increments are not one chain.
 
     Raises:
         IncompleteBaseError: no complete base under ``root``.
         IncrementChainError: the newest complete base's increments are not one chain.
     """
+    best: Optional[Chain] = None
     for _step, path in reversed(list_bases(root)):
         try:
             info = open_base(path)
         except IncompleteBaseError as exc:
             logger.warning("passing over an incomplete base: %s", exc)
             continue
-        return chain_of(path, info)
+        if best is None:
+            best = chain_of(path, info)  # the newest complete base: its errors are the caller's
+            continue
+        try:
+            chain = chain_of(path, info)
+        except IncrementChainError as exc:
+            logger.warning("passing over an older base whose increments are not one chain: %s", exc)
+            continue
+        if chain.step > best.step:
+            best = chain
+    if best is not None:
+        return best
     raise IncompleteBaseError(f"{root}: no complete base (a base-<step> directory with DCP's {DCP_METADATA} and "
                               f"{BASE_INFO}); take one with Checkpoints.save_base()")
 

@@ -389,10 +389,12 @@ def _folded_info(chain: chains.Chain, fold: Fold) -> BaseInfo:
 
 
 def consolidate(root: str, out: Optional[str] = None) -> Consolidated:
-    """Fold the newest complete base under ``root`` and its complete increments into a new base
-    ``<out>/base-<step>`` (``out`` defaults to ``root``), at the last increment's step. Offline:
+    """Fold the chain under ``root`` that reaches the furthest step (:func:`~.chain.latest_chain`:
+    its base and complete increments) into a new base ``<out>/base-<step>`` (``out`` defaults to
+    ``root``), at the last increment's step. Offline:
     no trainer and no process group; it reads one chunk at a time. Run it while no trainer
-    writes increments under ``root``: a trainer restoring later starts from the newest base.
+    writes increments under ``root``: a trainer restoring later starts from the chain that
+    reaches the furthest step (the new base, unless increments were written past it).
 
     Any thread of any process may call it; two at once on one root would write the same
     directory (the second finds it and raises).
@@ -439,7 +441,8 @@ def consolidate(root: str, out: Optional[str] = None) -> Consolidated:
 def removable_bases(root: str, keep: int = 1) -> List[str]:
     """The base directories under ``root`` (each with its increments) that retention removes:
     every base older than the ``keep`` newest complete ones. The newest complete base is never
-    among them, nor a newer incomplete one (a save under way).
+    among them, nor a newer incomplete one (a save under way), nor the base of the chain a
+    restore uses (:func:`~.chain.latest_chain`: the one reaching the furthest step).
 
     Raises:
         InvalidInputError: ``keep`` < 1.
@@ -458,7 +461,11 @@ def removable_bases(root: str, keep: int = 1) -> List[str]:
     if not complete:
         raise IncompleteBaseError(f"{root}: no complete base: retention removes nothing until one exists")
     oldest_kept = sorted(complete)[-keep] if len(complete) >= keep else complete[0]
-    return [path for step, path in bases if step < oldest_kept]
+    try:  # an older base whose chain reaches further than the newest's is what a restore uses
+        furthest: Optional[str] = chains.latest_chain(root).base
+    except CheckpointError:
+        furthest = None
+    return [path for step, path in bases if step < oldest_kept and path != furthest]
 
 
 def remove_old_bases(root: str, keep: int = 1, execute: bool = False) -> List[str]:

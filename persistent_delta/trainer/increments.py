@@ -422,10 +422,11 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> int:
-        """Restore the model, its fused and dense optimizers and the tracker from the newest
-        complete base and its complete increments, in order (a collective, before training on).
-        Trailing incomplete increments (a crash while one was written) and newer incomplete
-        bases are removed. Returns the step restored to; training goes on from it, and the
+        """Restore the model, its fused and dense optimizers and the tracker from the complete
+        chain that reaches the furthest step (:func:`~persistent_delta.checkpoint.chain.latest_chain`;
+        ties: the newer base), its base and then its increments in order (a collective, before
+        training on). Trailing incomplete increments (a crash while one was written) and newer
+        incomplete bases are removed. Returns the step restored to; training goes on from it, and the
         increments go on after the restored one.
 
         Raises:
@@ -535,7 +536,11 @@ class Checkpoints:
             shutil.rmtree(path, ignore_errors=True)
         root = os.path.dirname(chain.base)
         for step, path in chains.list_bases(root):
-            if step > chain.info.step:
+            if step <= chain.info.step:
+                continue
+            try:
+                chains.open_base(path)  # complete: a consolidated base the restored chain went past; kept
+            except CheckpointError:
                 logger.warning("removing %s: a base save that did not finish before the crash", path)
                 shutil.rmtree(path, ignore_errors=True)
 

@@ -126,3 +126,31 @@ def test_a_damaged_part_is_detected_by_its_checksum(tmp_path):
     open(part, "wb").write(bytes(data))
     with pytest.raises(ValueError, match="CRC-32"):
         read_part(inc.path, inc.headers[0])
+
+
+def test_the_chain_reaching_the_furthest_step_wins_over_a_newer_base(tmp_path):
+    # a trainer went on writing increments into base 0's chain after it was consolidated at step 6
+    root = str(tmp_path)
+    old = _base(root, 0)
+    _increment(old, 1, 3, 0)
+    _increment(old, 2, 6, 3)
+    _increment(old, 3, 9, 6)
+    _base(root, 6, base_id="b2")
+    c = chains.latest_chain(root)
+    assert c.base == old and c.step == 9 and [i.seq for i in c.increments] == [1, 2, 3]
+    newer = _base(root, 9, base_id="b3")  # a tie: the newer base
+    c = chains.latest_chain(root)
+    assert c.base == newer and c.step == 9 and c.increments == []
+
+
+def test_retention_keeps_an_older_base_whose_chain_reaches_further(tmp_path):
+    from persistent_delta.checkpoint.consolidate import removable_bases
+
+    root = str(tmp_path)
+    old = _base(root, 0)
+    _increment(old, 1, 3, 0)
+    _increment(old, 2, 9, 3)
+    _base(root, 6, base_id="b2")  # consolidated at step 6; the trainer went on in base 0's chain
+    assert removable_bases(root) == []
+    _base(root, 9, base_id="b3")
+    assert removable_bases(root) == [old, base_dir(root, 6)]
