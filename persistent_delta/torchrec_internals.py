@@ -110,18 +110,6 @@ MCH_UPDATE_AND_EVICT = "_update_and_evict"
 MCH_SORT_BUFFERS = "_sort_mch_buffers"
 
 
-def mc_embedding_module(mc_module: nn.Module) -> nn.Module:
-    """The sharded EC/EBC inside a sharded managed-collision EC/EBC."""
-    inner: nn.Module = mc_module._embedding_module  # type: ignore[assignment]
-    return inner
-
-
-def mc_collection(mc_module: nn.Module) -> nn.Module:
-    """The ``ShardedManagedCollisionCollection`` of a sharded managed-collision EC/EBC."""
-    mcc: nn.Module = mc_module._managed_collision_collection  # type: ignore[assignment]
-    return mcc
-
-
 def mc_collection_of(module: nn.Module) -> Optional[nn.Module]:
     """The managed-collision collection of any module that holds one (a sharded or a quantized
     managed-collision EC/EBC, TorchRec's ``QuantManagedCollisionEmbeddingCollection``); None
@@ -136,6 +124,22 @@ def mc_embedding_module_of(module: nn.Module) -> Optional[nn.Module]:
     ``QuantManagedCollisionEmbeddingCollection`` is itself the collection)."""
     inner = getattr(module, "_embedding_module", None)
     return inner if isinstance(inner, nn.Module) else None
+
+
+def mc_embedding_module(mc_module: nn.Module) -> nn.Module:
+    """The sharded EC/EBC inside a sharded managed-collision EC/EBC."""
+    inner = mc_embedding_module_of(mc_module)
+    if inner is None:
+        raise AttributeError(f"{type(mc_module).__name__} holds no embedding module (_embedding_module)")
+    return inner
+
+
+def mc_collection(mc_module: nn.Module) -> nn.Module:
+    """The ``ShardedManagedCollisionCollection`` of a sharded managed-collision EC/EBC."""
+    mcc = mc_collection_of(mc_module)
+    if mcc is None:
+        raise AttributeError(f"{type(mc_module).__name__} holds no managed-collision collection")
+    return mcc
 
 
 def mc_modules(mcc: nn.Module) -> Dict[str, nn.Module]:

@@ -447,17 +447,22 @@ _NODE = struct.Struct("<HHHH")  # an LMDB node's header: data size (low, high), 
 _PGNO = struct.Struct("<Q")
 
 
+def _libc(name: str, argtypes: List[Any]) -> Any:
+    """libc's function ``name`` returning an int, or False where it is missing."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _mincore() -> Any:
     """libc's ``mincore`` (None where it is missing)."""
     global _MINCORE
     if _MINCORE is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).mincore
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-            fn.restype = ctypes.c_int
-            _MINCORE = fn
-        except (OSError, AttributeError):
-            _MINCORE = False
+        _MINCORE = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])
     return _MINCORE or None
 
 
@@ -485,13 +490,7 @@ def _madvise() -> Any:
     """libc's ``madvise`` (None where it is missing)."""
     global _MADVISE
     if _MADVISE is None:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _MADVISE = fn
-        except (OSError, AttributeError):
-            _MADVISE = False
+        _MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
     return _MADVISE or None
 
 
