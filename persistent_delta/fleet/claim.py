@@ -71,9 +71,9 @@ class NameClaim:
                 break
             except KeyConflictError:
                 pass  # held by another process: wait for it to go, within the deadline
-            except TransportError:
-                if time.monotonic() >= deadline:
-                    raise
+            except TransportError as exc:
+                if not exc.retriable or time.monotonic() >= deadline:
+                    raise  # (a permission denied is not retried: waiting would not change it)
                 time.sleep(_RETRY_S)
                 continue
             if time.monotonic() >= deadline:

@@ -165,8 +165,8 @@ class Fetcher:
         while True:
             try:
                 return fn()
-            except TransportError:
-                if time.monotonic() >= deadline:
+            except TransportError as exc:
+                if not exc.retriable or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
 

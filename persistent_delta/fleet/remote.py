@@ -224,8 +224,8 @@ class RemoteConsumer:
                         return
                     if conn.job_exists(self.job):
                         return
-            except TransportError:
-                if time.monotonic() >= deadline:
+            except TransportError as exc:
+                if not exc.retriable or time.monotonic() >= deadline:
                     raise
             else:
                 if time.monotonic() >= deadline:
@@ -240,8 +240,8 @@ class RemoteConsumer:
         while True:
             try:
                 self._fetch.refresh_meta()
-            except TransportError:  # a leader election (a node died), a restart: retried within wait
-                if time.monotonic() >= deadline:
+            except TransportError as exc:  # a leader election (a node died), a restart: retried within wait
+                if not exc.retriable or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
                 continue

@@ -298,6 +298,10 @@ def test_nats_permissions_only_the_shipper_writes_a_job(tmp_path):
             forger.close()
         with pytest.raises(PermissionDeniedError, match="locks"):
             RemoteConsumer(server.url, job, "other", connect=read_as)
+        began = time.monotonic()  # a refusal is not retried until the deadline: waiting would not change it
+        with pytest.raises(PermissionDeniedError, match="locks"):
+            RemoteConsumer(server.url, job, "other", connect=read_as, wait=8)
+        assert time.monotonic() - began < 4
     finally:
         server.stop()
 
