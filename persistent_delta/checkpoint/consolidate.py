@@ -113,13 +113,7 @@ def open_part(increment: str, header: PartHeader) -> Dict[str, Any]:
     Raises:
         IncrementChainError: the file is missing or damaged.
     """
-    path, _ = part_paths(increment, header.rank)
-    try:
-        return read_part(increment, header)
-    except ValueError as exc:
-        raise IncrementChainError(f"{exc}: the part is damaged") from exc
-    except (OSError, RuntimeError) as exc:
-        raise IncrementChainError(f"{path}: cannot read rank {header.rank}'s part: {exc}") from exc
+    return read_part(increment, header)
 
 
 class ChunkRead(LoadPlanner):
@@ -345,7 +339,7 @@ class FoldPlanner(DefaultSavePlanner):
         if target.state is not None and values[-1].shape[:1] != mine[-1]["ids"].shape:
             out.copy_(values[-1])  # a state kept whole (not one entry per row): the newest
             return
-        masks = newest_rows([rows["ids"] for rows in mine])
+        masks = newest_rows([rows["ids"] for rows in mine], out.shape[0])
         ids = torch.cat([rows["ids"].reshape(-1).long()[m] for rows, m in zip(mine, masks)])
         out.index_copy_(0, ids, torch.cat([v[m] for v, m in zip(values, masks)]))
 

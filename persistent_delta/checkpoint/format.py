@@ -31,12 +31,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from persistent_delta.errors import IncrementChainError
 from persistent_delta.log.layout import atomic_write_bytes
 
 FORMAT_VERSION = 1
@@ -187,30 +189,54 @@ def read_part(increment: str, header: PartHeader) -> Dict[str, Any]:
     when read, copy-on-write), after checking the file's size and CRC-32 against ``header``.
 
     Raises:
-        ValueError: the file's size or checksum differs from the header's.
-        OSError: it cannot be read.
-        RuntimeError: torch cannot load it.
+        IncrementChainError: the file is missing or unreadable, its size or checksum differs
+            from the header's, or torch cannot load it.
     """
     part, _ = part_paths(increment, header.rank)
     crc, size = 0, 0
-    with open(part, "rb") as f:
-        while block := f.read(_CRC_BLOCK):
-            crc, size = zlib.crc32(block, crc), size + len(block)
+    try:
+        with open(part, "rb") as f:
+            while block := f.read(_CRC_BLOCK):
+                crc, size = zlib.crc32(block, crc), size + len(block)
+    except OSError as exc:
+        raise IncrementChainError(f"{part}: cannot read rank {header.rank}'s part: {exc}") from exc
     if size != header.size or crc != header.crc32:
-        raise ValueError(f"{part}: {size} bytes with CRC-32 {crc:#x}, the header records "
-                         f"{header.size} bytes with CRC-32 {header.crc32:#x}")
-    out: Dict[str, Any] = torch.load(part, mmap=True, weights_only=True)
+        raise IncrementChainError(f"{part}: {size} bytes with CRC-32 {crc:#x}, the header records "
+                                  f"{header.size} bytes with CRC-32 {header.crc32:#x}: the part is damaged")
+    try:
+        out: Dict[str, Any] = torch.load(part, mmap=True, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise IncrementChainError(f"{part}: rank {header.rank}'s part cannot be loaded: {exc}") from exc
     return out
 
 
-def newest_rows(ids: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def row_ids(ids: torch.Tensor, rows: int, where: str) -> torch.Tensor:
+    """A part's shard-local row ids of one table, flat int64, checked to lie in the shard's
+    ``[0, rows)`` before anything is sized or written by them.
+
+    Raises:
+        IncrementChainError: an id outside the shard (a part of another layout, or forged).
+    """
+    flat = ids.reshape(-1).long()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+        raise IncrementChainError(f"{where}: row ids [{int(flat.min())}, {int(flat.max())}] outside the shard's "
+                                  f"{rows} rows: not a part of this layout")
+    return flat
+
+
+def newest_rows(ids: Sequence[torch.Tensor], rows: int) -> List[torch.Tensor]:
     """Which rows of each part a chain's restore writes, so that each row is written once, with
     its newest value: ``ids[j]`` are part ``j``'s shard-local ids of one table (chain order,
-    each part's ids unique); returns per part the boolean mask of its ids that no later part
-    holds. Newest part first, over a bitmap of the ids written so far (no search, no sort)."""
-    flat = [i.reshape(-1).long() for i in ids]
-    size = max((int(i.max()) + 1 for i in flat if i.numel()), default=0)
-    written = torch.zeros(size, dtype=torch.bool)
+    each part's ids unique), ``rows`` the shard's rows; returns per part the boolean mask of its
+    ids that no later part holds. Newest part first, over a bitmap of the shard's rows (no
+    search, no sort).
+
+    Raises:
+        IncrementChainError: an id outside ``[0, rows)`` (a part of another layout, or forged):
+            refused before anything is sized by it.
+    """
+    flat = [row_ids(i, rows, f"part {j} of the chain") for j, i in enumerate(ids)]
+    written = torch.zeros(rows, dtype=torch.bool)
     masks: List[torch.Tensor] = [torch.empty(0, dtype=torch.bool)] * len(flat)
     for j in range(len(flat) - 1, -1, -1):
         masks[j] = ~written[flat[j]]
@@ -219,5 +245,5 @@ def newest_rows(ids: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 __all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "GROUPS_KEY", "INCREMENTS", "Layout", "PartHeader",
-           "RankInfo", "TRACKER_STATE_KEY", "base_dir", "increment_dir", "newest_rows", "part_paths", "read_part",
+           "RankInfo", "TRACKER_STATE_KEY", "base_dir", "increment_dir", "newest_rows", "part_paths", "read_part", "row_ids",
            "write_base_info", "write_part"]

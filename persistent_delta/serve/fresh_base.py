@@ -44,8 +44,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from persistent_delta.checkpoint import chain as chains
-from persistent_delta.checkpoint.format import TRACKER_STATE_KEY, read_part
-from persistent_delta.errors import IncompleteBaseError, IncrementChainError, OffsetOutOfRangeError, StaleBaseError
+from persistent_delta.checkpoint.format import TRACKER_STATE_KEY, read_part, row_ids
+from persistent_delta.errors import IncompleteBaseError, OffsetOutOfRangeError, StaleBaseError
 from persistent_delta.log.schema import LogIdentity
 from persistent_delta.read.base import BaseTables
 from persistent_delta.read.consumer import DeltaConsumer
@@ -133,10 +133,7 @@ def load_checkpoint_base(root: str) -> BaseTables:
     with torch.no_grad():
         for inc in chain.increments:
             for rank in range(info.world_size):
-                try:
-                    part = read_part(inc.path, inc.headers[rank])
-                except (OSError, ValueError, RuntimeError) as exc:
-                    raise IncrementChainError(f"{inc.path}: rank {rank}'s part is damaged: {exc}") from exc
+                part = read_part(inc.path, inc.headers[rank])
                 _apply_part(tables, info.ranks[rank].layout, part)
                 batches[rank] = int(part["tracker"]["curr_batch_idx"])
     where = f"{len(chain.increments)} increments" if chain.increments else "no increment"
@@ -149,8 +146,8 @@ def _apply_part(tables: Dict[str, torch.Tensor], layout: Dict[str, List[int]], p
     """Write one rank's part into the full tables: its rows at their global ids, its
     data-parallel tables whole."""
     for fqn, rows in part["rows"].items():
-        row_off, col_off, _, cols = layout[fqn]
-        ids = rows["ids"].long() + row_off
+        row_off, col_off, local_rows, cols = layout[fqn]
+        ids = row_ids(rows["ids"], local_rows, fqn) + row_off
         table = tables[fqn]
         if col_off == 0 and cols == table.shape[1]:
             table.index_copy_(0, ids, rows["weights"])

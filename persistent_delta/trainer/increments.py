@@ -135,8 +135,9 @@ def capture_rows(tables: Dict[str, LocalTable], ids: Dict[str, torch.Tensor]) ->
             continue  # replicated: with the dense parameters, whole
         i = ids.get(fqn, torch.empty(0, dtype=torch.int64)).reshape(-1).long()
         states = _table_states(t)
-        out[fqn] = {"ids": i.clone(), "weights": t.weights()[i].detach().clone(),
-                    "states": [s[i].clone() if _state_rows(s, t.local_rows) else s.detach().clone() for s in states]}
+        # (indexing by ids copies: one copy of each row, nothing cloned again)
+        out[fqn] = {"ids": i.clone(), "weights": t.weights().detach()[i],
+                    "states": [s.detach()[i] if _state_rows(s, t.local_rows) else s.detach().clone() for s in states]}
     return out
 
 
@@ -155,7 +156,7 @@ def apply_rows(tables: Dict[str, LocalTable], parts: Sequence[Dict[str, Dict[str
                 if not _state_rows(s, t.local_rows):
                     s.copy_(mine[-1]["states"][k])
             rowwise = [k for k, s in enumerate(states) if _state_rows(s, t.local_rows)]
-            for part, keep in zip(mine, newest_rows([p["ids"] for p in mine])):
+            for part, keep in zip(mine, newest_rows([p["ids"] for p in mine], t.local_rows)):
                 ids = part["ids"].reshape(-1).long()
                 every = bool(keep.all())
                 if not every:
@@ -448,10 +449,7 @@ class Checkpoints:
                 raise IncrementChainError(f"{chain.base}: a base of rank {rank}'s log {mine.log_id}, not of this job's "
                                           f"{ident.describe()} (another job, or a log started afresh)")
             for inc in chain.increments:
-                try:
-                    parts.append(read_part(inc.path, inc.headers[rank]))
-                except (OSError, ValueError, RuntimeError) as exc:
-                    raise IncrementChainError(f"{inc.path}: rank {rank}'s part is damaged: {exc}") from exc
+                parts.append(read_part(inc.path, inc.headers[rank]))
         except BaseException as exc:  # noqa: BLE001 - every rank raises the first rank's error
             error = exc
         _raise_first(_everyone(error))

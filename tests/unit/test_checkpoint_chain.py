@@ -12,7 +12,7 @@ import torch
 
 from persistent_delta.checkpoint import chain as chains
 from persistent_delta.checkpoint.format import (BaseInfo, PartHeader, RankInfo, base_dir, increment_dir, part_paths,
-                                                read_part, write_base_info, write_part)
+                                                newest_rows, read_part, row_ids, write_base_info, write_part)
 from persistent_delta.errors import (CheckpointError, IncompleteBaseError, IncrementChainError, ShardLayoutError,
                                      WorldSizeMismatchError)
 
@@ -124,8 +124,37 @@ def test_a_damaged_part_is_detected_by_its_checksum(tmp_path):
     data = bytearray(open(part, "rb").read())
     data[-5] ^= 0xFF
     open(part, "wb").write(bytes(data))
-    with pytest.raises(ValueError, match="CRC-32"):
+    with pytest.raises(IncrementChainError, match="CRC-32"):
         read_part(inc.path, inc.headers[0])
+    os.remove(part)
+    with pytest.raises(IncrementChainError, match="cannot read rank 0's part"):
+        read_part(inc.path, inc.headers[0])
+
+
+@pytest.mark.parametrize("sizes", [[0, 3, 5], [3, 0, 5], [3, 5, 0], [0, 0, 0], [0], [], [4, 4, 4]])
+def test_newest_rows_writes_each_row_once_with_empty_parts_anywhere(sizes):
+    """Parts of a chain (ids per part, overlapping), empty ones first, in the middle, last, all:
+    each row is kept in the newest part holding it and nowhere else."""
+    g = torch.Generator().manual_seed(len(sizes) * 7 + sum(sizes))
+    rows = 8
+    ids = [torch.randperm(rows, generator=g)[:n] for n in sizes]
+    masks = newest_rows(ids, rows)
+    assert [m.shape for m in masks] == [i.shape for i in ids]
+    owner = {}
+    for j, i in enumerate(ids):
+        for r in i.tolist():
+            owner[r] = j  # the newest part holding r
+    kept = [(r, j) for j, (i, m) in enumerate(zip(ids, masks)) for r in i[m].tolist()]
+    assert sorted(kept) == sorted(owner.items())
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 1 << 62])
+def test_row_ids_outside_the_shard_are_refused_before_anything_is_sized(bad):
+    with pytest.raises(IncrementChainError, match="outside the shard's 8 rows"):
+        newest_rows([torch.tensor([0, 1]), torch.tensor([2, bad])], 8)
+    with pytest.raises(IncrementChainError, match="outside the shard's 8 rows"):
+        row_ids(torch.tensor([bad]), 8, "t")
+    assert row_ids(torch.empty(0, dtype=torch.int32), 0, "t").dtype == torch.int64
 
 
 def test_the_chain_reaching_the_furthest_step_wins_over_a_newer_base(tmp_path):
