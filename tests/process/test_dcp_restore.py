@@ -7,9 +7,6 @@ marks nothing in the log, and a replica reading the snapshots ends bit-exact wit
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -18,34 +15,21 @@ import torch
 from dcp_cases import other_world_case, refusals_case, saved_case
 from harness import global_table_weights, run_spawn
 from persistent_delta import DeltaConsumer, apply_poll
-from persistent_delta.testing import free_port
-from procs import REPO, SUPPORT
+from procs import RankProcs
 
 pytestmark = pytest.mark.dist
 
 ROWS = 300  # dcp_trainer_ranks.ROWS
 
 
-class Ranks:
+class Ranks(RankProcs):
     """The two trainer processes of one run, their stdout lines read as they come."""
 
     def __init__(self, tmp_path, steps: int, sharding: str, run: int) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        port, self.lines = free_port(), ([], [])  # type: ignore[var-annotated]
-        self.errs = [str(tmp_path / f"stderr-{run}-{r}") for r in (0, 1)]
-        self.procs = [subprocess.Popen(
-            [sys.executable, os.path.join(SUPPORT, "dcp_trainer_ranks.py"), str(tmp_path / "log"), str(r), str(port),
-             str(steps), sharding, str(tmp_path / "out")],
-            stdout=subprocess.PIPE, stderr=open(self.errs[r], "w"), text=True, env=env) for r in (0, 1)]
-        for r in (0, 1):
-            threading.Thread(target=self._read, args=(r,), daemon=True).start()
-
-    def _read(self, r: int) -> None:
-        for line in self.procs[r].stdout:  # type: ignore[union-attr]
-            self.lines[r].append(line.split())
-
-    def stderr(self) -> str:
-        return "\n".join(f"--- rank {r} ---\n" + open(self.errs[r]).read()[-3000:] for r in (0, 1))
+        super().__init__("dcp_trainer_ranks.py",
+                         lambda r, port: [str(tmp_path / "log"), str(r), str(port), str(steps), sharding,
+                                          str(tmp_path / "out")],
+                         str(tmp_path / f"stderr-{run}"))
 
     def wait_for(self, word: str, timeout: float = 180.0) -> list:
         """The first line starting with ``word`` of each rank; fails if a rank exits first."""

@@ -10,9 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from typing import Dict, List, Optional
 
@@ -22,41 +19,21 @@ from harness import run_spawn
 from increments_cases import other_plan_case, other_world_case
 from persistent_delta.checkpoint.chain import latest_chain
 from persistent_delta.checkpoint.format import base_dir
-from persistent_delta.testing import free_port
-from procs import REPO, SUPPORT
+from procs import RankProcs
 
 pytestmark = pytest.mark.dist
 
 K, BASE_EVERY, TOTAL = 3, 8, 20  # increments_trainer_ranks.K, .BASE_EVERY; steps of the final run
 
 
-class Job:
+class Job(RankProcs):
     """The two rank processes of one run, their stdout lines read as they come."""
 
     def __init__(self, tmp_path, cases: List[str], total: int, run: int, kill_at: Optional[str] = None) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("PD_KILL_AT", None)
-        port, self.lines = free_port(), ([], [])  # type: ignore[var-annotated]
-        self.errs = [str(tmp_path / f"stderr-{run}-{r}") for r in (0, 1)]
-        self.procs = []
-        for r in (0, 1):
-            e = dict(env, PD_KILL_AT=kill_at) if kill_at and r == 0 else env
-            self.procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(SUPPORT, "increments_trainer_ranks.py"), str(tmp_path / "job"), str(r),
-                 str(port), str(total), *cases],
-                stdout=subprocess.PIPE, stderr=open(self.errs[r], "w"), text=True, env=e))
-        for r in (0, 1):
-            threading.Thread(target=self._read, args=(r,), daemon=True).start()
-
-    def _read(self, r: int) -> None:
-        for line in self.procs[r].stdout:  # type: ignore[union-attr]
-            self.lines[r].append(line.split())
-
-    def stderr(self) -> str:
-        return "\n".join(f"--- rank {r} ---\n" + open(self.errs[r]).read()[-4000:] for r in (0, 1))
-
-    def words(self, word: str) -> List[List[str]]:
-        return [ln for lines in self.lines for ln in list(lines) if ln[:1] == [word]]
+        super().__init__("increments_trainer_ranks.py",
+                         lambda r, port: [str(tmp_path / "job"), str(r), str(port), str(total), *cases],
+                         str(tmp_path / f"stderr-{run}"),
+                         env=lambda r: {"PD_KILL_AT": kill_at if kill_at and r == 0 else ""})  # ("": none)
 
     def steps_done(self) -> Dict[int, int]:
         """Model -> the most steps any rank printed done."""

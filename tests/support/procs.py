@@ -7,8 +7,9 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUPPORT = os.path.dirname(os.path.abspath(__file__))  # the modules tests share; some run as scripts
@@ -105,3 +106,36 @@ def other_uid() -> Optional[OtherUid]:
                     break
     _OTHER_UID.append(found)
     return found
+
+
+class RankProcs:
+    """The rank processes of one multi-rank run of a script in ``tests/support`` (rank ``r``
+    gets ``args(r, port)``, and ``env(r)`` merged into the environment), their stdout lines read
+    as they come; stderr of rank ``r`` goes to ``<stderr_prefix>-<r>``."""
+
+    def __init__(self, script: str, args: Callable[[int, int], List[str]], stderr_prefix: str, ranks: int = 2,
+                 env: Optional[Callable[[int], Dict[str, str]]] = None) -> None:
+        from persistent_delta.testing import free_port
+
+        base = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        port = free_port()
+        self.lines: List[List[List[str]]] = [[] for _ in range(ranks)]
+        self.errs = [f"{stderr_prefix}-{r}" for r in range(ranks)]
+        self.procs = [subprocess.Popen([sys.executable, os.path.join(SUPPORT, script), *args(r, port)],
+                                       stdout=subprocess.PIPE, stderr=open(self.errs[r], "w"), text=True,
+                                       env=dict(base, **(env(r) if env else {})))
+                      for r in range(ranks)]
+        for r in range(ranks):
+            threading.Thread(target=self._read, args=(r,), daemon=True).start()
+
+    def _read(self, r: int) -> None:
+        for line in self.procs[r].stdout:  # type: ignore[union-attr]
+            self.lines[r].append(line.split())
+
+    def stderr(self, tail: int = 4000) -> str:
+        """The end of every rank's stderr, for assertion messages."""
+        return "\n".join(f"--- rank {r} ---\n" + open(e).read()[-tail:] for r, e in enumerate(self.errs))
+
+    def words(self, word: str) -> List[List[str]]:
+        """Every line (split in words) of any rank that starts with ``word``."""
+        return [ln for lines in self.lines for ln in list(lines) if ln[:1] == [word]]
