@@ -301,9 +301,12 @@ def _wait_tracker(path: str, timeout: float = 60.0) -> None:
     """Wait until the tracker has written its settings into the log at ``path``."""
     deadline = time.time() + timeout
     while True:
-        with DeltaLog(path, readonly=True) as log:
-            if log.read(lambda r: r.meta("tracker")) is not None:
-                return
+        try:
+            with DeltaLog(path, readonly=True) as log:
+                if log.read(lambda r: r.meta("tracker")) is not None:
+                    return
+        except NotALogError:
+            pass  # data.mdb exists before the writer's creating transaction commits
         assert time.time() < deadline, f"no tracker settings in {path}"
         time.sleep(0.05)
 
