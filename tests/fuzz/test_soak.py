@@ -297,11 +297,14 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
 
     # retention: the file stops growing once the first deletions free pages for reuse. It takes
     # one step up early (when the consumers start reading beside the trainer), then stays flat:
-    # over the second half it grows by at most a quarter (without retention it grows by every
-    # byte written then).
+    # over the second half it grows by at most a quarter, or by at most half the bytes the trainer
+    # wrote then (without retention it grows by every byte written then; a consumer slowed by a
+    # loaded machine holds its snapshot's pages a little longer, which can take one more step up).
     final = os.path.getsize(data_file)
     early = [s for t, s in sizes if t <= seconds / 2][-1]
-    assert final <= 1.25 * early, (early, final, [(round(t, 1), s) for t, s in sizes[::10]])
+    second_half_bytes = trainer["bytes_written"] / 2  # the trainer is paced: it writes evenly
+    assert final <= max(1.25 * early, early + 0.5 * second_half_bytes), (
+        early, final, second_half_bytes, [(round(t, 1), s) for t, s in sizes[::10]])
 
     buf = io.StringIO()
     assert cli_main(["verify", root, "--format", "json"], stdout=buf) == 0, buf.getvalue()
