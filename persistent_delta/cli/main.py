@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ship ranks [g*G, (g+1)*G) into a stream of their own per group g (PDG_<job>_<g>) instead "
                         "of one stream for the job (PD_<job>); fixed by the job's first shipper (default: the "
                         "job's layout, one stream for a new job)")
+    s.add_argument("--checkpoints", metavar="DIR", default=None,
+                   help="the trainer's checkpoint root (Checkpoints(root=)): whenever its newest chain moves, upload "
+                        "each local rank's base from it, so a remote replica's bootstrap() (or a Follower without "
+                        "checkpoints) starts from the newest increment (default: bases only from upload_base)")
     s.add_argument("--nice", type=niceness, default=0, metavar="N",
                    help="lower this process's CPU priority by N (0-19; default 0): where the trainer needs every "
                         "core, the shipper then runs on what it leaves (freshness pays)")

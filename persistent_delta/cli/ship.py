@@ -78,6 +78,7 @@ def run_ship(args: argparse.Namespace, stop: Optional[threading.Event] = None) -
             Shipper(args.root, args.server, args.job, channels=_channels(args.channels), ranks=ranks,
                     connect=connect_options(args), stream=stream, max_batches=args.max_batches,
                     key=getattr(args, "key_file", None), insecure=getattr(args, "insecure", False),
-                    ranks_per_stream=getattr(args, "ranks_per_stream", None)) as shipper:
+                    ranks_per_stream=getattr(args, "ranks_per_stream", None),
+                    checkpoints=getattr(args, "checkpoints", None)) as shipper:
         shipper.run(until=event)
         return shipper.stats()

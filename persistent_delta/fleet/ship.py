@@ -61,6 +61,7 @@ import torch
 
 from persistent_delta.log import codec, position_rules, zch_records
 from persistent_delta.fleet import subjects, wire
+from persistent_delta.fleet.checkpoint_bases import CheckpointBases
 from persistent_delta.fleet.auth import KeySpec, Keyring, open_value, resolve_keyring, seal_value
 from persistent_delta.fleet.ranges import MarkerScan, scan_markers
 from persistent_delta.fleet.streams import Layout, check_ranks_per_stream, settle_layout
@@ -247,6 +248,11 @@ class Shipper:
             job's recorded layout, one stream for a new job. A job's layout is fixed by its
             first shipper: another one makes :meth:`run_once` raise
             :class:`~persistent_delta.errors.StreamLayoutError` before anything is shipped.
+        checkpoints: the trainer's checkpoint root (``Checkpoints(..., root=)``): whenever its
+            newest chain moves, each local rank's base from it goes to the job's object store
+            (:mod:`~persistent_delta.fleet.checkpoint_bases`), so ``RemoteConsumer.bootstrap()``
+            returns the tables as of the newest increment. None (default): bases only from
+            :func:`upload_base`.
 
     Raises:
         InvalidInputError: a bad argument, or neither ``server`` nor ``transport`` given.
@@ -271,6 +277,7 @@ class Shipper:
         key: KeySpec = None,
         insecure: bool = False,
         ranks_per_stream: Optional[int] = None,
+        checkpoints: Optional[PathLike] = None,
     ) -> None:
         self.root = check_root(root)
         self._ranks_per_stream = check_ranks_per_stream(ranks_per_stream)
@@ -300,6 +307,8 @@ class Shipper:
         self._scanned = 0.0
         self._closed = False
         self.connect_failures = 0
+        self.bases = None if checkpoints is None else CheckpointBases(
+            os.fspath(checkpoints), self.job, self._ring, replicas=self._stream.replicas)
 
     # ------------------------------------------------------------------ feeds
     def _scan(self) -> None:
@@ -657,6 +666,11 @@ class Shipper:
                 feed.synced = False
                 logger.info("shipper %s: rank %d %s: %s (retrying)", self.job, feed.rank, feed.channel, exc)
             self._send_stats(feed)
+        if self.bases is not None:
+            try:
+                self.bases.update(self._conn, [f.rank for f in self._feeds.values() if f.synced])
+            except TransportError as exc:
+                logger.info("shipper %s: bases from the checkpoints: %s (retrying)", self.job, exc)
         return shipped
 
     def _send_stats(self, feed: _Feed) -> None:
