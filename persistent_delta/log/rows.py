@@ -318,14 +318,16 @@ _CONCAT_BYTES = 8 << 20
 _CHUNK_BYTES = 512 << 10
 
 
-def _row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
+def row_cells(t: torch.Tensor, row_bytes: int) -> np.ndarray:
     """A tensor's rows (of ``row_bytes`` > 0 bytes, each contiguous, at any stride) as a 1-D
     numpy array of opaque row-sized cells over its memory, whatever the dtype. numpy copies such a cell with one
     ``memcpy``: ``cells[dest] = other_cells`` scatters rows faster than
-    ``torch.index_copy_``."""
+    ``torch.index_copy_`` (the gather below; a replica's apply,
+    :func:`persistent_delta.serve.apply.apply_poll`). The cells share ``t``'s memory, also
+    when ``t`` requires grad (through ``detach()``)."""
     if t.shape[0] == 0:
         return np.empty(0, dtype=np.dtype((np.void, row_bytes)))  # (reshape(0, -1) is ambiguous)
-    raw = t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
+    raw = t.detach().reshape(t.shape[0], -1).view(torch.uint8).numpy()
     return raw.view(np.dtype((np.void, row_bytes))).reshape(t.shape[0])
 
 
@@ -373,7 +375,7 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Option
         return out  # no rows, or rows of no bytes: nothing to copy
     chunk = max(1, _CHUNK_BYTES // row_bytes)
     buf = torch.empty((min(chunk, m), *tail), dtype=out.dtype)
-    out_cells, buf_cells = _row_cells(out, row_bytes), _row_cells(buf, row_bytes)
+    out_cells, buf_cells = row_cells(out, row_bytes), row_cells(buf, row_bytes)
     for i, p in enumerate(parts):
         a, b = bounds[i], bounds[i + 1]
         if a == b:
@@ -381,7 +383,7 @@ def gather_rows(parts: Sequence[torch.Tensor], picked: torch.Tensor, out: Option
         if b - a == sizes[i]:
             # every row of the part is picked (records of a filtered window hold each id once):
             # in part order, straight to their places
-            out_cells[dest[a:b]] = _row_cells(p, row_bytes)
+            out_cells[dest[a:b]] = row_cells(p, row_bytes)
             continue
         rows = torch.from_numpy(by_pos[a:b] - starts[i])
         for c in range(0, b - a, chunk):

@@ -289,6 +289,66 @@ def test_poll_and_merged_match_the_reference(monkeypatch, tmp_path, mode, world,
         assert merged["a"].states.is_contiguous()
 
 
+@pytest.mark.parametrize("world,layout", [(1, "row"), (3, "row"), (2, "col"), (4, "col_same"), (2, "replicated")])
+@pytest.mark.parametrize("table", ["plain", "requires_grad", "transposed", "wider"])
+def test_apply_poll_writes_the_merged_rows_into_every_kind_of_table(tmp_path, world, layout, table):
+    """``apply_poll`` leaves each table equal to its base with every rank's rows written into
+    their rows and columns (a replicated table: ``merged()``'s rows), untouched elsewhere: into a plain table, one that requires grad, one whose rows are not
+    contiguous (a transposed tensor: ``index_copy_``), and the first columns of a wider one
+    (rows contiguous at a larger stride)."""
+    from persistent_delta.serve.apply import apply_poll
+
+    root = str(tmp_path)
+    _job(root, world, layout, UpdateMode.FIRST, seed=world * 7 + len(layout))
+    with DeltaReader(root, channel=SNAPSHOTS) as reader:
+        poll = reader.poll()
+    base = {fqn: torch.randn(4000, 8) for fqn in ("a", "e")}
+    want = {fqn: t.clone() for fqn, t in base.items()}
+    if layout == "replicated":  # newest publish wins across ranks: merged()'s rule
+        for fqn, m in poll.merged().items():
+            want[fqn][m.global_ids] = m.states
+    else:  # each rank's rows into its columns
+        for fqn, parts in poll.tables().items():
+            for p in parts:
+                want[fqn][p.global_ids, p.col_offset:p.col_offset + p.states.shape[1]] = p.states
+    assert not torch.equal(want["a"], base["a"])
+    if table == "plain":
+        tables = {fqn: t.clone() for fqn, t in base.items()}
+    elif table == "requires_grad":
+        tables = {fqn: t.clone().requires_grad_() for fqn, t in base.items()}
+    elif table == "transposed":
+        tables = {fqn: t.t().contiguous().t() for fqn, t in base.items()}
+        assert tables["a"].stride(1) != 1
+    else:
+        wide = {fqn: torch.cat([t, torch.full((4000, 3), 7.0)], dim=1) for fqn, t in base.items()}
+        tables = {fqn: w[:, :8] for fqn, w in wide.items()}
+    applied = apply_poll(tables, poll, complete_only=True)
+    assert applied.rows == (sum(int(m.global_ids.numel()) for m in poll.merged().values()) if layout == "replicated"
+                            else poll.num_rows)
+    for fqn in ("a", "e"):
+        assert torch.equal(tables[fqn].detach(), want[fqn])
+    if table == "wider":
+        assert all(bool((w[:, 8:] == 7.0).all()) for w in wide.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8])
+def test_apply_writes_rows_of_every_dtype_bit_for_bit(dtype):
+    """The row copy of ``apply_poll`` moves each row's bytes whatever the dtype (bfloat16 has
+    no numpy type), into a column slice of a wider table, rows from a column slice too."""
+    from persistent_delta.serve.apply import _write_rows
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randint(0, 250, (50, 12), generator=g).to(dtype)
+    target = wide[:, 4:9]
+    src = torch.randint(0, 250, (6, 10), generator=g).to(dtype)[:, 2:7]
+    ids = torch.tensor([0, 7, 8, 21, 30, 49])
+    want = wide.clone()
+    want[:, 4:9][ids] = src
+    _write_rows(target, ids, src)
+    assert torch.equal(wide.view(torch.uint8) if dtype != torch.uint8 else wide,
+                       want.view(torch.uint8) if dtype != torch.uint8 else want)
+
+
 def _part(rank: int, ids: List[int], col: int = 0, width: int = 2, row_offset: int = 0,
           states: bool = True) -> TableDelta:
     local = torch.tensor(ids, dtype=torch.int64)
