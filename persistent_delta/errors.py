@@ -139,7 +139,8 @@ class NotALogError(LogError):
 
 
 class FormatMismatchError(LogError):
-    """The log was written with another format version, and cannot be read by this one."""
+    """The log, or a checkpoint base or increment part, was written with another format version,
+    and cannot be read by this one."""
 
 
 class ConfigMismatchError(LogError):

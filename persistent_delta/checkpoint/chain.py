@@ -81,7 +81,8 @@ def open_base(path: str) -> BaseInfo:
     except (ValueError, KeyError, TypeError) as exc:
         raise IncompleteBaseError(f"{path}/{BASE_INFO} is malformed: {exc}") from exc
     if info.version != FORMAT_VERSION:
-        raise FormatMismatchError(f"{path}: base format version {info.version}, this library reads {FORMAT_VERSION}")
+        raise FormatMismatchError(f"{path}: base format version {info.version}, this library reads {FORMAT_VERSION}: "
+                                  "restore it with the version that wrote it, or take a new base")
     return info
 
 
@@ -173,11 +174,9 @@ def _headers(path: str, info: BaseInfo) -> Optional[List[PartHeader]]:
         except FileNotFoundError:
             return None
         try:
-            h = PartHeader.from_json(data)
+            h = PartHeader.from_json(data, head)  # FormatMismatchError for another version
         except (ValueError, KeyError, TypeError) as exc:
             raise IncrementChainError(f"{head}: a malformed header ({exc})") from exc
-        if h.version != FORMAT_VERSION:
-            raise FormatMismatchError(f"{head}: increment format version {h.version}, this library reads {FORMAT_VERSION}")
         if h.base_id != info.base_id:
             raise IncrementChainError(f"{head}: a part of base {h.base_id}, not of this directory's base {info.base_id}")
         mine = info.ranks[rank]

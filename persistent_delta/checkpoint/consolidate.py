@@ -108,7 +108,7 @@ class Fold:
 # ------------------------------------------------------------------ reading
 def open_part(increment: str, header: PartHeader) -> Dict[str, Any]:
     """The payload of one rank's part, memory-mapped (its tensors are paged in when read),
-    after checking its size and CRC-32 against ``header`` (:func:`~.format.read_part`).
+    after checking its size and CRC-32C against ``header`` (:func:`~.format.read_part`).
 
     Raises:
         IncrementChainError: the file is missing or damaged.

@@ -13,35 +13,47 @@ Layout (``<step>`` 12 digits, ``<seq>`` 8 digits, so name order is numeric order
                                               (their param_groups, which TorchRec's state_dict() leaves out)
     <root>/base-<step>/.metadata              DCP's, written last: the base is complete with it
     <root>/base-<step>/persistent_delta_base.json   BaseInfo, written once the DCP save returned
-    <root>/base-<step>/increments/<seq>/rank-<r>.pt     rank r's part of increment seq (torch.save)
-    <root>/base-<step>/increments/<seq>/rank-<r>.json   its PartHeader, written after the .pt is durable
+    <root>/base-<step>/increments/<seq>/rank-<r>.safetensors   rank r's part of increment seq
+    <root>/base-<step>/increments/<seq>/rank-<r>.json   its PartHeader, written after the part is durable
 
 An increment is complete when every rank's header is present, agrees with the others and with
-its base, and names a part file of the size and checksum it records. A part holds, for every
-table sharded on its rank, the shard-local ids of the rows changed since the previous
-increment (or the base), their weights and each fused optimizer state's rows (in the state's
-own layout: ``(n, cols)`` for Adagrad, ``(n,)`` for row-wise Adagrad), the dense parameters
-and buffers and the dense optimizer's state whole, the optimizers' ``param_groups``, and the
-rank's tracker state. Tensors are stored with ``torch.save`` (read back with
-``weights_only=True``).
+its base, and names a part file of the size and checksum (CRC-32C of the whole file) it
+records. A part holds, for every table sharded on its rank, the shard-local ids of the rows
+changed since the previous increment (or the base), their weights and each fused optimizer
+state's rows (in the state's own layout: ``(n, cols)`` for Adagrad, ``(n,)`` for row-wise
+Adagrad), the dense parameters and buffers and the dense optimizer's state whole, the
+optimizers' ``param_groups``, and the rank's tracker state.
+
+A part file is in the safetensors layout, written and read here without pickling: an 8-byte
+little-endian header length ``n``; ``n`` bytes of JSON (space-padded so the data starts at a
+multiple of 8) naming each tensor's dtype, shape and ``[start, end)`` byte range in the data;
+then the tensors' raw bytes, largest element size first so that each starts aligned. The JSON's
+``"__metadata__"`` holds ``"format"`` (:data:`PART_FORMAT`), ``"version"`` (:data:`FORMAT_VERSION`)
+and ``"tree"``: the payload's structure as JSON, every container tagged (``{"dict": {...}}``,
+``{"intdict": [[k, v], ...]}``, ``{"list": [...]}``, ``{"tuple": [...]}``), a tensor as
+``{"tensor": <name>}``, and ``None``, bools, ints, floats and strings as themselves. Writing
+copies each tensor's bytes once into the file; reading memory-maps the file (copy-on-write) and
+the tensors are views of it.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import mmap
 import os
-import pickle
-import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
+import crc32c
 import torch
 
-from persistent_delta.errors import IncrementChainError
-from persistent_delta.log.layout import atomic_write_bytes
+from persistent_delta.errors import FormatMismatchError, IncrementChainError, InvalidInputError
+from persistent_delta.log.layout import atomic_write_bytes, atomic_write_chunks
 
-FORMAT_VERSION = 1
+# 2: parts in the safetensors layout with a CRC-32C (1: torch.save files with a CRC-32)
+FORMAT_VERSION = 2
+PART_FORMAT = "persistent_delta.increment_part"
+PART_SUFFIX = ".safetensors"
 BASE_INFO = "persistent_delta_base.json"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's, written last by its save
 INCREMENTS = "increments"
@@ -50,7 +62,16 @@ INCREMENTS = "increments"
 TRACKER_STATE_KEY = "persistent_delta_tracker"
 # A base's key for the optimizers' param_groups, {"fused": [...], "dense": [...]} (one opaque value)
 GROUPS_KEY = "persistent_delta_param_groups"
-_CRC_BLOCK = 1 << 20
+# safetensors' dtype names of the dtypes a part stores
+_DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_NAMED: Dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
+_ALIGN = 8  # the data starts at a multiple of the largest element size
+# A part at least this share of whose rows no newer part holds is written whole, not gathered
+# first (write_rows): the few rows a newer part holds are written again by it, later, which
+# costs less than the gather's extra copy of every row kept.
+_WHOLE_PART_SHARE = 0.5
 
 # fqn -> [row_offset, col_offset, local_rows, local_cols] of a rank's shard
 Layout = Dict[str, List[int]]
@@ -68,7 +89,7 @@ def increment_dir(base: str, seq: int) -> str:
 
 def part_paths(increment: str, rank: int) -> Tuple[str, str]:
     """(part file, header file) of ``rank`` in an increment's directory."""
-    return os.path.join(increment, f"rank-{rank}.pt"), os.path.join(increment, f"rank-{rank}.json")
+    return os.path.join(increment, f"rank-{rank}{PART_SUFFIX}"), os.path.join(increment, f"rank-{rank}.json")
 
 
 @dataclass
@@ -131,7 +152,7 @@ class PartHeader:
         rank, world_size: who wrote it, of how many.
         log_id, log_stamp: the identity of the rank's log (the job's).
         layout: the rank's shards when it was taken.
-        size, crc32: the part file's size and CRC-32.
+        size, crc32c: the part file's size and CRC-32C (Castagnoli).
     """
 
     base_id: str
@@ -145,7 +166,7 @@ class PartHeader:
     log_stamp: int
     layout: Layout
     size: int
-    crc32: int
+    crc32c: int
     version: int = FORMAT_VERSION
     rows: Dict[str, int] = field(default_factory=dict)  # fqn -> rows in the part (for tools)
 
@@ -153,9 +174,15 @@ class PartHeader:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @staticmethod
-    def from_json(data: bytes) -> "PartHeader":
-        """Raises: ValueError (or KeyError/TypeError) on a malformed file."""
+    def from_json(data: bytes, where: str = "a part header") -> "PartHeader":
+        """Raises: ValueError (or KeyError/TypeError) on a malformed file; FormatMismatchError
+        for a header of another format version (read before anything else of it)."""
         d = json.loads(data)
+        version = d.get("version") if isinstance(d, dict) else None
+        if version != FORMAT_VERSION:
+            raise FormatMismatchError(
+                f"{where}: increment format version {version}, this library reads {FORMAT_VERSION}: restore it with "
+                "the version that wrote it, or take a new base (Checkpoints.save_base)")
         d["layout"] = {str(k): [int(x) for x in v] for k, v in d["layout"].items()}
         return PartHeader(**d)
 
@@ -170,44 +197,179 @@ def write_base_info(base: str, info: BaseInfo) -> None:
     atomic_write_bytes(os.path.join(base, BASE_INFO), info.to_json())
 
 
+def _tree(value: Any, path: Tuple[str, ...], tensors: Dict[str, torch.Tensor]) -> Any:
+    """``value``'s structure as JSON (the module note's tags), its tensors put in ``tensors``
+    under a name from their path."""
+    if isinstance(value, torch.Tensor):
+        name = "/".join(path) or "tensor"
+        if name in tensors:
+            name = f"{name}#{len(tensors)}"
+        tensors[name] = value
+        return {"tensor": name}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {"dict": {k: _tree(v, path + (k,), tensors) for k, v in value.items()}}
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in value):
+            return {"intdict": [[k, _tree(v, path + (str(k),), tensors)] for k, v in value.items()]}
+    elif isinstance(value, (list, tuple)):
+        tag = "list" if isinstance(value, list) else "tuple"
+        return {tag: [_tree(v, path + (str(i),), tensors) for i, v in enumerate(value)]}
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise InvalidInputError(
+        f"an increment part cannot store {'/'.join(path)} = {type(value).__name__}: parts hold tensors, None, bools, "
+        "ints, floats, strings, and lists, tuples and dicts of them (str or int keys); check the optimizers' "
+        "param_groups and state")
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (on the CPU, contiguous; no copy when it is already both)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def encode_part(payload: Dict[str, Any]) -> List[memoryview]:
+    """The bytes of a part file holding ``payload`` (the module note's layout), as the buffers
+    to write in order: the header, then each tensor's bytes, not copied.
+
+    Raises:
+        InvalidInputError: a value a part cannot store (not a tensor, None, bool, int, float,
+            string, or list, tuple or str/int-keyed dict of them), or a tensor of a dtype it
+            does not store.
+    """
+    tensors: Dict[str, torch.Tensor] = {}
+    tree = _tree(payload, (), tensors)
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())  # stable: the largest first stay aligned
+    entries: Dict[str, Any] = {"__metadata__": {"format": PART_FORMAT, "version": str(FORMAT_VERSION),
+                                                "tree": json.dumps(tree, separators=(",", ":"))}}
+    data: List[memoryview] = []
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise InvalidInputError(f"an increment part cannot store {name} of dtype {t.dtype}")
+        raw = _bytes_of(t)
+        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        data.append(raw)
+        offset += len(raw)
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % _ALIGN)
+    return [memoryview(len(head).to_bytes(8, "little") + head)] + data
+
+
 def write_part(increment: str, header: PartHeader, payload: Dict[str, Any]) -> PartHeader:
-    """Write one rank's part (``torch.save`` of ``payload``), then its header, each atomically
-    and fsynced: the header exists only once the part is durable. Returns the header written
-    (with the part's size and checksum). Any thread may call it."""
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
-    header.size, header.crc32 = len(data), zlib.crc32(data)
+    """Write one rank's part (``payload`` in the module note's layout: :func:`encode_part`), then
+    its header, each atomically and fsynced: the header exists only once the part is durable.
+    Returns the header written (with the part's size and CRC-32C). Any thread may call it.
+
+    Raises:
+        InvalidInputError: ``payload`` holds a value a part cannot store (:func:`encode_part`).
+    """
+    chunks = encode_part(payload)
+    crc = 0
+    for chunk in chunks:
+        crc = crc32c.crc32c(chunk, crc)
+    header.size, header.crc32c = sum(len(c) for c in chunks), crc
     part, head = part_paths(increment, header.rank)
-    atomic_write_bytes(part, data)
+    atomic_write_chunks(part, chunks)
     atomic_write_bytes(head, header.to_json())
     return header
 
 
 def read_part(increment: str, header: PartHeader) -> Dict[str, Any]:
-    """The payload of the part ``header`` describes, memory-mapped (its tensors are paged in
-    when read, copy-on-write), after checking the file's size and CRC-32 against ``header``.
+    """The payload of the part ``header`` describes, memory-mapped (copy-on-write: its tensors
+    are views of the file, paged in when read), after checking the file's size and CRC-32C
+    against ``header``. No pickle is loaded.
 
     Raises:
         IncrementChainError: the file is missing or unreadable, its size or checksum differs
-            from the header's, or torch cannot load it.
+            from the header's, or its contents are not a part of this format (a layout,
+            dtype, shape or byte range that does not hold).
     """
     part, _ = part_paths(increment, header.rank)
-    crc, size = 0, 0
     try:
         with open(part, "rb") as f:
-            while block := f.read(_CRC_BLOCK):
-                crc, size = zlib.crc32(block, crc), size + len(block)
-    except OSError as exc:
+            size = os.fstat(f.fileno()).st_size
+            buf: Union[mmap.mmap, bytes] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+    except (OSError, ValueError) as exc:
         raise IncrementChainError(f"{part}: cannot read rank {header.rank}'s part: {exc}") from exc
-    if size != header.size or crc != header.crc32:
-        raise IncrementChainError(f"{part}: {size} bytes with CRC-32 {crc:#x}, the header records "
-                                  f"{header.size} bytes with CRC-32 {header.crc32:#x}: the part is damaged")
+    crc = crc32c.crc32c(buf) if size == header.size else 0
+    if size != header.size or crc != header.crc32c:
+        raise IncrementChainError(f"{part}: {size} bytes with CRC-32C {crc:#x}, the header records "
+                                  f"{header.size} bytes with CRC-32C {header.crc32c:#x}: the part is damaged")
+    return decode_part(buf, part)
+
+
+def decode_part(buf: Union[mmap.mmap, bytes, bytearray], where: str) -> Dict[str, Any]:
+    """The payload of a part file's bytes (:func:`encode_part`'s layout); its tensors are views
+    of ``buf``, which must be writable for them to be (a copy-on-write ``mmap``, a
+    ``bytearray``), else they are copies. Every size read from the bytes is checked against
+    their length before anything is sized by it.
+
+    Raises:
+        IncrementChainError: the bytes are not a part of this format.
+    """
     try:
-        out: Dict[str, Any] = torch.load(part, mmap=True, weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-        raise IncrementChainError(f"{part}: rank {header.rank}'s part cannot be loaded: {exc}") from exc
-    return out
+        if len(buf) < 8:
+            raise ValueError(f"{len(buf)} bytes, shorter than the header's length")
+        n = int.from_bytes(buf[:8], "little")
+        if n > len(buf) - 8:
+            raise ValueError(f"a header of {n} bytes in a file of {len(buf)}")
+        entries = json.loads(bytes(buf[8:8 + n]))
+        meta = entries.pop("__metadata__")
+        if meta.get("format") != PART_FORMAT or meta.get("version") != str(FORMAT_VERSION):
+            raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}, not {PART_FORMAT!r} "
+                             f"version {FORMAT_VERSION}")
+        start, room = 8 + n, len(buf) - 8 - n
+        tensors = {name: _view(buf, name, e, start, room) for name, e in entries.items()}
+        payload = _untree(json.loads(meta["tree"]), tensors)
+        if not isinstance(payload, dict):
+            raise ValueError("its payload is not a dict")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise IncrementChainError(f"{where}: not an increment part of this format: {exc}") from exc
+    return payload
+
+
+def _view(buf: Union[mmap.mmap, bytes, bytearray], name: str, entry: Dict[str, Any], start: int,
+          room: int) -> torch.Tensor:
+    """Tensor ``name`` of a part's bytes: checked (dtype, shape, a byte range inside the data
+    that fits them, aligned), then a view of ``buf`` (data from ``start``, ``room`` bytes)."""
+    dtype = _NAMED[entry["dtype"]]
+    shape = [int(x) for x in entry["shape"]]
+    begin, end = (int(x) for x in entry["data_offsets"])
+    numel = 1
+    for x in shape:
+        if x < 0:
+            raise ValueError(f"{name}: shape {shape}")
+        numel *= x
+    size = torch.empty((), dtype=dtype).element_size()
+    if not 0 <= begin <= end <= room or end - begin != numel * size or (start + begin) % size:
+        raise ValueError(f"{name}: bytes [{begin}, {end}) of {room} for shape {shape} of {dtype}")
+    if not numel:
+        return torch.empty(shape, dtype=dtype)
+    if isinstance(buf, bytes):
+        buf = bytearray(buf[start + begin:start + end])
+        begin, start = 0, 0
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=start + begin).view(shape)
+
+
+def _untree(node: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """The value a part's ``"tree"`` describes (:func:`_tree`'s inverse)."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"a node of the tree is {type(node).__name__}, not one tag")
+    (tag, v), = node.items()
+    if tag == "tensor":
+        return tensors[v]
+    if tag == "dict" and isinstance(v, dict):
+        return {str(k): _untree(x, tensors) for k, x in v.items()}
+    if tag == "intdict" and isinstance(v, list):
+        return {int(k): _untree(x, tensors) for k, x in v}
+    if tag in ("list", "tuple") and isinstance(v, list):
+        items = [_untree(x, tensors) for x in v]
+        return items if tag == "list" else tuple(items)
+    raise ValueError(f"an unknown tag {tag!r} in the tree")
 
 
 def row_ids(ids: torch.Tensor, rows: int, where: str) -> torch.Tensor:
@@ -244,6 +406,42 @@ def newest_rows(ids: Sequence[torch.Tensor], rows: int) -> List[torch.Tensor]:
     return masks
 
 
-__all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "GROUPS_KEY", "INCREMENTS", "Layout", "PartHeader",
-           "RankInfo", "TRACKER_STATE_KEY", "base_dir", "increment_dir", "newest_rows", "part_paths", "read_part", "row_ids",
-           "write_base_info", "write_part"]
+def write_rows(targets: Sequence[torch.Tensor],
+               parts: Sequence[Tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    """Write a chain's increment rows of one shard into ``targets`` (the shard's weights and
+    each row-wise optimizer state: one entry per row of the shard first), so that each row
+    ends with its newest value. ``parts[j]`` is part ``j``'s (shard-local ids, its rows of each
+    target), in chain order. Parts are written oldest first, a row at a time (moved to each
+    target's device); a part's rows that a newer part holds (:func:`newest_rows`) are left out
+    by a gather, unless they are a small share of it: then it is written whole, and the newest
+    part holding those rows, written later, writes them again.
+
+    Raises:
+        IncrementChainError: an id outside the shard (:func:`newest_rows`).
+    """
+    for (ids, sources), keep in zip(parts, newest_rows([p[0] for p in parts], targets[0].shape[0])):
+        kept = int(keep.sum())
+        if not kept:
+            continue
+        whole = kept >= _WHOLE_PART_SHARE * keep.numel()
+        flat = ids.reshape(-1).long()
+        at = flat if whole else flat[keep]
+        for target, saved in zip(targets, sources):
+            _copy_rows(target, at, saved if whole else saved[keep])
+
+
+def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``target[ids] = rows`` (``ids`` unique, in range): on the CPU through numpy, whose row
+    assignment copies each row whole (torch's ``index_copy_`` goes element by element, more than
+    twice slower); else, and for dtypes numpy lacks, ``index_copy_``."""
+    if target.device.type == rows.device.type == "cpu" and target.dtype == rows.dtype and \
+            target.dtype not in (torch.bfloat16,) and tuple(rows.shape) == (len(ids), *target.shape[1:]):
+        target.detach().numpy()[ids.numpy()] = rows.detach().numpy()
+    else:
+        target.index_copy_(0, ids.to(target.device), rows.to(target.device))
+
+
+__all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "GROUPS_KEY", "INCREMENTS", "Layout",
+           "PART_FORMAT", "PART_SUFFIX", "PartHeader", "RankInfo", "TRACKER_STATE_KEY", "base_dir", "decode_part",
+           "encode_part", "increment_dir", "newest_rows", "part_paths", "read_part", "row_ids", "write_base_info",
+           "write_part", "write_rows"]

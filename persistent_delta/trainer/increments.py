@@ -12,9 +12,10 @@ lookups consumer of the tracker's own (``consumer``, registered here) reads sinc
 read: every rank's batches, within the rank's shards (the log holds what each rank's shards
 were asked for), the window filter's rule included. Their weights and fused optimizer states
 (read through the TBE's live ``split_*`` views), the dense parameters, buffers and optimizer
-state, the optimizers' ``param_groups`` and the tracker's state are copied at that step; a
-background thread (:class:`PartWrite`) writes the part and then its header, beside the next
-step's forward. The end of that forward (a forward hook, before the backward updates anything;
+state, the optimizers' ``param_groups`` and the tracker's state are copied at that step (the
+rows into buffers kept from one increment to the next, :class:`RowBuffers`); a background
+thread (:class:`PartWrite`) writes the part and then its header, beside the next step's
+forward. The end of that forward (a forward hook, before the backward updates anything;
 or the next increment, base or ``close``) waits for the write and agrees over the ranks that
 every part is durable, so a crash never loses more than ``every`` steps. Only then is the
 increment's checkpoint marked in the log: retention keeps what a restore of the previous
@@ -48,7 +49,7 @@ from torch import nn
 
 from persistent_delta.checkpoint import chain as chains
 from persistent_delta.checkpoint.format import (GROUPS_KEY, BaseInfo, Layout, PartHeader, RankInfo, base_dir,
-                                                increment_dir, newest_rows, read_part, write_base_info, write_part)
+                                                increment_dir, read_part, write_base_info, write_part, write_rows)
 from persistent_delta.errors import CheckpointError, IncrementChainError, InvalidInputError
 from persistent_delta.trainer import restore
 import persistent_delta.torchrec_internals as trec
@@ -126,27 +127,61 @@ def _state_rows(state: torch.Tensor, rows: int) -> bool:
     return state.dim() >= 1 and state.shape[0] == rows
 
 
-def capture_rows(tables: Dict[str, LocalTable], ids: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, Any]]:
+class RowBuffers:
+    """Where an increment's copies of rows go: one tensor per table and state, kept from one
+    increment to the next and grown as needed, so that the copy at the step writes into memory
+    already paged in rather than into fresh allocations. It holds the largest increment's rows
+    between increments. A buffer is reused only once the previous increment's write finished
+    (:class:`Checkpoints` waits for it before the next copy). Not thread-safe: the training
+    thread uses it."""
+
+    _GROWTH = 1.25  # room for the next increments' rows to vary without a new allocation
+
+    def __init__(self) -> None:
+        self._held: Dict[Tuple[str, int], torch.Tensor] = {}
+
+    def take(self, key: Tuple[str, int], rows: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised ``(rows, *like.shape[1:])`` tensor of ``like``'s dtype and device."""
+        held = self._held.get(key)
+        if held is None or held.shape[0] < rows or held.shape[1:] != like.shape[1:] or \
+                held.dtype != like.dtype or held.device != like.device:
+            held = torch.empty((int(rows * self._GROWTH) + 1, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._held[key] = held
+        return held[:rows]
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def capture_rows(tables: Dict[str, LocalTable], ids: Dict[str, torch.Tensor],
+                 buffers: Optional[RowBuffers] = None) -> Dict[str, Dict[str, Any]]:
     """Copies of the current weights and fused optimizer states of the rows ``ids`` (shard-local)
-    of every sharded table of this rank."""
+    of every sharded table of this rank: into ``buffers`` when given (valid until the next
+    capture into them), else into new tensors."""
     out: Dict[str, Dict[str, Any]] = {}
     for fqn, t in tables.items():
         if t.data_parallel:
             continue  # replicated: with the dense parameters, whole
         i = ids.get(fqn, torch.empty(0, dtype=torch.int64)).reshape(-1).long()
-        states = _table_states(t)
-        # (indexing by ids copies: one copy of each row, nothing cloned again)
-        out[fqn] = {"ids": i.clone(), "weights": t.weights().detach()[i],
-                    "states": [s.detach()[i] if _state_rows(s, t.local_rows) else s.detach().clone() for s in states]}
+        sources = [t.weights().detach()] + [s.detach() for s in _table_states(t)]
+        at = i.to(sources[0].device)
+        copies: List[torch.Tensor] = []
+        for k, src in enumerate(sources):
+            if k and not _state_rows(src, t.local_rows):
+                copies.append(src.clone())  # kept whole
+            elif buffers is None:
+                copies.append(src.index_select(0, at))  # several times faster than indexing by a tensor
+            else:
+                copies.append(torch.index_select(src, 0, at, out=buffers.take((fqn, k), len(at), src)))
+        out[fqn] = {"ids": i.clone(), "weights": copies[0], "states": copies[1:]}
     return out
 
 
 def apply_rows(tables: Dict[str, LocalTable], parts: Sequence[Dict[str, Dict[str, Any]]]) -> None:
     """Write the rows of a chain's increment parts (``parts[j]`` is part ``j``'s ``"rows"``, in
-    chain order) into this rank's shards, weights and fused optimizer states: each row once,
-    with its newest value (:func:`~persistent_delta.checkpoint.format.newest_rows`), by
-    ``index_copy_`` from the parts' (memory-mapped) tensors; a part none of whose rows a newer
-    one holds is copied without a gather. A state kept whole comes from the newest part."""
+    chain order) into this rank's shards, weights and fused optimizer states, each row with its
+    newest value (:func:`~persistent_delta.checkpoint.format.write_rows`, from the parts'
+    memory-mapped tensors). A state kept whole comes from the newest part."""
     with torch.no_grad():
         for fqn in sorted({f for rows in parts for f in rows}):
             mine = [rows[fqn] for rows in parts if fqn in rows]
@@ -156,17 +191,8 @@ def apply_rows(tables: Dict[str, LocalTable], parts: Sequence[Dict[str, Dict[str
                 if not _state_rows(s, t.local_rows):
                     s.copy_(mine[-1]["states"][k])
             rowwise = [k for k, s in enumerate(states) if _state_rows(s, t.local_rows)]
-            for part, keep in zip(mine, newest_rows([p["ids"] for p in mine], t.local_rows)):
-                ids = part["ids"].reshape(-1).long()
-                every = bool(keep.all())
-                if not every:
-                    ids = ids[keep]
-                if not ids.numel():
-                    continue
-                t.weights().index_copy_(0, ids, part["weights"] if every else part["weights"][keep])
-                for k in rowwise:
-                    saved = part["states"][k]
-                    states[k].index_copy_(0, ids, saved if every else saved[keep])
+            write_rows([t.weights()] + [states[k] for k in rowwise],
+                       [(p["ids"], [p["weights"]] + [p["states"][k] for k in rowwise]) for p in mine])
 
 
 def _plain_tensors(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -222,7 +248,8 @@ class Checkpoints:
     each method at the same step: they are collectives. The training thread calls them; the
     part files are written by a background thread. A *step* is a training-mode forward of the
     DMP (with its backward and optimizer steps): ``step`` counts them, from 0 or from what
-    :meth:`restore` returned.
+    :meth:`restore` returned. Between increments it keeps the memory of the largest
+    increment's row copies (:class:`RowBuffers`), until :meth:`close`.
 
     Args:
         dmp: the ``DistributedModelParallel``, with its fused optimizer (``dmp.fused_optimizer``).
@@ -258,6 +285,7 @@ class Checkpoints:
         self._base: Optional[Tuple[str, BaseInfo]] = None
         self._seq, self._last_step = 0, -1
         self._pending: Optional[_Pending] = None
+        self._buffers = RowBuffers()  # the increments' row copies, reused (the last write done first)
         tracker.add_consumer(consumer)
         self._tables: Dict[str, LocalTable] = tracker.local_tables
         self._layout = layout_of(self._tables)
@@ -384,7 +412,7 @@ class Checkpoints:
         ids = self.tracker.get_unique_ids(self.consumer)
         state: restore.TrackerState = self.tracker.checkpoint_state()
         dense = {k: v.detach().clone() for k, v in self._dense_refs.items()}
-        payload = {"rows": capture_rows(self._tables, ids), "dense": dense,
+        payload = {"rows": capture_rows(self._tables, ids, self._buffers), "dense": dense,
                    "dense_optimizer": copy.deepcopy(self.dense.state_dict()) if self.dense is not None else None,
                    "dense_groups": _groups(self.dense), "fused_groups": _groups(self.fused),
                    "tracker": dict(state.state)}
@@ -420,6 +448,7 @@ class Checkpoints:
                 hook.remove()
             self._hooks = []
             self._pool.shutdown(wait=True)
+            self._buffers.clear()
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> int:
@@ -549,4 +578,4 @@ class Checkpoints:
         self.close()
 
 
-__all__ = ["Checkpoints", "DEFAULT_CONSUMER", "PartWrite", "apply_rows", "capture_rows", "layout_of"]
+__all__ = ["Checkpoints", "DEFAULT_CONSUMER", "PartWrite", "RowBuffers", "apply_rows", "capture_rows", "layout_of"]

@@ -21,6 +21,7 @@ part file and before its header.
 import os
 import signal
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,16 +109,16 @@ def install_kill(where: str, at: int, root0: str) -> None:
 
         FileSystemWriter.finish = finish  # type: ignore[method-assign]
         return
-    original_write, parts = fmt.atomic_write_bytes, [0]
+    original_write, parts = fmt.atomic_write_chunks, [0]
 
-    def write(path: str, data: bytes) -> None:
-        original_write(path, data)
-        if path.startswith(root0) and path.endswith(".pt"):
+    def write(path: str, chunks: Any) -> None:
+        original_write(path, chunks)
+        if path.startswith(root0) and path.endswith(fmt.PART_SUFFIX):
             parts[0] += 1
             if parts[0] == at:
                 os.kill(os.getpid(), signal.SIGKILL)  # the part is durable, its header is not written
 
-    fmt.atomic_write_bytes = write  # type: ignore[assignment]
+    fmt.atomic_write_chunks = write  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -5,16 +5,19 @@ trailing incomplete increments (a crash mid-increment) are left out, the previou
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
 import pytest
 import torch
 
 from persistent_delta.checkpoint import chain as chains
-from persistent_delta.checkpoint.format import (BaseInfo, PartHeader, RankInfo, base_dir, increment_dir, part_paths,
-                                                newest_rows, read_part, row_ids, write_base_info, write_part)
-from persistent_delta.errors import (CheckpointError, IncompleteBaseError, IncrementChainError, ShardLayoutError,
-                                     WorldSizeMismatchError)
+from persistent_delta.checkpoint.format import (BASE_INFO, FORMAT_VERSION, BaseInfo, PartHeader, RankInfo, base_dir,
+                                                decode_part, encode_part, increment_dir, newest_rows, part_paths,
+                                                read_part, row_ids, write_base_info, write_part, write_rows)
+from persistent_delta.errors import (CheckpointError, FormatMismatchError, IncompleteBaseError, IncrementChainError,
+                                     InvalidInputError, ShardLayoutError, WorldSizeMismatchError)
 
 LAYOUT = {"sparse.embeddings.t0": [0, 0, 50, 8]}
 
@@ -183,3 +186,131 @@ def test_retention_keeps_an_older_base_whose_chain_reaches_further(tmp_path):
     assert removable_bases(root) == []
     _base(root, 9, base_id="b3")
     assert removable_bases(root) == [old, base_dir(root, 6)]
+
+
+def _payload():
+    """A part's kinds of values: rows of several dtypes, an empty and a 0-d tensor, a non-contiguous
+    one, optimizer-like state with int and str keys, tuples, None, bools, exact floats, big ints."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 8, generator=g)
+    return {"rows": {"t": {"ids": torch.tensor([5, 0, 3]), "weights": w[[5, 0, 3]],
+                           "states": [torch.rand(3, generator=g), w.t()[:2].to(torch.bfloat16)]},
+                     "empty": {"ids": torch.empty(0, dtype=torch.int64), "weights": torch.empty(0, 8), "states": []}},
+            "dense": {"m.bias": torch.randn(4, generator=g).half(), "m.mask": torch.tensor([True, False]),
+                      "m.count": torch.tensor(7, dtype=torch.int32)},
+            "dense_optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4)}},
+                                "param_groups": [{"lr": 0.1 / 3, "betas": (0.9, 0.999), "foreach": None,
+                                                  "maximize": False, "params": [0]}]},
+            "fused_groups": [], "tracker": {"curr_batch_idx": 2 ** 40 + 1, "offsets": {"increments": 12},
+                                            "eps": float("inf"), "tiny": 5e-324}}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and list(a) == list(b) and all(_same(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and (a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)))
+
+
+def test_a_part_is_a_safetensors_file_that_reads_back_exactly_without_pickle(tmp_path):
+    """Every value of a part comes back with its type (a tuple stays a tuple, an int key an int)
+    and its tensors bit-equal, from a memory-mapped file the safetensors library reads too."""
+    from safetensors.torch import load_file
+
+    payload = _payload()
+    h = PartHeader("b1", 1, 3, 0, "r1", 0, 1, "log0", 100, dict(LAYOUT), 0, 0)
+    written = write_part(str(tmp_path), h, payload)
+    part, _ = part_paths(str(tmp_path), 0)
+    assert part.endswith(".safetensors") and written.size == os.path.getsize(part)
+    assert _same(payload, read_part(str(tmp_path), written))
+    flat = load_file(part)
+    assert torch.equal(flat["rows/t/weights"], payload["rows"]["t"]["weights"])
+    assert torch.equal(flat["rows/t/states/1"], payload["rows"]["t"]["states"][1])
+
+
+@pytest.mark.parametrize("value", [object(), {"a": 1, 2: 3}, {1.5: 0}, torch.float32,
+                                   torch.zeros(2, dtype=torch.complex64)])
+def test_a_value_a_part_cannot_store_is_refused_when_written(tmp_path, value):
+    h = PartHeader("b1", 1, 3, 0, "r1", 0, 1, "log0", 100, dict(LAYOUT), 0, 0)
+    with pytest.raises(InvalidInputError, match="cannot store"):
+        write_part(str(tmp_path), h, {"tracker": {"x": value}})
+    assert not os.path.exists(part_paths(str(tmp_path), 0)[1])
+
+
+def _forged(kind: str) -> bytes:
+    """A part's bytes, changed the way ``kind`` says (checksums agree: only the reader's checks stand)."""
+    data = bytearray(b"".join(bytes(c) for c in encode_part({"rows": {"t": {"ids": torch.arange(4)}}})))
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(bytes(data[8:8 + n]))
+    if kind == "truncated":
+        return bytes(data[:5])
+    if kind == "header_length":
+        return (len(data)).to_bytes(8, "little") + bytes(data[8:])
+    if kind == "past_the_end":
+        head["rows/t/ids"]["data_offsets"] = [0, 1 << 40]
+        head["rows/t/ids"]["shape"] = [1 << 37]
+    elif kind == "shape":
+        head["rows/t/ids"]["shape"] = [5]
+    elif kind == "negative":
+        head["rows/t/ids"]["shape"] = [-4, -1]
+    elif kind == "dtype":
+        head["rows/t/ids"]["dtype"] = "C64"
+    elif kind == "version":
+        head["__metadata__"]["version"] = "1"
+    elif kind == "tree":
+        head["__metadata__"]["tree"] = json.dumps({"dict": {"rows": {"tensor": "nowhere"}}})
+    elif kind == "tag":
+        head["__metadata__"]["tree"] = json.dumps({"pickle": "x"})
+    raw = json.dumps(head).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return len(raw).to_bytes(8, "little") + raw + bytes(data[8 + n:])
+
+
+@pytest.mark.parametrize("kind", ["truncated", "header_length", "past_the_end", "shape", "negative", "dtype", "version",
+                                  "tree", "tag"])
+def test_a_forged_part_is_refused_before_anything_is_sized_by_it(kind):
+    with pytest.raises(IncrementChainError, match="not an increment part of this format"):
+        decode_part(bytearray(_forged(kind)), "forged")
+
+
+def test_parts_and_bases_of_the_torch_save_format_are_a_typed_error(tmp_path):
+    root = str(tmp_path)
+    base = _base(root, 0)
+    _increment(base, 1, 3, 0)
+    head = part_paths(increment_dir(base, 1), 1)[1]
+    old = json.loads(open(head).read())
+    old["version"], old["crc32"] = 1, old.pop("crc32c")  # what version 1 wrote beside rank-1.pt
+    open(head, "w").write(json.dumps(old))
+    with pytest.raises(FormatMismatchError, match=f"increment format version 1, this library reads {FORMAT_VERSION}"):
+        chains.latest_chain(root)
+    info = json.loads(open(os.path.join(base, BASE_INFO)).read())
+    info["version"] = 1
+    open(os.path.join(base, BASE_INFO), "w").write(json.dumps(info))
+    with pytest.raises(FormatMismatchError, match=f"base format version 1, this library reads {FORMAT_VERSION}"):
+        chains.latest_chain(root)
+
+
+@pytest.mark.parametrize("shares", [[1.0, 1.0, 1.0], [0.9, 0.2, 0.6, 1.0], [0.05, 0.5, 0.95, 0.1], [0.0, 0.3]])
+def test_write_rows_leaves_each_row_with_its_newest_value(shares):
+    """Parts overlapping by any share (written whole when a newer part holds few of their rows,
+    gathered when it holds many) leave what writing every part in order leaves, weights and a
+    row-wise state alike."""
+    g = torch.Generator().manual_seed(int(sum(shares) * 100))
+    rows = 1000  # each part: 20 new rows and that share of the part before's
+    parts, prev = [], torch.randperm(rows, generator=g)[:20]
+    for share in shares:
+        n_old = int(share * len(prev))
+        ids = torch.cat([prev[torch.randperm(len(prev), generator=g)[:n_old]], torch.randperm(rows, generator=g)[:20]])
+        ids = torch.unique(ids)[torch.randperm(len(torch.unique(ids)), generator=g)]
+        parts.append((ids, [torch.randn(len(ids), 4, generator=g), torch.rand(len(ids), generator=g)]))
+        prev = ids
+    got = [torch.zeros(rows, 4), torch.zeros(rows)]
+    want = [torch.zeros(rows, 4), torch.zeros(rows)]
+    write_rows(got, parts)
+    for ids, sources in parts:
+        for target, saved in zip(want, sources):
+            target[ids] = saved
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
