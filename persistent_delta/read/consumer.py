@@ -92,6 +92,9 @@ Start = Union[str, int]
 _R = TypeVar("_R", bound="DeltaReader")
 _RECHECK_S = 0.05  # a waiting poll re-reads the logs at least this often, events or not
 _PUBLISH_S = 0.0002
+# what a poll reads first of a log: the channel's (start, end), where it is served from, the
+# restart generation and the batches ended (position_rules)
+_Bounds = Tuple[int, int, int, int, int]
 
 
 def _world_size_of(found: Dict[int, str], options: LogOptions) -> Optional[int]:
@@ -183,6 +186,7 @@ class DeltaReader:
         self._expected: Optional[Set[int]] = None  # the job's ranks, once a tracker said so
         self._told_behind: Set[int] = set()  # ranks a warning said are behind on the snapshots channel
         self._seen: Tuple[int, ...] = ()  # the logs' visible transactions when the last poll began
+        self._bounds_read: Dict[int, _Bounds] = {}  # what the last read found of each log (_poll_wait compares)
         self._watcher: Optional[FileWatch] = None
         self._watched: List[str] = []
         self._buffers = ResultBuffers()  # polls' row buffers, reused once the caller drops a poll
@@ -319,8 +323,18 @@ class DeltaReader:
         self._seen = self._txnids()  # what _poll_wait waits to change
 
     def _poll_wait(self, deadline: float) -> None:
+        """Wait until a commit may have made something readable. A commit that moved nothing
+        a read at the positions depends on (:meth:`_readable_moved`: a publish whose stamp is
+        still open; on the snapshots channel, a step that closes none; retention below the
+        positions) is waited past without a read: the read would be empty again."""
         watch = self._watch()
-        while self._txnids() == self._seen and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            now = self._txnids()
+            if now != self._seen:
+                if self._readable_moved():
+                    return
+                self._seen = now  # (read before the bounds: a later commit is looked at again)
+                continue
             if self._written() != self._seen:
                 # committed to the meta page, not yet published to new readers (LMDB
                 # updates its lock file just after, with no file event): a moment
@@ -329,6 +343,27 @@ class DeltaReader:
             watch.wait(min(deadline - time.monotonic(), _RECHECK_S))
             if self.missing_ranks():
                 return  # a rank may have appeared: poll again
+
+    def _read_bounds(self) -> Dict[int, _Bounds]:
+        """rank -> what a poll reads first of its log (``_Bounds``), one read transaction each."""
+        return {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel),
+                                          position_rules.restart_generation(r), position_rules.batches_ended(r)))
+                for rank, log in self._logs.items()}
+
+    def _readable_moved(self) -> bool:
+        """Whether a read at the positions now could differ from the last one, which was empty:
+        on some rank the channel's end or the restart generation moved, or the position can
+        no longer be served (retention deleted up to it: the read raises or resets), or the
+        ranks read changed. The batches ended are left out: they change what a poll reports
+        of the ranks behind, not what it reads, and the poll that returns reads them anew."""
+        now = self._read_bounds()
+        if now.keys() != self._bounds_read.keys():
+            return True
+        for rank, (_, end, floor, generation, _) in now.items():
+            _, end0, _, generation0, _ = self._bounds_read[rank]
+            if end != end0 or generation != generation0 or self._positions[rank] < floor:
+                return True
+        return False
 
     def _watch(self) -> FileWatch:
         """The reader's file watch, kept open between polls (closing an inotify descriptor
@@ -350,9 +385,7 @@ class DeltaReader:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
-        bounds = {rank: log.read(lambda r: (*position_rules.bounds(r, self.channel), position_rules.served_from(r, self.channel),
-                                            position_rules.restart_generation(r), position_rules.batches_ended(r)))
-                  for rank, log in self._logs.items()}
+        bounds = self._bounds_read = self._read_bounds()
         behind = self._behind({rank: (b[1], b[4]) for rank, b in bounds.items()})
         generations = {rank: b[3] for rank, b in bounds.items()}
         positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,

@@ -542,6 +542,61 @@ def test_polls_merges_and_apply_run_at_the_read_threads(monkeypatch, tmp_path, o
     assert {k: set(v) for k, v in seen.items()} == {k: {want} for k in seen}
 
 
+def test_a_waiting_poll_reads_again_only_after_a_commit_that_makes_a_publish_readable(monkeypatch, tmp_path):
+    """A snapshots poll waiting for the next publish does not read the logs again for a commit
+    after which a read would still be empty (the publish's records at a stamp not closed yet,
+    with retention deleting below the poll's position in the same transaction), and returns
+    the publish once the next commit closes its stamp: nothing is missed."""
+    import threading
+    import time
+
+    from persistent_delta.log import position_rules
+    from persistent_delta.log.schema import META_SNAPSHOT_START
+    from persistent_delta.read import consumer as consumer_mod
+
+    root = str(tmp_path)
+    _job(root, 1, "row", UpdateMode.FIRST, seed=2)
+    reads: List[bool] = []  # per read of the logs: whether it was empty
+    read_once = threading.Event()
+    real = consumer_mod.DeltaReader._poll_once
+
+    def counted(self, *args, **kw):
+        result = real(self, *args, **kw)
+        reads.append(result.empty)
+        read_once.set()
+        return result
+
+    ids, vals = torch.tensor([3, 5, 8]), torch.randn(3, 8)
+
+    def publish(w: WriteTxn) -> None:
+        table = w.tables()["a"].table_id
+        w.put_record(table, 10, codec.encode_record(ids, vals, codec.KIND_SNAPSHOT), channel=SNAPSHOTS)
+        position_rules.open_stamp(w, 10)
+        w.delete_records(table, 0, 9, channel=SNAPSHOTS)  # retention below the reader's position (10)
+        w.set_meta(META_SNAPSHOT_START, 9)
+
+    def trainer() -> None:
+        read_once.wait(30)
+        log.write(publish)
+        time.sleep(0.3)  # a poll that reads again for that commit has done so by now
+        log.write(lambda w: position_rules.close_stamps(w, 11))  # the batch ended
+
+    with DeltaLog(rank_dir(root, 0), update_mode=UpdateMode.FIRST.value) as log, \
+            DeltaReader(root, channel=SNAPSHOTS) as reader:
+        assert reader.poll().ranges == {0: (6, 10)}
+        monkeypatch.setattr(consumer_mod.DeltaReader, "_poll_once", counted)
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        try:
+            poll = reader.poll(timeout=30)
+        finally:
+            thread.join()
+    assert poll.ranges == {0: (10, 11)}
+    got = poll.ranks[0].tables["a"]
+    assert got.global_ids.tolist() == [3, 5, 8] and torch.equal(got.states, vals)
+    assert reads == [True, False]  # the read as the poll began, then the one after the stamp closed
+
+
 def test_read_threads_must_be_a_count():
     from persistent_delta.config import LogOptions
     from persistent_delta.errors import InvalidInputError
