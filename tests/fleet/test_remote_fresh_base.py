@@ -160,3 +160,16 @@ def test_a_follower_without_checkpoints_needs_a_base_on_the_stream(tmp_path, nat
     with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as local:
         with pytest.raises(InvalidInputError, match="checkpoints="):
             Follower(local)
+
+
+def test_a_remote_replica_behind_the_streams_retention_loads_the_newest_base_and_catches_up(tmp_path):
+    """The in-process memory transport with a clock the case moves past the stream's age limit:
+    the publishes after the replica's position expire (``OffsetOutOfRangeError`` for a plain
+    poll); the Follower's next steps load the base of the newest increment from the stream and
+    end bit-equal to the trainer."""
+    from remote_fresh_base_cases import retention_case
+
+    out = run_spawn(retention_case, 1, str(tmp_path / "log"), str(tmp_path / "ckpt"), timeout=180)[0]
+    assert out["first"] == {0: 2} and out["first_same"], out  # the increment of step 2, then caught up
+    assert out["expired"] == "OffsetOutOfRangeError", out  # a plain poll: the publishes after it are gone
+    assert out["reloads"] == 1 and out["second"] == {0: 8} and out["second_same"], out
