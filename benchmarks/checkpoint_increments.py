@@ -12,9 +12,9 @@ default 1%, 5%, 20%), so an interval touches about that share. Measured, interle
   thread's, vs the training thread's CPU time of the interval's ``K`` steps (``cpu_share``);
   CPU time, not wall clock, since the machine is shared;
 * ``restore``: with a base and ``--increments`` increments, the restore's data path -- ``dcp.load``
-  of the base into the model's state, ``load_state_dict``, then the parts read memory-mapped
-  (``checkpoint.format.read_part``) and their rows written, each once
-  (``trainer.increments.apply_rows``, what ``Checkpoints.restore`` runs) -- for 0..n
+  of the base into the model's state, ``load_state_dict``, then the parts read memory-mapped and
+  checked (``checkpoint.format.read_part``) and their rows written, each ending with its newest
+  value (``trainer.increments.apply_rows``, what ``Checkpoints.restore`` runs) -- for 0..n
   increments (the curve), vs one
   ``dcp.load`` of a full checkpoint of the same state, and vs the base
   ``checkpoint.consolidate`` folded them into; repeated, interleaved, median; the A/A floor is
