@@ -15,12 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 import torch
 
-from fresh_base_cases import checkpointed_job_case
+from fresh_base_cases import child_env, train_in_thread
 from harness import run_spawn
 from persistent_delta import RemoteConsumer
 from persistent_delta.errors import LogLockedError, NotALogError
@@ -28,7 +28,7 @@ from persistent_delta.log import position_rules
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.serve import Follower
-from procs import REPO, SUPPORT
+from procs import SUPPORT
 from stale_base_cases import full
 
 pytestmark = pytest.mark.dist
@@ -72,20 +72,8 @@ def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
 def test_a_remote_replica_killed_or_added_late_starts_from_the_newest_increment_and_ends_bit_exact(tmp_path, nats_server):
     d = tmp_path
     root, ckpt, base0, go = str(d / "log"), str(d / "ckpt"), str(d / "base0"), str(d / "go")
-    result: Dict[str, Any] = {}
-    done = threading.Event()
-
-    def train() -> None:
-        try:
-            result["ranks"] = run_spawn(checkpointed_job_case, 2, root, ckpt, base0, go, "row_wise", timeout=240)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            result["error"] = exc
-        finally:
-            done.set()
-
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    trainer, result, done = train_in_thread(root, ckpt, base0, go, "row_wise")
+    env = child_env()
     procs: List[subprocess.Popen] = []
     try:
         while not all(os.path.exists(os.path.join(root, f"rank-{r}", "data.mdb")) for r in (0, 1)):

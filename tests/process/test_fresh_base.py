@@ -14,17 +14,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 import torch
 
-from fresh_base_cases import checkpointed_job_case
-from harness import run_spawn
+from fresh_base_cases import child_env, train_in_thread
 from persistent_delta import DeltaConsumer, apply_poll, load_base
 from persistent_delta.errors import StaleBaseError
 from persistent_delta.serve.fresh_base import Follower, load_checkpoint_base
-from procs import REPO, SUPPORT
+from procs import SUPPORT
 from stale_base_cases import full
 
 pytestmark = pytest.mark.dist
@@ -44,21 +43,8 @@ def _follow(follower: Follower, done: threading.Event, deadline: float) -> None:
 def job(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     d = tmp_path_factory.mktemp("fresh-base")
     root, ckpt, base0, go = str(d / "log"), str(d / "ckpt"), str(d / "base0"), str(d / "go")
-    result: Dict[str, Any] = {}
-    done = threading.Event()
-
-    def train() -> None:
-        try:
-            result["ranks"] = run_spawn(checkpointed_job_case, 2, root, ckpt, base0, go, request.param,
-                                       timeout=240)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            result["error"] = exc
-        finally:
-            done.set()
-
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    trainer, result, done = train_in_thread(root, ckpt, base0, go, request.param)
+    env = child_env()
     replica = subprocess.Popen([sys.executable, os.path.join(SUPPORT, "fresh_base_cases.py"), root, ckpt],
                                stdout=subprocess.PIPE, stderr=open(str(d / "replica.err"), "w"), text=True, env=env)
     applied: List[int] = []

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch.distributed as dist
 from torchrec.distributed.model_tracker.types import TrackingMode
@@ -45,6 +46,36 @@ def checkpointed_job_case(rank: int, world_size: int, root: str, ckpt: str, base
     dist.barrier()
     t.close()
     return out
+
+
+def train_in_thread(root: str, ckpt: str, base0: str, go: str,
+                    sharding: str) -> Tuple[threading.Thread, Dict[str, Any], threading.Event]:
+    """Run :func:`checkpointed_job_case` on 2 spawned ranks from a thread of the test: returns
+    the thread, the box its result goes into (``"ranks"``, or ``"error"``: re-raise it in the
+    test) and the event set when it ended; plus ``env()`` for the test's child processes."""
+    from harness import run_spawn
+
+    result: Dict[str, Any] = {}
+    done = threading.Event()
+
+    def train() -> None:
+        try:
+            result["ranks"] = run_spawn(checkpointed_job_case, 2, root, ckpt, base0, go, sharding, timeout=240)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    return trainer, result, done
+
+
+def child_env() -> Dict[str, str]:
+    """The environment of a test's child process: the repo and the test support importable."""
+    from procs import REPO, SUPPORT
+
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def replica_main(root: str, ckpt: str) -> None:
