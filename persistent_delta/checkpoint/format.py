@@ -201,9 +201,9 @@ def _tree(value: Any, path: Tuple[str, ...], tensors: Dict[str, torch.Tensor]) -
     """``value``'s structure as JSON (the module note's tags), its tensors put in ``tensors``
     under a name from their path."""
     if isinstance(value, torch.Tensor):
-        name = "/".join(path) or "tensor"
-        if name in tensors:
-            name = f"{name}#{len(tensors)}"
+        name = first = "/".join(path) or "tensor"
+        while name in tensors or name == "__metadata__":  # (a key with "/" in it; safetensors' own key)
+            name = f"{first}#{len(tensors)}" if name == first else name + "#"
         tensors[name] = value
         return {"tensor": name}
     if isinstance(value, dict):

@@ -202,7 +202,9 @@ def _payload():
                                 "param_groups": [{"lr": 0.1 / 3, "betas": (0.9, 0.999), "foreach": None,
                                                   "maximize": False, "params": [0]}]},
             "fused_groups": [], "tracker": {"curr_batch_idx": 2 ** 40 + 1, "offsets": {"increments": 12},
-                                            "eps": float("inf"), "tiny": 5e-324}}
+                                            "eps": float("inf"), "tiny": 5e-324},
+            "names": {"a/b": torch.tensor([1]), "a": {"b": torch.tensor([2])}, "a/b#2": torch.tensor([3])},
+            "__metadata__": torch.tensor([4.0])}
 
 
 def _same(a, b) -> bool:
