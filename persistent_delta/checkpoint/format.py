@@ -246,8 +246,8 @@ def encode_part(payload: Dict[str, Any]) -> List[memoryview]:
     offset = 0
     for name in order:
         t = tensors[name]
-        if t.dtype not in _DTYPES:
-            raise InvalidInputError(f"an increment part cannot store {name} of dtype {t.dtype}")
+        if t.dtype not in _DTYPES or t.layout != torch.strided:
+            raise InvalidInputError(f"an increment part cannot store {name}, a {t.layout} tensor of dtype {t.dtype}")
         raw = _bytes_of(t)
         entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         data.append(raw)
@@ -293,10 +293,13 @@ def read_part(increment: str, header: PartHeader) -> Dict[str, Any]:
             buf: Union[mmap.mmap, bytes] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     except (OSError, ValueError) as exc:
         raise IncrementChainError(f"{part}: cannot read rank {header.rank}'s part: {exc}") from exc
-    crc = crc32c.crc32c(buf) if size == header.size else 0
-    if size != header.size or crc != header.crc32c:
-        raise IncrementChainError(f"{part}: {size} bytes with CRC-32C {crc:#x}, the header records "
-                                  f"{header.size} bytes with CRC-32C {header.crc32c:#x}: the part is damaged")
+    if size != header.size:
+        raise IncrementChainError(f"{part}: {size} bytes, the header records {header.size}: the part is damaged "
+                                  "(truncated, or replaced)")
+    crc = crc32c.crc32c(buf)
+    if crc != header.crc32c:
+        raise IncrementChainError(f"{part}: CRC-32C {crc:#x}, the header records {header.crc32c:#x}: the part is "
+                                  "damaged")
     return decode_part(buf, part)
 
 

@@ -127,7 +127,10 @@ def test_a_damaged_part_is_detected_by_its_checksum(tmp_path):
     data = bytearray(open(part, "rb").read())
     data[-5] ^= 0xFF
     open(part, "wb").write(bytes(data))
-    with pytest.raises(IncrementChainError, match="CRC-32"):
+    with pytest.raises(IncrementChainError, match="CRC-32C"):
+        read_part(inc.path, inc.headers[0])
+    open(part, "wb").write(bytes(data[:-1]))
+    with pytest.raises(IncrementChainError, match=f"{len(data) - 1} bytes, the header records {len(data)}"):
         read_part(inc.path, inc.headers[0])
     os.remove(part)
     with pytest.raises(IncrementChainError, match="cannot read rank 0's part"):
@@ -234,7 +237,7 @@ def test_a_part_is_a_safetensors_file_that_reads_back_exactly_without_pickle(tmp
 
 
 @pytest.mark.parametrize("value", [object(), {"a": 1, 2: 3}, {1.5: 0}, torch.float32,
-                                   torch.zeros(2, dtype=torch.complex64)])
+                                   torch.zeros(2, dtype=torch.complex64), torch.eye(2).to_sparse()])
 def test_a_value_a_part_cannot_store_is_refused_when_written(tmp_path, value):
     h = PartHeader("b1", 1, 3, 0, "r1", 0, 1, "log0", 100, dict(LAYOUT), 0, 0)
     with pytest.raises(InvalidInputError, match="cannot store"):
