@@ -199,9 +199,9 @@ class WriterTrace:
                 closes=max(steps, default=-1)))
 
         writer._commit = commit
-        self._traced = None
-        if writer._thread.ident is not None:
-            self._traced = _TracedWrite(writer._log, self._writes, thread=writer._thread.ident)
+        # every thread's transactions on the log: a publish commits on the training thread
+        # (WriterOptions.inline_publish), steps on the writer thread, one at a time
+        self._traced = _TracedWrite(writer._log, self._writes)
 
     def uninstall(self) -> None:
         if self._traced is not None:
@@ -286,8 +286,10 @@ def breakdown(calls: List[Tuple[int, int]], writer: WriterTrace, replica: List[D
     """Per publish, in ms (p50, p99, max over the publishes the replica counted), the segments
     from the ``publish()`` call to the replica's commit, which add up to ``lag``:
 
-    * ``call``: the ``publish()`` call; ``queue``: from its hand-off until the writer took it
-      (the writer busy with an earlier commit, or lingering);
+    * ``call``: the ``publish()`` call, up to its transaction when it commits it itself
+      (``WriterOptions.inline_publish``, the default: then the call's wait for the writer
+      thread's earlier commits is part of it); ``queue``: from its hand-off until the writer
+      took it (the writer busy with an earlier commit, or lingering; about 0 inline);
     * ``lock``: the writer waiting for LMDB's writer lock (held by the replica's commit);
       ``commit``: the writer's transaction (filter, encode, puts, LMDB commit);
     * ``batch_end``: from that commit until the one that makes the publish readable (the
@@ -315,7 +317,10 @@ def breakdown(calls: List[Tuple[int, int]], writer: WriterTrace, replica: List[D
         woke = next((w[1] for w in rec["wakes"] if w[0] <= vis["visible"] <= w[1]), None)
         ms = 1e-6
         write = commit["write"]
-        marks = dict(call=(c1 - c0), queue=(commit["taken"] - vis["submitted"]),
+        # a publish committed inside its own call (WriterOptions.inline_publish): the call's part
+        # ends where its transaction begins, so that the parts add up to the lag
+        call_end = min(c1, commit["taken"])
+        marks = dict(call=(call_end - c0), queue=max(0, commit["taken"] - max(vis["submitted"], call_end)),
                      lock=0 if write is None else write[1] - write[0],
                      commit=(commit["done"] - commit["taken"]) - (0 if write is None else write[1] - write[0]),
                      batch_end=(vis["visible"] - commit["done"]), notice=(found[0] - vis["visible"]),

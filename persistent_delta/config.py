@@ -258,6 +258,14 @@ class WriterOptions:
             ``linger_steps=1`` commits each step as soon as it is queued.
         linger_s: the longest a queued step waits for the group commit (see ``linger_steps``).
         linger_bytes: captured bytes that start the group commit at once (see ``linger_steps``).
+        inline_publish: ``publish()`` commits its transaction (the rows it gathered, with the
+            step's records captured so far) itself, on the calling thread, after what the
+            writer thread was handed before (:meth:`~persistent_delta.trainer.writer.BackgroundWriter.commit_inline`):
+            the transaction starts at once, instead of after a hand-off to the writer thread,
+            which must first get the GIL and a core (on a busy host, a tail of tens of ms in a
+            replica's freshness). The call then lasts the commit too (the encode, checksums,
+            row-format conversions and LMDB's commit of the publish). ``False``: handed to the
+            writer thread; the call returns after the gather.
     """
 
     max_pending_bytes: int = 512 << 20
@@ -266,6 +274,7 @@ class WriterOptions:
     linger_steps: int = 8
     linger_s: float = 0.25
     linger_bytes: int = 4 << 20
+    inline_publish: bool = True
 
     def __post_init__(self) -> None:
         if self.max_pending_bytes <= 0 or self.max_pending_steps <= 0:

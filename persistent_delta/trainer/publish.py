@@ -13,7 +13,7 @@ trainer's tables without sharing its memory. With ``delete_on_read``, snapshot r
 deleted once every snapshots consumer has committed past them.
 
 A publish is one straight path, a :class:`~persistent_delta.trainer.operations.PublishRequest`
-from the training thread to the writer:
+gathered and then committed, with the step's records captured so far, in one transaction:
 
 * :meth:`Publisher.gather`, in the training thread: takes the ids of the consumer's rows -- those the
   writer marked for it as it committed them since its previous publish
@@ -26,8 +26,9 @@ from the training thread to the writer:
   request with a view of the rows (:class:`~persistent_delta.trainer.operations.GatheredRows`).
   The values are those of the moment of the call; training may change the tables as soon as it
   returns.
-* :func:`write_publish`, in the writer's transaction (without a background writer it runs at
-  once): moves the consumer past the rows read, encodes and writes each table's records, one per
+* :func:`write_publish`, in that transaction, committed by the thread that called ``publish()``
+  after everything handed to the writer thread before (``WriterOptions.inline_publish``, the
+  default: no wait for the writer thread to be scheduled), or by the writer thread: moves the consumer past the rows read, encodes and writes each table's records, one per
   stored row format, from the gathered rows (:func:`encode_formats`), the new snapshot end, and
   enforces retention -- all in one transaction, so a crash leaves either the whole publish or
   none of it (the consumer then reads the same rows again at the next publish).
@@ -38,7 +39,7 @@ registered in the log when it is gathered (:attr:`ConsumerEntry.format`) and tho
 ``tracker.publish(consumer, formats=...)``; ``"native"`` alone when nothing asks. The training
 thread's part does not change with them: it gathers the native rows once. The conversions
 (a cast for float16/bfloat16, FBGEMM's row-wise int8 quantization) run in
-:func:`write_publish`, on the writer thread, from the gathered rows. A float format of the
+:func:`write_publish`, in the publish's transaction, from the gathered rows. A float format of the
 table's own dtype is the native record (stored once). A column-wise shard's int8 record holds its
 float32 column half, flagged ``"int8"``: the scale and bias are the whole row's, which no rank
 holds, so the reader joins the halves and quantizes (:func:`persistent_delta.read.results.join_int8`).
@@ -97,6 +98,8 @@ class Feed(Protocol):
 
     def hand_off(self, op: Operation) -> None: ...
 
+    def commit_publish(self, ops: List[Operation]) -> None: ...
+
     def settle(self) -> None: ...
 
     def unsettled(self) -> List[AppendRecord]: ...
@@ -114,9 +117,10 @@ class Publisher:
     writer may have published at it), the same on every rank (``resume_at`` agreed on it).
 
     Thread-safety: the training thread calls every method; the requests :meth:`gather` fills
-    are written on the writer thread (:func:`write_publish`), which alone uses the converted
-    records' buffers. The caller must not gather again before the previous request was
-    written: its records live in the reused buffers (:meth:`publish` waits for the writer first).
+    are written by one commit at a time (:func:`write_publish`: the training thread's own, or
+    the writer thread's), which alone uses the converted records' buffers. The caller must not
+    gather again before the previous request was written: its records live in the reused
+    buffers (:meth:`publish` waits for the writer first).
 
     Args:
         log: this rank's log (read: the deferred rows; written: the stamps closed).
@@ -129,7 +133,7 @@ class Publisher:
         self._log, self._tables, self._unread = log, tables, unread
         self.deferred: Dict[str, int] = log.read(deferred_by_consumer)  # consumer -> rows still deferred (stats)
         self._records: Dict[str, bytearray] = {}  # fqn -> the native record's buffer (training thread)
-        self._converted: Dict[Tuple[str, str], bytearray] = {}  # (fqn, format) -> buffer (writer thread)
+        self._converted: Dict[Tuple[str, str], bytearray] = {}  # (fqn, format) -> buffer (the committing thread)
         self._last_stamp = max(log.write(position_rules.close_stamps) - 1, curr_batch_idx)  # the newest closed
         self._open_stamp: Optional[int] = None  # the stamp of this batch's publishes, not closed yet
 
@@ -158,29 +162,27 @@ class Publisher:
             self._last_stamp, self._open_stamp = max(self._last_stamp, self._open_stamp), None
 
     def publish(self, feed: Feed, request: PublishRequest, step: StepWrite) -> Dict[str, int]:
-        """Gather ``request`` and hand it to ``feed`` after ``step``, the records captured so
-        far: handed first when it holds any (an empty one goes with the publish: one transaction,
-        not two). Returns fqn -> rows gathered.
+        """Gather ``request``, ``step``'s records (those captured so far) counted as pending,
+        then commit both in one transaction after what ``feed`` was handed before
+        (:meth:`Feed.commit_publish`). A step with device copies in flight is handed to the
+        writer first instead (it waits for them) and the publish goes with an empty one.
+        Returns fqn -> rows gathered.
 
         Raises:
             as :meth:`gather`; the step is handed to the writer all the same.
         """
-        held: Optional[StepWrite] = step
-        if step.records or step.events:
+        if step.events:
             feed.hand_off(step)
-            held = None
-        pending = feed.unsettled()
+            step = StepWrite(curr_batch_idx=step.curr_batch_idx)
+        pending = [*feed.unsettled(), *step.records]
         try:
             self.gather(request, pending)
         except BaseException as exc:
-            if held is not None:
-                feed.hand_off(held)
+            feed.hand_off(step)
             if isinstance(exc, InvalidInputError) and pending:
-                feed.settle()  # a queued step holds the bad id: the writer's error (WriterError) says so
+                feed.settle()  # a pending step holds the bad id: the writer's error (WriterError) says so
             raise
-        if held is not None:
-            feed.hand_off(held)
-        feed.hand_off(request)
+        feed.commit_publish([step, request])
         self._open_stamp = request.stamp
         return request.rows
 

@@ -279,8 +279,10 @@ class PersistentDeltaTracker(ModelDeltaTracker):
     def publish(self, consumer: str, formats: Sequence[str] = (), max_rows: Optional[int] = None,
                 max_bytes: Optional[int] = None, order: str = "oldest") -> Dict[str, int]:
         """Write snapshot records of the rows changed since ``consumer``'s last publish, with their
-        values now (:mod:`.publish`). Returns fqn -> rows once captured; the writer commits them
-        (and the consumer's position) in one transaction in the background (``flush()`` waits).
+        values now (:mod:`.publish`). Returns fqn -> rows once captured. They (and the consumer's
+        position, and the step's records captured so far) are committed in one transaction: by
+        this call, after what the writer thread was handed before, by default
+        (``WriterOptions.inline_publish``), else by the writer thread (``flush()`` waits).
         ``consumer`` publishes only: :meth:`get_unique` of it is refused, and so is a publish of
         a consumer that reads (the role is recorded in the log at its first use).
 

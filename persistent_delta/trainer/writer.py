@@ -20,6 +20,13 @@ someone waits for it), then, for every run of queued operations (:func:`commit_o
    in buffers reused from commit to commit), appends, persists the tracker's batch index, then
    writes each publish and runs each compaction, in submission order.
 
+A publish is not handed over: the training thread commits it, with the step's records captured
+so far, in one transaction of its own (:meth:`BackgroundWriter.commit_inline`), after whatever
+the writer was handed before; the writer thread takes nothing meanwhile. Its transaction then
+starts at once instead of after a hand-off to a thread that must first get the GIL and a core,
+which on a busy host was a tail of tens of milliseconds; the work is the same, on the thread
+that waits for it (the training thread gathered the rows already).
+
 Memory is bounded: ``submit`` waits while more than ``max_pending_bytes`` or
 ``max_pending_steps`` are queued (backpressure); nothing is ever dropped. The writer also keeps
 its encode buffers (at most 64 MiB: :class:`~persistent_delta.log.records.EncodeBuffers`). If a commit fails
@@ -120,10 +127,11 @@ class BackgroundWriter:
     """Commits queued operations (:mod:`persistent_delta.trainer.operations`) to a
     :class:`DeltaLog` from a daemon thread.
 
-    Thread-safety: ``submit``, ``barrier``, ``stats`` and ``close`` may be called from any
-    thread of the process that owns the log.
+    Thread-safety: ``submit``, ``commit_inline``, ``barrier``, ``stats`` and ``close`` may be
+    called from any thread of the process that owns the log. One commit runs at a time: the
+    writer thread's or a ``commit_inline``.
 
-    ``committed``: called on the writer thread with the step records of each commit, after it
+    ``committed``: called on the committing thread with the step records of each commit, after it
     committed and before its operations leave the queue (``pending_records`` stops listing
     them): a publish's unread ids (:mod:`persistent_delta.trainer.unread`).
     """
@@ -140,7 +148,7 @@ class BackgroundWriter:
         self._committed = committed  # told each commit's step records before they leave the queue
         self._mode = mode
         self._window = window
-        self._buffers = EncodeBuffers()  # the writer thread's: each commit encodes into these
+        self._buffers = EncodeBuffers()  # each commit encodes into these (one commit at a time)
         self._opts = options or WriterOptions()
         self._cv = threading.Condition()
         self._queue: Deque[_Queued] = collections.deque()
@@ -226,15 +234,61 @@ class BackgroundWriter:
             WriterError: a commit failed.
         """
         with self._cv:
-            self._urgent += 1
-            self._cv.notify_all()
-            try:
-                while (self._queue or self._inflight) and self._error is None:
-                    self._cv.wait()
-            finally:
-                self._urgent -= 1
-                self._after_barrier = True
+            self._drain()
+            self._after_barrier = True
             self._raise_if_failed()
+
+    def _drain(self) -> None:
+        """(Lock held.) Wait until nothing is queued or in flight, or a commit failed."""
+        self._urgent += 1
+        self._cv.notify_all()
+        try:
+            while (self._queue or self._inflight) and self._error is None:
+                self._cv.wait()
+        finally:
+            self._urgent -= 1
+
+    def commit_inline(self, ops: List[Operation]) -> None:
+        """Commit ``ops`` in one transaction on the calling thread, after everything submitted
+        before them (waited for first), as the writer thread would commit them (a publish with
+        its step's records: :meth:`persistent_delta.trainer.publish.Publisher.publish`). The
+        writer thread takes nothing while it runs; ``submit`` from another thread queues
+        behind it. A failed commit is handled as the writer thread's: the operations stay at
+        the head of the queue, the writer stops, and the next ``submit``/``barrier`` raises
+        :class:`WriterError` (:meth:`resume` retries them).
+
+        Raises:
+            InvalidInputError: an item of ``ops`` is not an operation.
+            WriterError: an earlier commit failed (see ``__cause__``); :meth:`resume` retries.
+        """
+        bad = [type(op).__name__ for op in ops if not isinstance(op, _OPERATIONS)]
+        if bad:
+            raise InvalidInputError(f"the writer runs StepWrite, PublishRequest or Compaction, not {bad[0]}")
+        with self._cv:
+            self._raise_if_failed()
+            self._drain()
+            self._raise_if_failed()
+            now = time.monotonic()
+            taken = [_Queued(op, held_bytes(op), now) for op in ops]
+            self._stats["bytes_captured"] += sum(t.nbytes for t in taken)
+            self._inflight = taken  # (the writer thread waits while another thread commits)
+        try:
+            self._commit(taken)
+        except BaseException as exc:
+            logger.error("persistent_delta writer for %s failed: %s", self._log.path, exc)
+            with self._cv:
+                self._queue.extendleft(reversed(taken))
+                self._pending_bytes += sum(t.nbytes for t in taken)
+                self._inflight = []
+                self._error = exc
+                self._cv.notify_all()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._cv:
+            self._inflight = []
+            self._after_barrier = True  # as after the writer thread's publish: see _linger
+            self._cv.notify_all()
 
     def pending_records(self) -> Optional[List[AppendRecord]]:
         """The records submitted and not yet committed (those of the transaction in flight,
@@ -310,8 +364,8 @@ class BackgroundWriter:
             self._ready.set()
         while True:
             with self._cv:
-                while not self._closed and (not self._queue or self._error is not None):
-                    self._cv.wait()
+                while not self._closed and (not self._queue or self._error is not None or self._inflight):
+                    self._cv.wait()  # (in flight here: another thread's commit_inline)
                 self._linger()
                 if self._closed:
                     return
@@ -389,6 +443,7 @@ class WriterFeed:
                  committed: Callable[[List[AppendRecord]], None], options: Optional[WriterOptions] = None,
                  background: bool = True) -> None:
         self._log, self._mode, self._window, self._committed = log, mode, window, committed
+        self._inline = (options or WriterOptions()).inline_publish
         self.writer: Optional[BackgroundWriter] = (
             BackgroundWriter(log, mode, options, window, committed=committed) if background else None)
 
@@ -397,9 +452,28 @@ class WriterFeed:
         if self.writer is not None:
             self.writer.submit(op)
         else:
-            commit_operations(self._log, self._mode, [op], self._window)
-            if isinstance(op, StepWrite):
-                self._committed(op.records)
+            self.commit_now([op])
+
+    def commit_now(self, ops: List[Operation]) -> None:
+        """Commit ``ops`` in one transaction on this thread, after everything handed off before
+        (:meth:`BackgroundWriter.commit_inline`; without a writer thread, at once). A failure
+        with a writer thread is the writer's (raised by the next call); without one it raises."""
+        if self.writer is not None:
+            self.writer.commit_inline(ops)
+            return
+        commit_operations(self._log, self._mode, ops, self._window)
+        self._committed([r for op in ops if isinstance(op, StepWrite) for r in op.records])
+
+    def commit_publish(self, ops: List[Operation]) -> None:
+        """A publish's operations (the step's records captured so far, then its request), in
+        order after everything handed off before: committed on this thread in one transaction
+        (:meth:`commit_now`) when ``WriterOptions.inline_publish``, else handed to the writer
+        thread."""
+        if self._inline or self.writer is None:
+            self.commit_now(ops)
+            return
+        for op in ops:
+            self.hand_off(op)
 
     def settle(self) -> None:
         """Wait until the writer committed what it was handed (a queued publish moves its

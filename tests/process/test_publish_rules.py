@@ -2,7 +2,7 @@
 the user is told when one is used both ways."""
 
 from harness import run_spawn
-from publish_rules_cases import rank0_only_case, role_case, same_steps_case, uneven_publishes_case
+from publish_rules_cases import inline_case, rank0_only_case, role_case, same_steps_case, uneven_publishes_case
 
 
 def test_a_consumer_that_reads_cannot_publish_and_the_reverse(tmp_path):
@@ -52,3 +52,14 @@ def test_publishing_at_the_same_steps_on_every_rank_is_quiet_and_exact(tmp_path)
     for r in (r0, r1):
         assert r["polls"] == 6 and r["curr"] == 6, r
         assert all(r["replica_equal"].values()), r
+
+
+def test_a_publish_commits_its_transaction_on_the_calling_thread_by_default(tmp_path):
+    """By default (``WriterOptions.inline_publish``) ``publish()`` commits its records and the
+    step's on the calling thread before it returns, with no hand-off to the writer thread;
+    ``inline_publish=False`` hands them to the writer thread. A replica is exact either way."""
+    (r,) = run_spawn(inline_case, 1, str(tmp_path / "log"))
+    assert r["inline"]["on_caller"] == [True] * 5 and r["inline"]["committed_on_return"] == [True] * 5, r
+    assert r["handed"]["on_caller"] == [False] * 5, r
+    for name in ("inline", "handed"):
+        assert all(r[name]["replica_equal"].values()), r

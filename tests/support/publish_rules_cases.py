@@ -196,3 +196,51 @@ def same_steps_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     dist.barrier()
     t.close()
     return out
+
+
+def inline_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Each ``publish()`` with the default writer options and with ``inline_publish=False``:
+    which thread ran its transaction, whether it was in the log when the call returned (a read
+    transaction right after it), and whether a replica that applies
+    every poll ends equal to the trainer's tables."""
+    import threading
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.config import WriterOptions
+    from persistent_delta.log import position_rules
+    from persistent_delta.serve.apply import apply_poll
+    from persistent_delta.trainer import publish as publish_mod
+
+    out: Dict[str, Any] = {}
+    real = publish_mod.write_publish
+    for name, options in (("inline", WriterOptions()), ("handed", WriterOptions(inline_publish=False))):
+        dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
+        path = f"{root}-{name}"
+        t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=path,
+                                                writer=options))
+        threads = []
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            threads.append(threading.get_ident())
+            return real(*args, **kw)
+
+        publish_mod.write_publish = spy
+        replica = _initial_replica(t, 100, 8, 0)
+        seen = []
+        try:
+            with DeltaReader(path, channel="snapshots") as reader:
+                for b in make_batches("ec", 5, 8, seed=17, world_size=world_size, rank=rank):
+                    train_step(dmp, b)
+                    t.publish("serving")
+                    # right after the call: the publish's stamp (the batch being recorded) stored, still open
+                    seen.append((t._log.read(position_rules.snapshot_open), t.curr_batch_idx))
+                    apply_poll(replica, reader.poll(), complete_only=True)
+                t.flush()
+                apply_poll(replica, reader.poll(), complete_only=True)
+        finally:
+            publish_mod.write_publish = real
+        out[name] = dict(on_caller=[th == threading.get_ident() for th in threads],
+                         committed_on_return=[stamp == curr for stamp, curr in seen],
+                         replica_equal=_replica_matches(t, replica))
+        t.close()
+    return out

@@ -236,6 +236,53 @@ def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
     writer.close()
 
 
+def test_an_inline_commit_runs_on_the_calling_thread_after_what_was_queued(tmp_path, monkeypatch):
+    """``commit_inline`` commits on the caller's thread, in one transaction, after the steps
+    queued before it (which it does not leave lingering); the writer thread takes nothing
+    meanwhile, and what is submitted after it is committed after it."""
+    from persistent_delta.log.schema import META_CURR_BATCH
+    from persistent_delta.trainer import writer as writer_mod
+
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_steps=100, linger_s=60.0))
+    threads = []
+    real = writer_mod.commit_operations
+
+    def spy(*args, **kw):
+        threads.append((threading.get_ident(), [op.curr_batch_idx for op in args[2]]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(writer_mod, "commit_operations", spy)
+    writer.submit(StepWrite(records=[AppendRecord(0, "t", torch.tensor([0]))], curr_batch_idx=1))
+    writer.commit_inline([StepWrite(records=[AppendRecord(1, "t", torch.tensor([1]))], curr_batch_idx=2),
+                          StepWrite(records=[AppendRecord(1, "t", torch.tensor([2]))], curr_batch_idx=2)])
+    assert _committed(log) == [0, 1] and log.read(lambda r: r.meta(META_CURR_BATCH)) == 2
+    writer.submit(StepWrite(records=[AppendRecord(2, "t", torch.tensor([3]))], curr_batch_idx=3))
+    writer.barrier()
+    assert _committed(log) == [0, 1, 2] and log.read(lambda r: r.meta(META_CURR_BATCH)) == 3
+    me = threading.get_ident()
+    assert [(t == me, batches) for t, batches in threads] == [(False, [1]), (True, [2, 2]), (False, [3])]
+    writer.close()
+
+
+def test_a_failed_inline_commit_stops_the_writer_as_its_own_commit_does(tmp_path):
+    """A failed ``commit_inline`` keeps its operations at the head of the queue and stops the
+    writer: the next call raises WriterError, and ``resume`` retries them."""
+    from persistent_delta.errors import WriterError
+
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE)
+    bad = StepWrite(records=[AppendRecord(0, "t", torch.tensor([-1]))], curr_batch_idx=1)
+    writer.commit_inline([bad])  # the error is the writer's, raised by the next call
+    assert writer.queued() == [bad] and writer.stats()["failed"]
+    with pytest.raises(WriterError):
+        writer.submit(StepWrite(records=[AppendRecord(1, "t", torch.tensor([1]))]))
+    bad.records[0] = AppendRecord(0, "t", torch.tensor([5]))  # the cause fixed
+    writer.resume()
+    assert _committed(log) == [0] and writer.queued() == []
+    writer.close()
+
+
 def test_writer_options_are_checked():
     for bad in (dict(linger_steps=0), dict(linger_s=-1.0), dict(linger_bytes=-1), dict(max_pending_steps=0),
                 dict(torch_threads=-1)):
