@@ -137,6 +137,21 @@ def test_restore_after_random_kills_is_bit_exact_for_every_sharding_and_optimize
     _check_match(last, cases)
 
 
+def test_every_tracking_mode_restores_bit_exact(tmp_path):
+    """The tracker's other modes (its log holds embeddings or optimizer states besides the ids):
+    EMBEDDING, MOMENTUM_LAST and ROWWISE_ADAGRAD, each with an optimizer it applies to, killed
+    at a random instant, restored and trained on: bit-exact with the uninterrupted twins."""
+    cases = ["row_wise:EXACT_SGD:EMBEDDING", "column_wise:EXACT_ADAGRAD:MOMENTUM_LAST",
+             "table_wise:EXACT_ROWWISE_ADAGRAD:ROWWISE_ADAGRAD"]
+    first = Job(tmp_path, cases, TOTAL, 0)
+    first.kill_after(random.Random(49).randrange(4, 11), random.Random(49))
+    last = Job(tmp_path, cases, TOTAL, 1)
+    last.finish()
+    assert min(last.restored().values()) > 0, last.lines  # restored from increments, not the first base
+    _check_lost(first.steps_done(), last.restored(), cases)
+    _check_match(last, cases)
+
+
 def test_a_base_of_another_plan_or_world_size_is_refused_with_a_typed_error(tmp_path):
     """Increments of a model whose tracker skips a sharded table are refused (its rows would be
     missing). A base of a column-wise table with row-wise Adagrad (its momentum one value per row and

@@ -50,7 +50,8 @@ def dense_adam(dmp):  # type: ignore[no-untyped-def]
 
 
 def build(rank: int, case: str):  # type: ignore[no-untyped-def]
-    sharding, optimizer = case.split(":")
+    """``case``: ``sharding:optimizer[:tracking mode]`` (the mode is the tracker's, ID_ONLY by default)."""
+    sharding, optimizer = case.split(":")[:2]
     dmp = build_sharded_model(rank, 2, "ec", sharding, optimizer, rows=ROWS)
     return dmp, dense_adam(dmp)
 
@@ -127,7 +128,8 @@ def main() -> None:
     models, ckpts, steps = [], [], []
     for i, case in enumerate(cases):
         dmp, dense = build(rank, case)
-        tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=f"{root}/case-{i}/log"))
+        mode = TrackingMode[case.split(":")[2]] if case.count(":") == 2 else TrackingMode.ID_ONLY
+        tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=mode, path=f"{root}/case-{i}/log"))
         ckpt = Checkpoints(dmp, dense, f"{root}/case-{i}/ckpt", every=K)
         if list_bases(ckpt.root):
             steps.append(ckpt.restore())
