@@ -62,6 +62,14 @@ def tbe(emb_module: nn.Module) -> Any:
     return getattr(emb_module, "_emb_module", None)
 
 
+def keeps_step_counter(tbe_module: Any) -> bool:
+    """Whether a TBE's fused optimizer keeps a step counter of its own: FBGEMM's persistent
+    ``iter`` buffer (Adam, LAMB, their partial row-wise forms, ensemble and EMA in-place
+    row-wise Adagrad, row-wise Adagrad with global weight decay). TorchRec's fused optimizer
+    state does not hold it, nor does the DMP's state dict."""
+    return hasattr(tbe_module, "iter") and "iter" not in getattr(tbe_module, "_non_persistent_buffers_set", ())
+
+
 def optimizer_states(emb_module: nn.Module) -> Any:
     """``split_optimizer_states()`` of a grouped embedding module's TBE: per table, the list of
     its optimizer states (empty for an optimizer without state)."""
@@ -202,6 +210,7 @@ __all__ = [
     "mch_size",
     "mch_slot_mapping",
     "mch_sorted_raw_ids",
+    "keeps_step_counter",
     "optimizer_states",
     "quant_tbes",
     "sharded_lookups",

@@ -295,6 +295,14 @@ class Checkpoints:
             raise InvalidInputError(
                 f"tables {untracked} are sharded but not tracked (fqns_to_skip): an increment would miss their rows. "
                 "Track every sharded table to take increments")
+        counted = sorted(fqn for fqn, t in self._tables.items() if t.tbe is not None and trec.keeps_step_counter(t.tbe))
+        if counted:
+            raise InvalidInputError(
+                f"tables {counted} use a fused optimizer with a step counter of its own "
+                f"({getattr(self._tables[counted[0]].tbe, 'optimizer', '?')}: FBGEMM's iter, used by Adam, LAMB and EMA "
+                "in-place row-wise Adagrad), which neither TorchRec's optimizer state nor an increment holds: a restore "
+                "would not be bit-exact. Take increments with EXACT_SGD, EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD, or "
+                "full DCP checkpoints")
         self._dense_refs = _plain_tensors(model_state)
         self.run_id = _everyone(uuid.uuid4().hex)[0]  # rank 0's: every part of this run carries it
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-increments")

@@ -59,3 +59,28 @@ def other_world_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     """Restore ``other_plan_case``'s base with its plan but another world size."""
     return {"column_wise": _restore_error(rank, world_size, os.path.join(root, "ckpt"), "column_wise",
                                           os.path.join(root, "log-one-rank"))}
+
+
+def step_counter_case(rank: int, world_size: int, root: str) -> Optional[str]:
+    """Checkpoints for a model whose fused optimizer keeps a step counter (EMA in-place row-wise
+    Adagrad, FBGEMM's ``iter``): ``"<type>: <message>"`` of what it raises (None: nothing)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    from examples import tiny_model
+
+    class EmaSharder(EmbeddingCollectionSharder):
+        def __init__(self, fused_params: Optional[Dict[str, Any]] = None, **kw: Any) -> None:
+            super().__init__(fused_params={**(fused_params or {}), "optimizer": EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD},
+                             **kw)
+
+    tiny_model.EmbeddingCollectionSharder = EmaSharder  # type: ignore[misc]  # the example's model, this optimizer
+    dmp, _ = tiny_model.tiny_trainer()
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=os.path.join(root, "log-ema")))
+    try:
+        Checkpoints(dmp, None, os.path.join(root, "ckpt-ema")).close()
+        return None
+    except Exception as exc:  # noqa: BLE001 - the test reads the type
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tracker.close()
