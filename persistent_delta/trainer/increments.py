@@ -286,7 +286,6 @@ class Checkpoints:
         self._seq, self._last_step = 0, -1
         self._pending: Optional[_Pending] = None
         self._buffers = RowBuffers()  # the increments' row copies, reused (the last write done first)
-        tracker.add_consumer(consumer)
         self._tables: Dict[str, LocalTable] = tracker.local_tables
         self._layout = layout_of(self._tables)
         model_state = self._model_state()
@@ -303,6 +302,7 @@ class Checkpoints:
                 "in-place row-wise Adagrad), which neither TorchRec's optimizer state nor an increment holds: a restore "
                 "would not be bit-exact. Take increments with EXACT_SGD, EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD, or "
                 "full DCP checkpoints")
+        tracker.add_consumer(consumer)  # after the checks: a refused Checkpoints holds back no retention
         self._dense_refs = _plain_tensors(model_state)
         self.run_id = _everyone(uuid.uuid4().hex)[0]  # rank 0's: every part of this run carries it
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-increments")

@@ -11,6 +11,7 @@ from harness import build_sharded_model, make_batches, train_step
 from torchrec.distributed.model_tracker.types import TrackingMode
 
 from persistent_delta import PersistentTrackerConfig, attach
+from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.trainer.increments import Checkpoints
 
 
@@ -83,4 +84,7 @@ def step_counter_case(rank: int, world_size: int, root: str) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - the test reads the type
         return f"{type(exc).__name__}: {exc}"
     finally:
+        path = tracker.path
         tracker.close()
+        with DeltaLog(path, readonly=True) as log:  # refused: it registered no consumer holding back retention
+            assert sorted(log.read(lambda r: r.consumers())) == ["default"], log.read(lambda r: r.consumers())
