@@ -264,8 +264,9 @@ class WriterOptions:
             the transaction starts at once, instead of after a hand-off to the writer thread,
             which must first get the GIL and a core (on a busy host, a tail of tens of ms in a
             replica's freshness). The call then lasts the commit too (the encode, checksums,
-            row-format conversions and LMDB's commit of the publish). ``False``: handed to the
-            writer thread; the call returns after the gather.
+            row-format conversions and LMDB's commit of the publish; with
+            ``Durability.SYNC``, its fsync). ``False``: handed to the writer thread; the call
+            returns after the gather.
     """
 
     max_pending_bytes: int = 512 << 20
