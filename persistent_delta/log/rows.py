@@ -167,16 +167,20 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
         # per-call overhead than torch's scatter_reduce
         lowest, span = dense
         slots = _slots(ids, lowest).numpy()
-        positions = np.arange(n, dtype=np.int64)
+        # positions as int32 when they (and the sentinel n) fit: the table (span entries,
+        # filled and scanned whole) is then half the memory, which is most of this path's time
+        pos_dtype = np.int32 if n < np.iinfo(np.int32).max else np.int64
+        positions = np.arange(n, dtype=pos_dtype)
         if mode == UpdateMode.FIRST:
-            slot = np.full(span, n, dtype=np.int64)
+            slot = np.full(span, n, dtype=pos_dtype)
             np.minimum.at(slot, slots, positions)
             found = np.flatnonzero(slot != n)
         else:
-            slot = np.full(span, -1, dtype=np.int64)
+            slot = np.full(span, -1, dtype=pos_dtype)
             np.maximum.at(slot, slots, positions)
             found = np.flatnonzero(slot >= 0)
-        return _present(torch.from_numpy(found), lowest, ids.dtype), torch.from_numpy(slot[found])
+        picked = slot[found].astype(np.int64, copy=False)
+        return _present(torch.from_numpy(found), lowest, ids.dtype), torch.from_numpy(picked)
     sorted_ids, order = _stable_sort(ids)
     keep = torch.empty(n, dtype=torch.bool)
     if mode == UpdateMode.FIRST:
