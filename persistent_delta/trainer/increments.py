@@ -288,6 +288,13 @@ class Checkpoints:
         self._buffers = RowBuffers()  # the increments' row copies, reused (the last write done first)
         self._tables: Dict[str, LocalTable] = tracker.local_tables
         self._layout = layout_of(self._tables)
+        managed = sorted(name.replace("_dmp_wrapped_module.", "") for name, m in dmp.named_modules()
+                         if trec.mc_collection_of(m) is not None)
+        if managed:
+            raise InvalidInputError(
+                f"{managed} hold managed-collision (ZCH) tables: an increment does not carry their raw-id maps (which "
+                "raw id each row holds), so a restore would pair the increments' rows with the base's maps. Take full "
+                "DCP checkpoints of this model (dmp.state_dict() carries the maps and the tracker's state)")
         model_state = self._model_state()
         untracked = sorted(set(_local_sharded(model_state)) - set(self._tables))
         if untracked:

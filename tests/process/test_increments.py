@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from harness import run_spawn
-from increments_cases import other_plan_case, other_world_case, step_counter_case
+from increments_cases import other_plan_case, other_world_case, refused_models_case
 from persistent_delta.checkpoint.chain import latest_chain
 from persistent_delta.checkpoint.format import base_dir
 from procs import RankProcs
@@ -165,6 +165,9 @@ def test_a_base_of_another_plan_or_world_size_is_refused_with_a_typed_error(tmp_
     (one,) = run_spawn(other_world_case, 1, str(tmp_path), timeout=240)
     assert (one["column_wise"] or "").startswith("ShardLayoutError"), one
     assert "saved by 2 ranks and this job runs 1" in one["column_wise"], one
-    # a fused optimizer whose step counter no state holds: refused, a restore would not be bit-exact
-    (ema,) = run_spawn(step_counter_case, 1, str(tmp_path), timeout=240)
-    assert (ema or "").startswith("InvalidInputError") and "step counter" in ema and "t0" in ema, ema
+    # a fused optimizer whose step counter no state holds, managed-collision tables whose raw-id
+    # maps no increment holds: refused, a restore would not be bit-exact
+    (refused,) = run_spawn(refused_models_case, 1, str(tmp_path), timeout=240)
+    ema, managed = refused["step_counter"] or "", refused["managed"] or ""
+    assert ema.startswith("InvalidInputError") and "step counter" in ema and "t0" in ema, ema
+    assert managed.startswith("InvalidInputError") and "managed-collision" in managed and "['sparse']" in managed, managed

@@ -62,7 +62,23 @@ def other_world_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
                                           os.path.join(root, "log-one-rank"))}
 
 
-def step_counter_case(rank: int, world_size: int, root: str) -> Optional[str]:
+def refused_models_case(rank: int, world_size: int, root: str) -> Dict[str, Optional[str]]:
+    """Checkpoints for a model whose fused optimizer keeps a step counter, and for one with
+    managed-collision tables: ``"<type>: <message>"`` of what each raises (None: nothing)."""
+    from zch_cases import build_mc_model
+
+    dmp = build_mc_model(rank, world_size)
+    tracker = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, path=os.path.join(root, "log-mc")))
+    try:
+        Checkpoints(dmp, None, os.path.join(root, "ckpt-mc")).close()
+        managed = None
+    except Exception as exc:  # noqa: BLE001 - the test reads the type
+        managed = f"{type(exc).__name__}: {exc}"
+    tracker.close()
+    return {"step_counter": _step_counter(root), "managed": managed}
+
+
+def _step_counter(root: str) -> Optional[str]:
     """Checkpoints for a model whose fused optimizer keeps a step counter (EMA in-place row-wise
     Adagrad, FBGEMM's ``iter``): ``"<type>: <message>"`` of what it raises (None: nothing)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
