@@ -287,7 +287,7 @@ def breakdown(calls: List[Tuple[int, int]], writer: WriterTrace, replica: List[D
     from the ``publish()`` call to the replica's commit, which add up to ``lag``:
 
     * ``call``: the ``publish()`` call, up to its transaction when it commits it itself
-      (``WriterOptions.inline_publish``, the default: then the call's wait for the writer
+      (``WriterOptions.inline_publish``, ``--inline-publish``: then the call's wait for the writer
       thread's earlier commits is part of it); ``queue``: from its hand-off until the writer
       took it (the writer busy with an earlier commit, or lingering; about 0 inline);
     * ``lock``: the writer waiting for LMDB's writer lock (held by the replica's commit);
@@ -381,6 +381,7 @@ class Replica:
 
 
 _QUICK = False  # --quick: the smoke run's small tables and batches (set by main)
+_INLINE_PUBLISH = False  # --inline-publish: the trainer's WriterOptions(inline_publish=True) (set by main)
 
 
 def _workload() -> Any:
@@ -397,9 +398,12 @@ def _tracked(root: str, seed: int) -> Any:
     from benchmarks._model import build_dmp
     from persistent_delta import PersistentTrackerConfig, attach
 
+    from persistent_delta.config import WriterOptions
+
     dmp = build_dmp(_workload(), seed=seed)
     tracker = attach(dmp, PersistentTrackerConfig(path=root, tracking_mode=TrackingMode.ID_ONLY, consumers=[CONSUMER],
-                                                  delete_on_read=True, fresh=True))
+                                                  delete_on_read=True, fresh=True,
+                                                  writer=WriterOptions(inline_publish=_INLINE_PUBLISH)))
     return dmp, tracker
 
 
@@ -705,11 +709,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--replica-read-threads", type=int, default=None,
                     help="the replica's LogOptions.read_threads (PERSISTENT_DELTA_READ_THREADS; default: the "
                          "library's, 1; 0: the process's torch threads)")
+    ap.add_argument("--inline-publish", action="store_true",
+                    help="the trainer's WriterOptions(inline_publish=True): publish() commits its transaction itself "
+                         "(default: the library's, handed to the writer thread)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the trainer process (seconds; default: Python's 0.005)")
     args = ap.parse_args(argv)
     if args.role == "replica":
         return replica_main(args.root, args.replica_out, args.replica_stop, args.replica_from_stamp)
+    global _INLINE_PUBLISH
+    _INLINE_PUBLISH = args.inline_publish
     if args.quick:
         global _QUICK
         _QUICK = True

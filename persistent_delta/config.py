@@ -265,8 +265,10 @@ class WriterOptions:
             which must first get the GIL and a core (on a busy host, a tail of tens of ms in a
             replica's freshness). The call then lasts the commit too (the encode, checksums,
             row-format conversions and LMDB's commit of the publish; with
-            ``Durability.SYNC``, its fsync). ``False``: handed to the writer thread; the call
-            returns after the gather.
+            ``Durability.SYNC``, its fsync): work on the training thread that the writer thread
+            does otherwise. ``False`` (the default): handed to the writer thread; the call
+            returns after the gather. Turn it on where freshness matters more than the
+            training thread's time (figures: ``docs/performance.md``).
     """
 
     max_pending_bytes: int = 512 << 20
@@ -275,7 +277,7 @@ class WriterOptions:
     linger_steps: int = 8
     linger_s: float = 0.25
     linger_bytes: int = 4 << 20
-    inline_publish: bool = True
+    inline_publish: bool = False
 
     def __post_init__(self) -> None:
         if self.max_pending_bytes <= 0 or self.max_pending_steps <= 0:

@@ -27,8 +27,8 @@ gathered and then committed, with the step's records captured so far, in one tra
   The values are those of the moment of the call; training may change the tables as soon as it
   returns.
 * :func:`write_publish`, in that transaction, committed by the thread that called ``publish()``
-  after everything handed to the writer thread before (``WriterOptions.inline_publish``, the
-  default: no wait for the writer thread to be scheduled), or by the writer thread: moves the consumer past the rows read, encodes and writes each table's records, one per
+  after everything handed to the writer thread before (``WriterOptions.inline_publish``: no
+  wait for the writer thread to be scheduled), or by the writer thread (the default): moves the consumer past the rows read, encodes and writes each table's records, one per
   stored row format, from the gathered rows (:func:`encode_formats`), the new snapshot end, and
   enforces retention -- all in one transaction, so a crash leaves either the whole publish or
   none of it (the consumer then reads the same rows again at the next publish).

@@ -281,8 +281,8 @@ class PersistentDeltaTracker(ModelDeltaTracker):
         """Write snapshot records of the rows changed since ``consumer``'s last publish, with their
         values now (:mod:`.publish`). Returns fqn -> rows once captured. They (and the consumer's
         position, and the step's records captured so far) are committed in one transaction: by
-        this call, after what the writer thread was handed before, by default
-        (``WriterOptions.inline_publish``), else by the writer thread (``flush()`` waits).
+        the writer thread (``flush()`` waits), or with ``WriterOptions.inline_publish`` by this
+        call, after what the writer thread was handed before.
         ``consumer`` publishes only: :meth:`get_unique` of it is refused, and so is a publish of
         a consumer that reads (the role is recorded in the log at its first use).
 

@@ -54,10 +54,10 @@ def test_publishing_at_the_same_steps_on_every_rank_is_quiet_and_exact(tmp_path)
         assert all(r["replica_equal"].values()), r
 
 
-def test_a_publish_commits_its_transaction_on_the_calling_thread_by_default(tmp_path):
-    """By default (``WriterOptions.inline_publish``) ``publish()`` commits its records and the
-    step's on the calling thread before it returns, with no hand-off to the writer thread;
-    ``inline_publish=False`` hands them to the writer thread. A replica is exact either way."""
+def test_a_publish_commits_on_the_writer_thread_by_default_and_on_the_caller_when_inline(tmp_path):
+    """By default ``publish()`` hands its records and the step's to the writer thread (nothing
+    of the transaction on the training thread); with ``WriterOptions(inline_publish=True)`` it
+    commits them on the calling thread before it returns. A replica is exact either way."""
     (r,) = run_spawn(inline_case, 1, str(tmp_path / "log"))
     assert r["inline"]["on_caller"] == [True] * 5 and r["inline"]["committed_on_return"] == [True] * 5, r
     assert r["handed"]["on_caller"] == [False] * 5, r

@@ -199,7 +199,7 @@ def same_steps_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 
 
 def inline_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
-    """Each ``publish()`` with the default writer options and with ``inline_publish=False``:
+    """Each ``publish()`` with ``inline_publish=True`` and with the default writer options:
     which thread ran its transaction, whether it was in the log when the call returned (a read
     transaction right after it), and whether a replica that applies
     every poll ends equal to the trainer's tables."""
@@ -213,7 +213,7 @@ def inline_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     real = publish_mod.write_publish
-    for name, options in (("inline", WriterOptions()), ("handed", WriterOptions(inline_publish=False))):
+    for name, options in (("inline", WriterOptions(inline_publish=True)), ("handed", WriterOptions())):
         dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_SGD")
         path = f"{root}-{name}"
         t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=path,
