@@ -16,6 +16,14 @@ tensor bytes) per second and its ratio to the raw page-cache write:
 * ``tracker_writer``: the tracker's ``BackgroundWriter`` (dedup FIRST + encode + group commit)
   fed one ``StepWrite`` per step, timed until its barrier (payload = captured bytes; it
   writes fewer bytes after dedup).
+* ``raw_page_cache_aa``: the raw page-cache write again, ranked against the first one like
+  every other configuration: the A/A floor (how far a ratio moves with nothing changed).
+
+``--processes N`` measures instead how the tracker's writer scales across processes: ``N``
+spawned processes, each writing its own log, started together, against one such process
+alone (interleaved, ``--reps`` times each); each process runs the writer once untimed first.
+The figure is the aggregate captured bytes per second of the ``N`` over the one's
+(``scaling``; the issue's target for 2 is >= 1.8).
 
 Configurations are interleaved over ``--reps`` repetitions (the order rotates); the ratio to
 the raw page-cache write is the median over repetitions of the ratio within a repetition, and
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -137,6 +146,64 @@ def _tracker_writer(path: str, steps: List[Step], n: int, durability: Durability
         lg.close()
 
 
+def _writer_child(args: Tuple[int, int, int, int, int, str, bool], ready: Any, out: Any) -> None:
+    """One process of ``--processes``: its own steps and log; waits at ``ready`` until every
+    process is set up, then writes; puts ``(start, end)`` (``time.monotonic``, one clock for
+    every process on Linux) of its writer's run into ``out``."""
+    steps_n, distinct, tables, ids, dim, path, tune = args
+    if tune:
+        os.environ["PERSISTENT_DELTA_TUNE_MALLOC"] = "1"
+    steps = make_steps(distinct, tables, ids, dim, seed=7)
+    warm = os.path.join(path, "warm")
+    os.makedirs(warm)
+    _raw(warm, steps, min(steps_n, 10), False)  # untimed, as the in-process runs' warm-up
+    _tracker_writer(warm, steps, steps_n, Durability.ON_FLUSH)  # untimed: a fresh process's first run
+    rmtree(warm)  # faults in all its memory, which the in-process runs' later repetitions do not
+    ready.wait()
+    t0 = time.monotonic()
+    _tracker_writer(path, steps, steps_n, Durability.ON_FLUSH)
+    out.put((t0, time.monotonic()))
+
+
+def _processes(args: argparse.Namespace, root: str, total: int) -> None:
+    """``--processes N``: N writer processes together against one alone (see the module docs)."""
+    ctx = multiprocessing.get_context("spawn")
+    gbps: Dict[int, List[float]] = {1: [], args.processes: []}
+    foreign: List[float] = []
+    for rep in range(args.reps):
+        wait_for_quiet(args.wait_quiet)
+        for n in ((1, args.processes) if rep % 2 == 0 else (args.processes, 1)):
+            dirs = [os.path.join(root, f"p{n}-{rep}-{i}") for i in range(n)]
+            ready, out = ctx.Barrier(n + 1), ctx.Queue()
+            procs = []
+            for d in dirs:
+                os.makedirs(d)
+                procs.append(ctx.Process(target=_writer_child, args=(
+                    (args.steps, args.distinct, args.tables, args.ids, args.dim, d, args.tune_malloc), ready, out)))
+                procs[-1].start()
+            ready.wait()  # (every child has built its steps and warmed up)
+            mon = CpuMonitor()
+            spans = [out.get(timeout=600) for _ in procs]
+            for p in procs:
+                p.join()
+                if p.exitcode:
+                    raise SystemExit(f"a writer process failed (exit code {p.exitcode})")
+            foreign.append(mon.foreign_cpus() or 0.0)  # (after the joins: the children's CPU is ours)
+            wall = max(e for _, e in spans) - min(t for t, _ in spans)
+            gbps[n].append(n * total / wall / 1e9)
+            for d in dirs:
+                rmtree(d)
+        log("rep %d done", rep + 1)
+    one, many = gbps[1], gbps[args.processes]
+    per_rep = [many[i] / one[i] for i in range(min(len(one), len(many)))]
+    emit("append_throughput", config="tracker_writer_processes", processes=args.processes,
+         durability=Durability.ON_FLUSH.value, steps=args.steps, total_bytes_per_process=total, reps=len(per_rep),
+         gbps_one=median(one), gbps_together=median(many), gbps_one_per_rep=one, gbps_together_per_rep=many,
+         scaling=median(per_rep), scaling_per_rep=per_rep,
+         target={"min_scaling": 1.8, "met": median(per_rep) >= 1.8} if args.processes == 2 else None,
+         foreign_cpus_max=max(foreign, default=None), tune_malloc=args.tune_malloc, machine=machine())
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=24, help="step groups per configuration (~17 MB each)")
@@ -150,6 +217,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="smoke run: 10 steps of 2,048 ids per table, 1 repetition; a failing configuration fails the run")
     ap.add_argument("--tune-malloc", action="store_true",
                     help="opt in to LogOptions.tune_malloc (process-wide glibc thresholds) for every log opened here")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="instead of the configurations: N tracker writers in N processes (each its own log) "
+                         "together against one alone (the aggregate GB/s ratio, 'scaling')")
     args = ap.parse_args(argv)
     if args.tune_malloc:
         os.environ["PERSISTENT_DELTA_TUNE_MALLOC"] = "1"
@@ -160,11 +230,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     total = per_step * args.steps
     root = workdir("append")
     need = 2 * total + (1 << 30)
-    if free_bytes(root) < need:
-        raise SystemExit(f"not enough disk under {root}: need {need} bytes free")
+    if free_bytes(root) < need * max(1, args.processes):
+        raise SystemExit(f"not enough disk under {root}: need {need * max(1, args.processes)} bytes free")
+    if args.processes:
+        if args.processes < 2:
+            raise SystemExit("--processes: at least 2")
+        try:
+            _processes(args, root, total)
+        finally:
+            rmtree(root)
+        return 0
 
     configs: List[Tuple[str, Optional[Durability], Callable[[str], Any]]] = [
         ("raw_page_cache", None, lambda p: _raw(p, steps, args.steps, False)),
+        ("raw_page_cache_aa", None, lambda p: _raw(p, steps, args.steps, False)),
         ("raw_fsync_per_step", None, lambda p: _raw(p, steps, args.steps, True)),
         ("encode_only", None, lambda p: _encode_only(steps, args.steps)),
     ]
@@ -235,6 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ratio_to_raw_page_cache=median(per_rep) if per_rep else gbps / raw_gbps,
             ratio_of_medians=gbps / raw_gbps,
             ratio_per_rep=per_rep,
+            seconds_per_rep=[secs_of(name, r) for r in rs],
             foreign_cpus_max=max(foreign[(name, d)], default=None),
             **extra,
         )
