@@ -33,7 +33,6 @@ from persistent_delta.log.position_rules import safe_compact
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.records import (
     AppendRecord,
-    EncodeBuffers,
     delete_below,
     encode_records,
     read_lookups,
@@ -81,10 +80,6 @@ class LmdbDeltaStore(DeltaStore):
         self.updateMode = updateMode
         opts = options or LogOptions.resolve(durability=durability, map_size=map_size)
         self._log = DeltaLog(os.fspath(path), readonly=readonly, update_mode=updateMode.value, options=opts)
-        # Reused from append to append (a fresh buffer per record costs zeroing and page faults
-        # of its whole size); used inside the log's write transactions only, which the log
-        # serialises within the process.
-        self._buffers = EncodeBuffers()
 
     @property
     def log(self) -> DeltaLog:
@@ -116,9 +111,10 @@ class LmdbDeltaStore(DeltaStore):
 
     def append_many(self, records: Sequence[AppendRecord]) -> int:
         """Append several records in one transaction (group commit); returns bytes written."""
-        if not records:
+        encoded = encode_records(records, self.updateMode)
+        if not encoded:
             return 0
-        return self._log.write(lambda w: write_records(w, encode_records(records, self.updateMode, self._buffers)))
+        return self._log.write(lambda w: write_records(w, encoded))
 
     def delete(self, up_to_idx: Optional[int] = None) -> None:
         """Delete records with ``batch_idx < up_to_idx``; ``None`` deletes everything."""
