@@ -387,11 +387,31 @@ def drive(args: argparse.Namespace) -> int:
             nats.stop()
 
 
+def _stop(proc: Optional[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+    """SIGKILL a child's process group if it still runs (a failed run leaves no process behind
+    holding the demo's output open)."""
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
+    children: Dict[str, Any] = {}
+    try:
+        return _drive_children(args, t_start, children)
+    finally:
+        for proc in children.values():
+            _stop(proc)
+
+
+def _drive_children(args: argparse.Namespace, t_start: float, children: Dict[str, Any]) -> int:
     out = args.out
-    shipper = _shipper(args) if args.fleet else None
-    server = _child(args, "serve")
-    trainer = _child(args, "train")
+    shipper = children["shipper"] = _shipper(args) if args.fleet else None
+    server = children["server"] = _child(args, "serve")
+    trainer = children["trainer"] = _child(args, "train")
     kill_file = os.path.join(out, "KILL_ME")
     killed = shipper_killed = False
     while trainer.poll() is None:
@@ -400,7 +420,7 @@ def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
             shipper.wait()
             shipper_killed = True
             print("[demo] SIGKILLed the shipper; restarting it", flush=True)
-            shipper = _shipper(args)
+            shipper = children["shipper"] = _shipper(args)
         if not killed and os.path.exists(kill_file):
             os.killpg(trainer.pid, signal.SIGKILL)
             trainer.wait()
@@ -409,7 +429,7 @@ def _drive(args: argparse.Namespace, t_start: float, nats: Any) -> int:
                   flush=True)
             # announced, so that a reader (and tests/process/test_demo.py) knows the warnings below are no fault
             print(f"[demo] {RESTART_WARNINGS}", flush=True)
-            trainer = _child(args, "train")
+            trainer = children["trainer"] = _child(args, "train")
         time.sleep(0.05)
     if trainer.returncode != 0:
         os.killpg(server.pid, signal.SIGKILL)

@@ -98,6 +98,8 @@ def deliver(f: RankFetch, p: RankPosition, taken: Sequence[BufferedRange], meta:
     start = min([pos] + [r.marker.start for r in taken])
     end = taken[-1].marker.end if taken else pos
     rd = RankDelta(rank=f.rank, path=path, start_idx=start, end_idx=end)
+    if taken and taken[0].marker.start == start and taken[0].marker.info.get("covers_from") is not None:
+        rd.covers_from = int(taken[0].marker.info["covers_from"])  # no publish in [covers_from, start), as shipped
     for r in taken:
         for stamp, t in r.marker.info.get("publishes", []):
             rd.publishes[int(stamp)] = min(float(t), rd.publishes.get(int(stamp), float(t)))

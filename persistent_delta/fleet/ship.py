@@ -552,6 +552,8 @@ class Shipper:
             info["deferred"] = int(d.deferred)
         if ended is not None:
             info["batches_ended"] = ended
+        if d.covers_from is not None:  # snapshots: no publish stored nor deleted in [covers_from, start)
+            info["covers_from"] = int(d.covers_from)
         # replicated tables: per row, the publish its value comes from (parts of their own)
         stamps = {fqn: t.stamps for fqn, t in d.tables.items() if t.stamps is not None}
         side = self._side(feed, d.start_idx, d.end_idx, [fqn for fqn, t in d.tables.items() if t.zch is not None])

@@ -39,7 +39,11 @@ It also carries the rank's batches ended, read with its snapshots end when the r
 :func:`~persistent_delta.log.position_rules.snapshots_behind` compares the other ranks' ends
 with), and a rank whose batches ended moved while it published nothing ships an empty range
 ``[end, end)`` with no parts (a *progress marker*) to say so; a marker without the field (an
-older shipper) reads as ``end``, and a reader older than it ignores both.
+older shipper) reads as ``end``, and a reader older than it ignores both. A snapshots marker
+also says how far back its range misses no publish (``"covers_from"``, at or below ``start``:
+the local read's :func:`~persistent_delta.log.position_rules.snapshots_covered_from`), so a
+replica's base taken before ``start`` with nothing published in between is continued by it
+(:mod:`persistent_delta.read.base`); without it (an older shipper) a range covers from its start.
 
 Every message carries the header ``PD-Format`` (:data:`FORMAT_VERSION`); a reader refuses
 another one. Parts also carry ``PD-Epoch``, ``PD-Range`` (``start-end``) and ``PD-Part``
@@ -336,11 +340,14 @@ class Marker:
             ended = d.get("batches_ended")
             if ended is not None:
                 _bounded_int(ended, end, MAX_BATCH_IDX, "batches_ended")
+            covers = d.get("covers_from")
+            if covers is not None:
+                _bounded_int(covers, 0, start + 1, "covers_from")
             if headers is not None and (headers.get("PD-Epoch") != epoch or headers.get("PD-Range") != f"{start}-{end}"):
                 raise ValueError("its headers name another epoch or range than its body")
             log = LogIdentity.from_value(d)
             info = {k: v for k, v in d.items() if k in ("log_id", "log_stamp", "log_end", "v", "job", "channel", "rank",
-                                                        "deferred", "batches_ended")}
+                                                        "deferred", "batches_ended", "covers_from")}
             info["publishes"] = [[b, t] for b, t in publishes.items()]
             return Marker(epoch, start, end, parts, seq, float(shipped), info, side_l, stamps, prev, digests, publishes,
                           formats, log)

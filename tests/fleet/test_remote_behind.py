@@ -85,3 +85,23 @@ def test_publishing_on_every_rank_stays_quiet_remotely(tmp_path, nats_server, ca
     assert cli_main(["offsets", "--server", nats_server.url, "--job", job, "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["snapshots_behind"] == {} and all(c["health"] == "ok" for c in found["consumers"]), found
+
+
+def test_a_remote_poll_continues_a_base_when_nothing_was_published_between(tmp_path, nats_server):
+    """The shipper registers after the job's publishes, so each rank's first shipped range starts
+    at its first publish, past batch 1; nothing was published before it, and the marker says so
+    (``covers_from``): a replica on the tables of batch 0 (continuing from batch 1) applies the
+    poll, as a local one does (it was refused with StaleBaseError)."""
+    from persistent_delta.read.base import BaseTables
+
+    root, job = str(tmp_path / "log"), "covers"
+    _trained_and_shipped(root, nats_server.url, job, [0, 1])
+    with RemoteConsumer(nats_server.url, job, "replica", channel="snapshots", wait=30) as consumer:
+        poll = consumer.poll(timeout=3.0)
+        assert sorted(poll.ranks) == [0, 1] and all(d.start_idx > 1 for d in poll.ranks.values()), poll.ranges
+        assert all(d.covers_from is not None and d.covers_from <= 1 for d in poll.ranks.values()), poll.ranks
+        fqns = {fqn for d in poll.ranks.values() for fqn in d.tables}
+        base = BaseTables({fqn: torch.zeros(100, 8) for fqn in fqns}, positions={0: 1, 1: 1},
+                          source="the tables of batch 0")
+        apply_poll(base, poll, complete_only=False)  # every table of the job: rows of both ranks
+        assert base.positions == {r: d.end_idx for r, d in poll.ranks.items()}
