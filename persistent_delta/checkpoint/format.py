@@ -49,6 +49,7 @@ import torch
 
 from persistent_delta.errors import FormatMismatchError, IncrementChainError, InvalidInputError
 from persistent_delta.log.layout import atomic_write_bytes, atomic_write_chunks
+from persistent_delta.log.rows import scatter_rows
 
 # 2: parts in the safetensors layout with a CRC-32C (1: torch.save files with a CRC-32)
 FORMAT_VERSION = 2
@@ -430,18 +431,7 @@ def write_rows(targets: Sequence[torch.Tensor],
         flat = ids.reshape(-1).long()
         at = flat if whole else flat[keep]
         for target, saved in zip(targets, sources):
-            _copy_rows(target, at, saved if whole else saved[keep])
-
-
-def _copy_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """``target[ids] = rows`` (``ids`` unique, in range): on the CPU through numpy, whose row
-    assignment copies each row whole (torch's ``index_copy_`` goes element by element, more than
-    twice slower); else, and for dtypes numpy lacks, ``index_copy_``."""
-    if target.device.type == rows.device.type == "cpu" and target.dtype == rows.dtype and \
-            target.dtype not in (torch.bfloat16,) and tuple(rows.shape) == (len(ids), *target.shape[1:]):
-        target.detach().numpy()[ids.numpy()] = rows.detach().numpy()
-    else:
-        target.index_copy_(0, ids.to(target.device), rows.to(target.device))
+            scatter_rows(target, at, saved if whole else saved[keep])
 
 
 __all__ = ["BASE_INFO", "BaseInfo", "DCP_METADATA", "FORMAT_VERSION", "GROUPS_KEY", "INCREMENTS", "Layout",

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from persistent_delta.checkpoint import chain as chains
 from persistent_delta.checkpoint.format import TRACKER_STATE_KEY, Layout, read_part, row_ids
 from persistent_delta.errors import IncompleteBaseError
+from persistent_delta.log.rows import scatter_rows
 from persistent_delta.log.schema import LogIdentity
 
 
@@ -155,10 +156,8 @@ def _apply_part(tables: Dict[str, torch.Tensor], layout: Layout, part: Dict[str,
         row_off, col_off, local_rows, cols = layout[fqn]
         ids = row_ids(rows["ids"], local_rows, fqn) + row_off
         table = tables[fqn]
-        if col_off == 0 and cols == table.shape[1]:
-            table.index_copy_(0, ids, rows["weights"])
-        else:
-            table[:, col_off:col_off + cols].index_copy_(0, ids, rows["weights"])
+        scatter_rows(table if col_off == 0 and cols == table.shape[1] else table[:, col_off:col_off + cols], ids,
+                     rows["weights"])
     for fqn, table in tables.items():
         whole = part["dense"].get(f"{fqn}.weight")
         if whole is not None and fqn not in part["rows"] and tuple(whole.shape) == tuple(table.shape):

@@ -40,7 +40,7 @@ from torchrec.distributed.model_tracker.types import UniqueRows
 from persistent_delta.errors import IncompletePollError, InvalidInputError, NotALogError, RanksBehindError
 from persistent_delta.log import position_rules
 from persistent_delta.log.layout import PathLike
-from persistent_delta.log.rows import row_cells
+from persistent_delta.log.rows import scatter_rows
 from persistent_delta.log.schema import ShardInfo
 from persistent_delta.log.shard_files import load_shards, shard_batches, shard_identities, shard_positions, whole_tables
 from persistent_delta.read.base import BaseTables
@@ -212,7 +212,7 @@ def apply_poll(
         for target, part in plan:
             states = part.states
             assert states is not None
-            _write_rows(target, part.global_ids, states.reshape(states.shape[0], -1))
+            scatter_rows(target, part.global_ids, states.reshape(states.shape[0], -1))
             out.rows += int(part.ids.numel())
             out.nbytes += states.numel() * states.element_size()
     if follows is not None:
@@ -239,23 +239,6 @@ def check_poll(poll: DeltaPoll, complete_only: bool) -> None:
         raise IncompletePollError(
             f"the poll read ranks {sorted(poll.ranks)} (world size {poll.world_size}) over ranges {poll.ranges}: "
             "some rank's part of these publishes is not in it; nothing was applied")
-
-
-def _write_rows(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """``target[ids] = rows``, in place: ``target`` 2-D, ``rows`` ``(len(ids), target's
-    columns)`` of its dtype, ``ids`` distinct and within its rows (the caller checked them).
-
-    On CPU, with each row of both contiguous (a column slice of a wider table included), the
-    rows are copied as numpy row cells (:func:`persistent_delta.log.rows.row_cells`: one
-    ``memcpy`` a row, about twice as fast as ``index_copy_``); otherwise by ``index_copy_``.
-    """
-    row_bytes = int(rows.shape[1]) * rows.element_size() if rows.dim() == 2 else 0
-    if (row_bytes and target.dim() == 2 and target.device.type == "cpu" and rows.device.type == "cpu"
-            and target.dtype == rows.dtype and target.shape[1] == rows.shape[1]
-            and target.stride(1) == 1 and rows.stride(1) == 1):
-        row_cells(target, row_bytes)[ids.numpy()] = row_cells(rows, row_bytes)
-    else:
-        target.index_copy_(0, ids, rows)
 
 
 def _replicated(fqn: str, parts: List[TableDelta]) -> TableDelta:

@@ -335,7 +335,7 @@ def test_apply_poll_writes_the_merged_rows_into_every_kind_of_table(tmp_path, wo
 def test_apply_writes_rows_of_every_dtype_bit_for_bit(dtype):
     """The row copy of ``apply_poll`` moves each row's bytes whatever the dtype (bfloat16 has
     no numpy type), into a column slice of a wider table, rows from a column slice too."""
-    from persistent_delta.serve.apply import _write_rows
+    from persistent_delta.log.rows import scatter_rows
 
     g = torch.Generator().manual_seed(3)
     wide = torch.randint(0, 250, (50, 12), generator=g).to(dtype)
@@ -344,9 +344,31 @@ def test_apply_writes_rows_of_every_dtype_bit_for_bit(dtype):
     ids = torch.tensor([0, 7, 8, 21, 30, 49])
     want = wide.clone()
     want[:, 4:9][ids] = src
-    _write_rows(target, ids, src)
+    scatter_rows(target, ids, src)
     assert torch.equal(wide.view(torch.uint8) if dtype != torch.uint8 else wide,
                        want.view(torch.uint8) if dtype != torch.uint8 else want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_scatter_rows_on_each_of_its_paths_equals_indexing(n):
+    """``log.rows.scatter_rows``, shared by the replica's apply and a checkpoint chain's rows: no
+    rows, one, several; 2-D rows and 1-D ones (a row-wise optimizer state), int32 ids, a
+    non-contiguous 1-D target and rows of another dtype (both by ``index_copy_``)."""
+    from persistent_delta.log.rows import scatter_rows
+
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randperm(40, generator=g)[:n]
+    cases = [
+        (torch.randn(40, 6, generator=g), torch.randn(n, 6, generator=g), ids),
+        (torch.randn(40, generator=g), torch.randn(n, generator=g), ids.to(torch.int32)),
+        (torch.randn(80, generator=g)[::2], torch.randn(n, generator=g), ids),
+        (torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randn(n, 6, generator=g, dtype=torch.float64), ids),
+    ]
+    for target, rows, at in cases:
+        want = target.clone()
+        want[at.long()] = rows
+        scatter_rows(target, at.long() if at.dtype != torch.int32 else at, rows)
+        assert torch.equal(target, want), (target.shape, rows.shape, at.dtype)
 
 
 def _part(rank: int, ids: List[int], col: int = 0, width: int = 2, row_offset: int = 0,
