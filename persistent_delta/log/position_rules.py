@@ -62,6 +62,7 @@ The merged record says which batches it covers, so a position that later lands i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Collection, Dict, List, Optional, Tuple
 
@@ -424,8 +425,7 @@ def _expire(w: WriteTxn, bound: RetentionBound, channel: str) -> List[str]:
                 break
             doomed.append(rest.pop(0)[1])
     for name in doomed:
-        entry = live[name]
-        entry.expired = True
+        entry = dataclasses.replace(live[name], expired=True)
         w.set_consumer(name, entry)
         logger.warning(
             "EXPIRED consumer %r (%s) of %s: it is at batch %d, %d batches behind the channel end %d, beyond the "

@@ -20,6 +20,7 @@ delivers (:class:`Delivery`), which decides what the trainer may filter and comp
 from __future__ import annotations
 
 import enum
+import functools
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -279,9 +280,10 @@ class CommitPoint:
         return None if self.end < 0 else max(0, self.end - self.offset)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConsumerEntry:
-    """A registered consumer of one channel of one rank's log.
+    """A registered consumer of one channel of one rank's log (immutable: a change is a new
+    entry, :meth:`committed` or ``dataclasses.replace``, written with ``WriteTxn.set_consumer``).
 
     Attributes:
         offset: the next batch_idx to read (Kafka's committed offset: last read + 1).
@@ -339,13 +341,22 @@ class ConsumerEntry:
                              self.role or role or "")
 
     def to_bytes(self) -> bytes:
-        d = asdict(self)
-        d["delivery"] = self.delivery.value
-        d["history"] = [[p.time, p.offset, p.end] for p in self.history]
-        return codec.pack(d)
+        return codec.pack({
+            "offset": self.offset, "channel": self.channel, "delivery": self.delivery.value,
+            "commit_time": self.commit_time, "registered_by": self.registered_by, "expired": self.expired,
+            "history": [[p.time, p.offset, p.end] for p in self.history], "format": self.format, "role": self.role,
+        })
 
     @staticmethod
     def from_bytes(name: str, buf: bytes) -> "ConsumerEntry":
+        """Decode a stored entry. Entries are immutable and decoding is a function of
+        ``(name, buf)`` alone, so recent decodes are reused: a writer's transaction reads every
+        consumer several times (the window filter, the consume rule, retention), and most
+        entries do not change between transactions."""
+        return _decode_consumer(name, bytes(buf))
+
+    @staticmethod
+    def _decode(name: str, buf: bytes) -> "ConsumerEntry":
         what = f"consumer entry {name!r}"
         d = _as_map(codec.unpack(buf, what), what)
         offset = d.get("offset")
@@ -380,6 +391,11 @@ class ConsumerEntry:
             format=_format(d.get("format"), what),
             role=_role(d.get("role"), what),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_consumer(name: str, buf: bytes) -> ConsumerEntry:
+    return ConsumerEntry._decode(name, buf)
 
 
 def _role(raw: object, what: str) -> str:

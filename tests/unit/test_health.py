@@ -88,6 +88,27 @@ def test_a_damaged_history_is_refused():
         ConsumerEntry.from_bytes("c", bad)
 
 
+def test_decoded_entries_are_reused_immutable_and_still_checked():
+    """A writer's transaction decodes every consumer several times: decodes of the same bytes
+    are reused, so an entry cannot be changed in place, other bytes decode anew, and damaged
+    bytes are refused on every read (a refusal is not remembered as an entry)."""
+    import dataclasses
+
+    e = ConsumerEntry.new(3, "snapshots", Delivery.POLL_COMMIT).committed(4, 9)
+    raw = e.to_bytes()
+    first, again = ConsumerEntry.from_bytes("c", raw), ConsumerEntry.from_bytes("c", bytearray(raw))
+    assert first == e and again is first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.offset = 7  # type: ignore[misc]
+    moved = ConsumerEntry.from_bytes("c", e.committed(5).to_bytes())
+    assert moved.offset == 5 and first.offset == 4
+    assert ConsumerEntry.from_bytes("other", raw) is not first  # a name is part of what is decoded
+    bad = codec.pack({"offset": -1})
+    for _ in range(2):
+        with pytest.raises(CorruptRecordError, match="offset"):
+            ConsumerEntry.from_bytes("c", bad)
+
+
 def test_a_real_consumer_that_stops_committing_while_data_arrives_is_stalled(tmp_path):
     """Two consumers of a log being written: the one that keeps committing is ok, the one that
     stopped is stalled once its silence outlasts its window, in ``describe`` and ``offsets``."""

@@ -4,6 +4,7 @@ from the same rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -81,7 +82,7 @@ def test_bounds_never_cross_and_the_open_batch_is_legal(tmp_path):
     assert rank.log_start <= rank.log_end
     entry = ConsumerEntry.new(end + 1, LOOKUPS, Delivery.IN_TRANSACTION)
     assert position_rules.position_status(entry, start, end) == position_rules.OPEN_BATCH
-    entry.offset = end + 2
+    entry = dataclasses.replace(entry, offset=end + 2)
     assert position_rules.position_status(entry, start, end) == position_rules.PAST_END
     log.close()
 
