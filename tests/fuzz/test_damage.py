@@ -1,5 +1,6 @@
 """Damaged files: truncations and byte flips on copies of a real log,
-opened by every tool and by a consumer, each in its own process: never a death by signal, never
+opened by every tool and by a consumer, in a process apart from the test's (one for all the cases of a
+fuzz run, so that torch imports once): never a death by signal, never
 an exception that is not the library's, and a poll that succeeds returns exactly the undamaged
 rows unless verify reports damage."""
 
@@ -11,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+from typing import Dict, List
 
 import pytest
 import torch
@@ -25,9 +27,10 @@ PROBE = r"""
 import json, sys, traceback
 from persistent_delta import DeltaReader, PersistentDeltaError
 from persistent_delta.cli import main
-root = sys.argv[1]
-for what in sys.argv[2:]:
-    out = {"what": what}
+roots, whats = json.loads(sys.argv[1]), sys.argv[2:]
+for root, what in [(root, what) for root in roots for what in whats]:
+    out = {"root": root, "what": what}
+    print("START " + json.dumps(out), flush=True)
     try:
         if what == "poll":
             with DeltaReader(root) as r:
@@ -54,29 +57,39 @@ def _make(path: str) -> dict:
         return {d.fqn: sorted(d.ids.tolist()) for d in r.poll()}
 
 
-def _probe(root: str, *whats: str) -> dict:
-    """Run the probes in one process (torch imports once); what -> result."""
+def _probe_cases(roots: List[str], *whats: str) -> Dict[str, dict]:
+    """Run the probes on every root in one process (torch imports once: a process per case
+    cost seconds each); root -> what -> result. A death by signal fails the test naming the
+    case and probe it was in."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", PROBE, root, *whats], capture_output=True, text=True, env=env,
-                          timeout=300)
-    results = {}
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(roots), *whats], capture_output=True, text=True,
+                          env=env, timeout=300 * len(roots))
+    results: Dict[str, dict] = {root: {} for root in roots}
+    last = None
     for ln in proc.stdout.splitlines():
-        if ln.startswith("RESULT "):
+        if ln.startswith("START "):
+            last = json.loads(ln[len("START "):])
+        elif ln.startswith("RESULT "):
             out = json.loads(ln[len("RESULT "):])
-            results[out.pop("what")] = out
-    assert proc.returncode >= 0, (f"died by signal {-proc.returncode} on {root} after {sorted(results)}: "
-                                  f"{proc.stderr[-2000:]}")
-    assert set(results) == set(whats), f"no result for {set(whats) - set(results)}: {proc.stderr[-2000:]}"
-    for what, out in results.items():
-        assert "foreign" not in out, f"{what} raised a foreign exception on {root}:\n{out['foreign']}"
+            results[out.pop("root")][out.pop("what")] = out
+    assert proc.returncode >= 0, (f"died by signal {-proc.returncode} in {last}: {proc.stderr[-2000:]}")
+    for root, res in results.items():
+        assert set(res) == set(whats), f"no result for {set(whats) - set(res)} on {root}: {proc.stderr[-2000:]}"
+        for what, out in res.items():
+            assert "foreign" not in out, f"{what} raised a foreign exception on {root}:\n{out['foreign']}"
     return results
 
 
-def _check_case(root: str, truth: dict) -> None:
-    res = _probe(root, "verify", "offsets", "replay", "poll")
-    damaged = res["verify"].get("rc", 1) != 0 or "error" in res["verify"]
-    if "rows" in res["poll"] and not damaged:
-        assert res["poll"]["rows"] == truth, f"a poll returned other rows than written, and verify said OK: {root}"
+def _probe(root: str, *whats: str) -> dict:
+    """The probes on one root, in a process of their own; what -> result."""
+    return _probe_cases([root], *whats)[root]
+
+
+def _check_cases(roots: List[str], truth: dict) -> None:
+    for root, res in _probe_cases(roots, "verify", "offsets", "replay", "poll").items():
+        damaged = res["verify"].get("rc", 1) != 0 or "error" in res["verify"]
+        if "rows" in res["poll"] and not damaged:
+            assert res["poll"]["rows"] == truth, f"a poll returned other rows than written, and verify said OK: {root}"
 
 
 @pytest.mark.parametrize("fraction", [0.5, 8192])
@@ -125,6 +138,7 @@ def _fuzz(tmp_path, flips: int, truncations: int, seed: int) -> None:
     truth = _make(src)
     size = os.path.getsize(os.path.join(src, DATA_FILE))
     rng = random.Random(seed)
+    cases: List[str] = []
     for i in range(flips + truncations):
         case = str(tmp_path / f"case-{i}")
         shutil.copytree(src, case)
@@ -138,8 +152,8 @@ def _fuzz(tmp_path, flips: int, truncations: int, seed: int) -> None:
                 f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
             else:
                 f.truncate(rng.randrange(size))
-        _check_case(case, truth)
-        shutil.rmtree(case)
+        cases.append(case)
+    _check_cases(cases, truth)
 
 
 def test_damage_fuzz_small(tmp_path):
