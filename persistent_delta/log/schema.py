@@ -23,7 +23,7 @@ import enum
 import functools
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -341,11 +341,10 @@ class ConsumerEntry:
                              self.role or role or "")
 
     def to_bytes(self) -> bytes:
-        return codec.pack({
-            "offset": self.offset, "channel": self.channel, "delivery": self.delivery.value,
-            "commit_time": self.commit_time, "registered_by": self.registered_by, "expired": self.expired,
-            "history": [[p.time, p.offset, p.end] for p in self.history], "format": self.format, "role": self.role,
-        })
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # every field (shallow: no asdict deep copy)
+        d["delivery"] = self.delivery.value
+        d["history"] = [[p.time, p.offset, p.end] for p in self.history]
+        return codec.pack(d)
 
     @staticmethod
     def from_bytes(name: str, buf: bytes) -> "ConsumerEntry":

@@ -103,6 +103,8 @@ def test_decoded_entries_are_reused_immutable_and_still_checked():
     moved = ConsumerEntry.from_bytes("c", e.committed(5).to_bytes())
     assert moved.offset == 5 and first.offset == 4
     assert ConsumerEntry.from_bytes("other", raw) is not first  # a name is part of what is decoded
+    every = dataclasses.replace(first, expired=True, registered_by="external", format="int8", role="publishes")
+    assert ConsumerEntry.from_bytes("c", every.to_bytes()) == every  # every field is stored
     bad = codec.pack({"offset": -1})
     for _ in range(2):
         with pytest.raises(CorruptRecordError, match="offset"):
