@@ -55,6 +55,10 @@ def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 _DENSE_FACTOR = 16
 
 
+# Direct-address tables hold int32 positions below this many ids (with the sentinel ``n``).
+_INT32_POSITIONS = int(np.iinfo(np.int32).max)
+
+
 def _dense(ids: torch.Tensor) -> Optional[Tuple[int, int]]:
     """``(min_id, span)`` when a direct-address table over ``[min_id, min_id + span)`` is
     cheap, else None."""
@@ -169,7 +173,7 @@ def first_or_last(ids: torch.Tensor, mode: UpdateMode) -> Tuple[torch.Tensor, to
         slots = _slots(ids, lowest).numpy()
         # positions as int32 when they (and the sentinel n) fit: the table (span entries,
         # filled and scanned whole) is then half the memory, which is most of this path's time
-        pos_dtype = np.int32 if n < np.iinfo(np.int32).max else np.int64
+        pos_dtype = np.int32 if n < _INT32_POSITIONS else np.int64
         positions = np.arange(n, dtype=pos_dtype)
         if mode == UpdateMode.FIRST:
             slot = np.full(span, n, dtype=pos_dtype)

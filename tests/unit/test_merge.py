@@ -5,13 +5,17 @@ import torch
 from torchrec.distributed.model_tracker.delta_store import _compute_unique_rows
 from torchrec.distributed.model_tracker.types import UpdateMode
 
+from persistent_delta.log import rows
 from persistent_delta.log.rows import compute_unique_rows
 
 
 @pytest.mark.parametrize("mode", list(UpdateMode))
 @pytest.mark.parametrize("high", [50, 10**12])  # dense (direct-address) and sparse (sort) paths
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_matches_torchrec(mode, high, dtype):
+@pytest.mark.parametrize("positions", ["int32", "int64"])  # the direct-address table's, either side of its limit
+def test_matches_torchrec(mode, high, dtype, positions, monkeypatch):
+    if positions == "int64":
+        monkeypatch.setattr(rows, "_INT32_POSITIONS", 1)  # (2**31 ids at full size)
     g = torch.Generator().manual_seed(high % 97 + len(mode.value))
     high = min(high, torch.iinfo(dtype).max)
     ids = [torch.randint(0, high, (n,), generator=g).to(dtype) for n in (40, 0, 25, 60)]
