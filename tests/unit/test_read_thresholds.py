@@ -31,6 +31,8 @@ THRESHOLDS = {
     "_CHUNK_BYTES": "rows picked from a part of one chunk - 1, one chunk, one chunk + 1; rows as wide as a chunk and wider",
     "_DENSE_FACTOR": "dense ids (direct address) and ids spread over 10**12 (the sort)",
     "_FEW_RUNS": "sparse ids in 63 and 65 ascending runs",
+    # the one limit no real size here reaches (2**31 ids): its int64 side is crossed by lowering it
+    "_INT32_POSITIONS": "int32 positions at every size here; int64 in tests/unit/test_merge.py::test_matches_torchrec",
 }
 
 DIM = 128  # fp32: 512-byte rows, 16384 rows = 8 MiB, a 512 KiB chunk = 1024 rows
