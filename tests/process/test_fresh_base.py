@@ -21,7 +21,8 @@ import torch
 
 from fresh_base_cases import child_env, train_in_thread
 from persistent_delta import DeltaConsumer, apply_poll, load_base
-from persistent_delta.errors import StaleBaseError
+from persistent_delta.checkpoint.chain import latest_chain
+from persistent_delta.errors import IncompleteBaseError, IncrementChainError, StaleBaseError
 from persistent_delta.serve.fresh_base import Follower, load_checkpoint_base
 from procs import SUPPORT
 from stale_base_cases import full
@@ -61,6 +62,11 @@ def job(request, tmp_path_factory):  # type: ignore[no-untyped-def]
             old_way = "applied"
         except StaleBaseError as exc:
             old_way = str(exc)
+    # the trainer pauses after step 7, where the increment of step 6 is its newest: a slow
+    # trainer (a loaded machine) may not be there yet when the replica was killed
+    deadline = time.monotonic() + 120
+    while _chain_step(ckpt) < 6 and time.monotonic() < deadline and not done.is_set():
+        time.sleep(0.05)
     open(go, "w").close()
     # started again with no state of its own: the same consumer name, its committed position
     consumer = DeltaConsumer(root, "serving.snapshots", channel="snapshots")
@@ -73,6 +79,14 @@ def job(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     tables = {k: v.clone() for k, v in follower.tables.items()}
     consumer.close()
     return root, ckpt, base0, result["ranks"], tables, killed_at, (old_way, started)
+
+
+def _chain_step(ckpt: str) -> int:
+    """The step the newest complete chain under ``ckpt`` restores to (-1: none yet)."""
+    try:
+        return latest_chain(ckpt).step
+    except (IncompleteBaseError, IncrementChainError, OSError):
+        return -1
 
 
 def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
