@@ -31,9 +31,8 @@ Never a silent gap. Nor for raw ids: a lookups range of a job with managed-colli
 shipped without their side records (by an older shipper) raises :class:`FormatMismatchError`
 instead of reading as "no reassignments". A snapshots progress marker (an empty range: the
 rank's batches ended, :mod:`persistent_delta.fleet.wire`) only updates what the rank reported
-(:attr:`RankFetch.reported`, the pair :func:`~persistent_delta.log.position_rules.snapshots_behind`
-reads).
-"""
+(:attr:`RankFetch.reported` and :attr:`RankFetch.proven`: what
+:func:`~persistent_delta.log.position_rules.snapshots_behind` reads)."""
 
 from __future__ import annotations
 
@@ -104,6 +103,7 @@ class RankFetch:
     left: Set[str] = field(default_factory=set)  # epochs an explicit epoch start replaced: their markers are replays
     # snapshots: (snapshots end, batches ended) as its newest marker at the buffered end said (None: not known)
     reported: Optional[Tuple[int, int]] = None
+    proven: int = 0  # snapshots: one past the newest publish stamp its markers showed (Marker.proven_end)
 
     def expected(self, p: RankPosition) -> Optional[int]:
         """Where the next range should start: the buffered end, or the position."""
@@ -176,7 +176,7 @@ class Fetcher:
         f.ranges.clear()
         f.buffered = 0
         f.gap = None
-        f.reported = None
+        f.reported, f.proven = None, 0
         f.assembler = RangeAssembler(self.job, self.channel, f.rank, self.max_buffer)
 
     # ------------------------------------------------------------------ the job's metadata
@@ -410,7 +410,7 @@ class Fetcher:
             return  # a re-send (or a range already delivered): never applied twice
         assert tables is not None
         f.ranges.append(BufferedRange(m, tables, nbytes, side, stamps))
-        f.reported = (m.end, m.batches_ended)
+        f.reported, f.proven = (m.end, m.batches_ended), m.proven_end(f.proven)
         f.buffered += nbytes
         if m.log is not None:
             p.log = m.log
@@ -425,7 +425,7 @@ class Fetcher:
         expected = f.expected(p)
         if (expected is None or m.end == expected) and (m.log is None or p.log is None or m.log == p.log):
             was = f.reported[1] if f.reported is not None and f.reported[0] == m.end else m.end
-            f.reported = (m.end, max(was, m.batches_ended))
+            f.reported, f.proven = (m.end, max(was, m.batches_ended)), m.proven_end(f.proven)
 
     def keep_format(self, m: Marker, got: RangeContent) -> RangeContent:
         """The range's rows of this consumer's row format, by the filter of a local read

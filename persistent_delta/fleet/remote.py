@@ -449,8 +449,9 @@ class RemoteConsumer:
         whose markers said nothing yet is left out."""
         if self.channel != SNAPSHOTS or self._fetch.expected is None or self.missing_ranks():
             return {}
-        ends = {r: f.reported for r, f in self._fetch.fetches.items() if f.reported is not None}
-        return tell_behind(f"job {self.job} on {self.server}", ends, self._told_behind, stacklevel=4)
+        known = {r: f for r, f in self._fetch.fetches.items() if f.reported is not None}
+        return tell_behind(f"job {self.job} on {self.server}", {r: f.reported for r, f in known.items()},
+                           self._told_behind, stacklevel=4, proven={r: f.proven for r, f in known.items()})
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -284,6 +284,17 @@ class Marker:
         nothing more (an older shipper, a range that stops below the snapshots end)."""
         return int(self.info.get("batches_ended", self.end))
 
+    def proven_end(self, before: int) -> int:
+        """Snapshots: one past the newest publish stamp this marker shows the rank holds: its
+        end when it was read with the rank's snapshots end (it carries ``"batches_ended"``),
+        else one past its newest listed publish (a range cut short by the shipper's
+        ``max_batches`` ends at a cut, not at a publish), else ``before`` (what the rank's
+        earlier markers showed). What :func:`~persistent_delta.log.position_rules.snapshots_behind`
+        may hold against another rank."""
+        if "batches_ended" in self.info:
+            return self.end
+        return max(before, max(self.publishes, default=-1) + 1)
+
     @property
     def listing(self) -> List[Listing]:
         """Every part in order: tables, side records, stamps, other formats."""

@@ -22,7 +22,9 @@ Design note
   the next step), ``flush()`` or ``close()`` closes it (:func:`close_stamps`), or a restart
   does (the dead writer's publishes are complete). So a stamp a reader has read never gets
   more records, and the ranks' stamps follow their batches, however many times each publishes
-  in a batch. Positions from where retention deleted up to
+  in a batch. The snapshots end never moves back: a restart keeps every publish (a reader of
+  one rank, such as a shipper, may have read it), and agrees the ranks' ends over the batches
+  it drops (the trainer's restart rule). Positions from where retention deleted up to
   (:func:`served_from`) can be served, so a snapshots consumer whose publishes were deleted
   (the retention bound expired it) is told, never silently served only the later ones.
 * a rank is **behind** on the snapshots channel (:func:`snapshots_behind`) when another
@@ -187,26 +189,37 @@ def close_stamps(w: WriteTxn, below: Optional[int] = None) -> int:
     return end
 
 
+def published_end(r: ReadTxn) -> int:
+    """The snapshots end once the open stamp is closed: one past the newest stamp stored."""
+    stamp = snapshot_open(r)
+    return max(int(r.meta(META_SNAPSHOT_END, 0)), -1 if stamp is None else stamp + 1)
+
+
 def snapshot_open(r: ReadTxn) -> Optional[int]:
     """The open publish stamp (stored, not readable yet), or None."""
     stamp = int(r.meta(META_SNAPSHOT_OPEN, -1))
     return stamp if stamp >= 0 else None
 
 
-def snapshots_behind(ends: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
+def snapshots_behind(ends: Dict[int, Tuple[int, int]], proven: Optional[Dict[int, int]] = None) -> Dict[int, int]:
     """The ranks behind on the snapshots channel (see the module docs).
 
     Args:
         ends: rank -> ``(snapshots end, batches ended)`` of each rank of the job
             (:func:`batches_ended`).
+        proven: rank -> one past the newest publish stamp the rank is known to hold, where that
+            is below its snapshots end (a remote consumer's view of a range a shipper cut short:
+            its end is a cut, not a publish); a rank left out: its snapshots end. Only a stamp a
+            rank is known to hold makes another rank behind.
 
     Returns:
         rank -> the newest publish stamp another rank holds and this one completed the batch of
         without publishing in it (ranks not behind are left out).
     """
+    stamps = [min(e, (proven or {}).get(rank, e)) for rank, (e, _) in ends.items()]
     out: Dict[int, int] = {}
     for rank, (snap, looked) in ends.items():
-        missed = [e - 1 for e, _ in ends.values() if e > snap and looked >= e]
+        missed = [e - 1 for e in stamps if e > snap and looked >= e]
         if missed:
             out[rank] = max(missed)
     return out

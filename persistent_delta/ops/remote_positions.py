@@ -285,13 +285,16 @@ def snapshots_behind(conn: Transport, job: str, ends: StreamEnds, ranks: Sequenc
     """The job's ranks behind on the snapshots channel, by the local readers' rule
     (:func:`persistent_delta.log.position_rules.snapshots_behind`) over each rank's latest
     genuine snapshots marker: its end and the batches ended it carries (a rank that ends
-    batches without publishing ships progress markers: :mod:`persistent_delta.fleet.wire`).
+    batches without publishing ships progress markers: :mod:`persistent_delta.fleet.wire`),
+    holding against other ranks only the publishes the marker shows
+    (:meth:`~persistent_delta.fleet.wire.Marker.proven_end`: a range cut short ends at no publish).
 
     Returns:
         rank -> the newest stamp it completed the batch of without publishing in it.
     """
-    latest = ends.latest(conn, job, SNAPSHOTS, ranks, layout)
-    return position_rules.snapshots_behind({r: (m.end, m.batches_ended) for r, m in latest.items() if m is not None})
+    latest = {r: m for r, m in ends.latest(conn, job, SNAPSHOTS, ranks, layout).items() if m is not None}
+    return position_rules.snapshots_behind({r: (m.end, m.batches_ended) for r, m in latest.items()},
+                                           {r: m.proven_end(0) for r, m in latest.items()})
 
 
 __all__ = ["RemoteConsumerRow", "ShipperRow", "StreamEnds", "StreamRow", "behind_note", "describe_remote",

@@ -386,8 +386,10 @@ class DeltaReader:
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
         bounds = self._bounds_read = self._read_bounds()
-        behind = self._behind({rank: (b[1], b[4]) for rank, b in bounds.items()})
         generations = {rank: b[3] for rank, b in bounds.items()}
+        # a restart or restore half-way leaves the ranks' ends apart until every rank committed it
+        behind = self._behind({rank: (b[1], b[4]) for rank, b in bounds.items()}) if position_rules.settled(
+            generations) else {}
         positions = {rank: position_rules.serve_position(self._positions[rank], a, b, self.channel, self.reset,
                                                    self._label(), where[rank], floor, self._registered_root())
                      for rank, (a, b, floor, _, _) in bounds.items()}

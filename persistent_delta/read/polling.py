@@ -256,7 +256,8 @@ def poll_loop(cycle: PollCycle, max_batches: Optional[int], timeout: Optional[fl
         cycle._poll_wait(deadline)
 
 
-def tell_behind(where: str, ends: Mapping[int, Tuple[int, int]], told: Set[int], stacklevel: int = 2) -> Dict[int, int]:
+def tell_behind(where: str, ends: Mapping[int, Tuple[int, int]], told: Set[int], stacklevel: int = 2,
+                proven: Optional[Mapping[int, int]] = None) -> Dict[int, int]:
     """The ranks behind on the snapshots channel (:func:`~persistent_delta.log.position_rules.snapshots_behind`
     over ``ends``: rank -> ``(snapshots end, batches ended)`` of every rank of the job), told
     once per rank as it falls behind -- a log warning and a :class:`RanksBehindWarning` --
@@ -268,11 +269,13 @@ def tell_behind(where: str, ends: Mapping[int, Tuple[int, int]], told: Set[int],
         ends: each rank's pair.
         told: the ranks already told (updated).
         stacklevel: ``warnings.warn``'s, counted from the caller.
+        proven: rank -> one past the newest publish stamp known of it, where below its end
+            (a remote consumer's: :meth:`~persistent_delta.fleet.wire.Marker.proven_end`).
 
     Returns:
         rank -> the newest publish stamp it lacks (``DeltaPoll.behind``).
     """
-    behind = position_rules.snapshots_behind(dict(ends))
+    behind = position_rules.snapshots_behind(dict(ends), None if proven is None else dict(proven))
     new = {r: b for r, b in behind.items() if r not in told}
     told.clear()
     told.update(behind)

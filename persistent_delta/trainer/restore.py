@@ -46,7 +46,6 @@ from persistent_delta.log.records import (AppendRecord, delete_below, delete_tab
                                      log_start, write_records)
 from persistent_delta.log.rows import compute_unique_rows
 from persistent_delta.log.schema import (
-    CHANNELS,
     LOOKUPS,
     META_CHECKPOINT_FLOOR,
     META_CLOSED_END,
@@ -143,19 +142,30 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
     (:func:`persistent_delta.log.position_rules.restart_generation`): the ranks commit one
     after the other, and polls wait until they all have. Returns the index to continue from.
 
-    ``dropped_ids``: filled with fqn -> the ids of the dropped records of both channels. A
-    shipper may have shipped a dropped batch of this rank before the restart (it ships each
-    rank's log on its own), so a remote replica may hold that batch's published values. And a
-    dropped publish had moved its consumer past every row it carried, rows of earlier, kept
-    batches included (those changed between the consumer's previous publish and the batch):
-    nothing else would publish them again. A restore re-delivers these ids (:func:`redeliver`),
-    so the next publish carries them."""
+    Publishes are never dropped: a reader of one rank (a shipper ships each rank's log on its
+    own) may have read a stamp the rank closed, so the snapshots end never moves back. The
+    dead writer's open stamp is closed (its publish is complete), and when the newest stamp
+    any rank holds is of a batch some rank never completed (the rank killed there may have
+    died before its publish), every rank's snapshots end moves up past it: none reads as
+    behind for a publish the SIGKILL cut short. A rank that did not publish there keeps its
+    rows unread by its publishing consumer, so its next publish carries them. (A rank that
+    also lacked an earlier stamp, one every rank completed, was told then, and is told again
+    at the next publish it skips.) A kept publish carries values of the lost timeline for the
+    rows changed after the checkpoint; the restore re-delivers those, so the next publish
+    carries their restored values.
+
+    ``dropped_ids``: filled with fqn -> the ids of the dropped lookups records. A shipper may
+    have shipped a dropped batch of this rank before the restart, and a consumer that published
+    had moved past its rows. A restore re-delivers these ids (:func:`redeliver`), so every
+    consumer reads them again and the next publish carries them."""
     complete = batch_idx + 1 if complete is None else complete
-    lo, hi, gen = complete, batch_idx, None
+    lo, hi, gen, raise_to = complete, batch_idx, None, None
     if dist.is_initialized() and dist.get_world_size() > 1:
         mine = log.read(position_rules.restart_generation)
-        hi, neg_lo, gen = _max_over_ranks([batch_idx, -complete, mine + 1])
+        published = log.read(position_rules.published_end)
+        hi, neg_lo, gen, newest = _max_over_ranks([batch_idx, -complete, mine + 1, published])
         lo = -neg_lo
+        raise_to = newest if newest > lo else None  # the newest stamp is of a batch some rank never completed
     drop = not (hi == batch_idx and lo >= complete)
 
     def settle(w: WriteTxn) -> int:
@@ -163,37 +173,26 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
         if drop:
             for fqn, entry in w.tables().items():
                 if dropped_ids is not None:
-                    ids = [r.ids for ch in CHANNELS for r in w.iter_records(entry.table_id, lo, None, channel=ch)]
+                    ids = [r.ids for r in w.iter_records(entry.table_id, lo, None, channel=LOOKUPS)]
                     if ids:
                         dropped_ids[fqn] = torch.unique(torch.cat([i.reshape(-1).long() for i in ids]))
-                for channel in CHANNELS:
-                    dropped += delete_table_records(w, entry, lo, None, channel)[0]
-            forget_dropped_stamps(w, lo)
+                dropped += delete_table_records(w, entry, lo, None, LOOKUPS)[0]
             w.set_meta(META_CURR_BATCH, hi)
         w.set_meta(META_CLOSED_END, max(int(w.meta(META_CLOSED_END, 0)), hi + 1))
         if gen is not None:
+            position_rules.close_stamps(w)  # the dead writer's publish is complete
+            if raise_to is not None:
+                w.set_meta(META_SNAPSHOT_END, max(int(w.meta(META_SNAPSHOT_END, 0)), raise_to))
             w.set_meta(META_RESTART_GEN, gen)
         return dropped
 
     dropped = log.write(settle)
     if dropped or hi != batch_idx:
         logger.warning("%s: continuing at batch %d with the other ranks (persisted here: %d; complete on every "
-                       "rank: below %d); dropped %d records of batches not complete on every rank. Batch indices "
-                       "are never reused, so batches [%d, %d) read as empty on every rank", log.path, hi,
+                       "rank: below %d); dropped %d lookups records of batches not complete on every rank. Batch "
+                       "indices are never reused, so batches [%d, %d) read as empty on every rank", log.path, hi,
                        batch_idx, lo, dropped, lo, hi + 1)
     return hi
-
-
-def forget_dropped_stamps(w: WriteTxn, lo: int) -> None:
-    """After a restart dropped the publishes stamped ``lo`` and later: the snapshots end goes
-    back to where what is still stored ends (a dropped stamp is no publish: kept, it made this
-    rank's end pass the others', which then read as behind), and an open stamp among them is
-    forgotten. No reader read a dropped stamp: a poll stops at the lowest end over the ranks,
-    and every rank dropped the same batches."""
-    if int(w.meta(META_SNAPSHOT_END, 0)) > lo:
-        w.set_meta(META_SNAPSHOT_END, position_rules.snapshots_covered_from(w, lo))
-    if int(w.meta(META_SNAPSHOT_OPEN, -1)) >= lo:
-        w.set_meta(META_SNAPSHOT_OPEN, -1)
 
 
 def _difference(have: TrackerMeta, want: TrackerMeta) -> str:

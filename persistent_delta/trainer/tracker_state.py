@@ -142,7 +142,7 @@ class TrackerCheckpoints:
         if ckpt >= last and not any_dropped:
             self._log.write(lambda w: w.set_meta(META_CURR_BATCH, ckpt))
             return ckpt, {}
-        # (a restart that dropped a publish made in the checkpoint's batch: its rows are re-delivered all the same)
+        # (a restart that dropped lookups of the checkpoint's batch: their rows are re-delivered all the same)
         last = max(last, ckpt)
         update_mode = UPDATE_MODE_MAP[self._mode]
         redelivered = self._log.write(

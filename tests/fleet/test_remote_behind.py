@@ -16,7 +16,7 @@ from harness import run_spawn
 from persistent_delta import RemoteConsumer, Shipper, apply_poll
 from persistent_delta.cli import main as cli_main
 from persistent_delta.errors import RanksBehindError, RanksBehindWarning
-from remote_behind_cases import publish_on_case
+from remote_behind_cases import cut_range_case, publish_on_case
 
 pytestmark = pytest.mark.dist
 
@@ -85,6 +85,27 @@ def test_publishing_on_every_rank_stays_quiet_remotely(tmp_path, nats_server, ca
     assert cli_main(["offsets", "--server", nats_server.url, "--job", job, "--format", "json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["snapshots_behind"] == {} and all(c["health"] == "ok" for c in found["consumers"]), found
+
+
+def test_a_range_the_shipper_cut_short_is_no_publish(tmp_path, nats_server, capsys):
+    """Every rank publishes at the same steps; the shipper (``max_batches=4``) has shipped rank
+    0 one range further than rank 1: a range cut at batch 8, with no publish in it, while rank 1
+    had already ended batch 8. The cut is not a publish of rank 0, so rank 1 is not behind --
+    not in the remote poll, nor in ``offsets --server`` (which read the cut's end as a
+    publish: a false RanksBehindWarning in the fleet demo)."""
+    root, job = str(tmp_path / "log"), "cut"
+    r0, _ = run_spawn(cut_range_case, 2, root, nats_server.url, job, timeout=180)
+    assert r0["stamps"][0] < 4 and r0["stamps"][1] >= 8, r0  # the cut at 8 lies between the two publishes
+    with warnings.catch_warnings(), \
+            RemoteConsumer(nats_server.url, job, "replica", channel="snapshots", wait=30) as consumer:
+        warnings.simplefilter("error", RanksBehindWarning)
+        poll = consumer.poll(timeout=3.0)
+        assert poll.behind == {} and poll.complete, poll.behind
+        assert consumer.position() == {0: 4, 1: 4}, consumer.position()  # up to the lower end, rank 1's
+    capsys.readouterr()
+    assert cli_main(["offsets", "--server", nats_server.url, "--job", job, "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["snapshots_behind"] == {}, found
 
 
 def test_a_remote_poll_continues_a_base_when_nothing_was_published_between(tmp_path, nats_server):

@@ -17,7 +17,8 @@ from harness import run_spawn
 from persistent_delta import DeltaConsumer
 from persistent_delta.testing import free_port
 from procs import REPO, SUPPORT
-from restore_cases import dropped_publish_case, halves_missing, killed_between_commits_case, model_state_case
+from restore_cases import (behind_while_settling_case, dropped_publish_case, halves_missing, killed_between_commits_case,
+                           model_state_case)
 
 pytestmark = pytest.mark.dist
 
@@ -30,6 +31,17 @@ def test_no_column_half_while_ranks_settle(tmp_path, stage):
     assert not halves_missing(after), (stage, after)
     assert during["ranges"]["0"] == during["ranges"]["1"], during["ranges"]
     assert after["ranges"]["0"] == after["ranges"]["1"], after["ranges"]
+
+
+def test_no_rank_reads_as_behind_while_the_ranks_settle(tmp_path):
+    """A restart that keeps a publish of a batch some rank never completed moves every rank's
+    snapshots end up to it, one rank's transaction after the other's: while one rank has not
+    committed yet, its end is the old one and it has ended that batch, which read as behind
+    (a false RanksBehindWarning). A poll tells the ranks behind only once their restart
+    generations agree."""
+    r0, _ = run_spawn(behind_while_settling_case, 2, str(tmp_path / "log"), timeout=240)
+    assert r0["during"] == {} and r0["after"] == {}, r0
+    assert r0["warnings"] == [], r0
 
 
 def _start(root: str, steps: int) -> list:
@@ -120,24 +132,29 @@ def test_forgotten_tracker_restore_warns(tmp_path):
         assert len(r["warnings"]) == 1 and "dmp.load_state_dict" in r["warnings"][0], r
 
 
-def test_publish_dropped_by_the_restart_is_published_again(tmp_path):
+def test_publish_of_a_batch_the_restart_drops_is_kept_and_the_replica_ends_bit_exact(tmp_path):
     """A SIGKILL right after a publish that one rank committed and another had not: the restart
-    drops the committed one (its batch is not complete on every rank), and the rows it carried
-    -- changed before the checkpoint too -- are published again, so a replica ends bit-exact."""
+    drops the step of that batch (not complete on every rank) and keeps the publish, moving the
+    other rank's snapshots end up to it; the rows it carried -- changed before the checkpoint
+    too -- and the lost step's rows (re-delivered) reach the replica, which ends bit-exact."""
     r0, r1 = run_spawn(dropped_publish_case, 2, str(tmp_path / "log"), timeout=240)
-    assert r0["dropped"], r0  # the restart did drop rank 0's publish
+    assert r0["dropped"], r0  # the restart did drop rank 0's step
     for r in (r0, r1):
+        assert r["snapshots_end"] == r0["stamp"] + 1, (r0, r1)  # the publish kept; rank 1's end moved up to it
         assert all(r["matches"].values()), r
-        assert r["behind"] == {}, r  # the dropped stamp is no publish end: no rank reads as behind
+        assert r["behind"] == {}, r  # no rank reads as behind
 
 
-def test_publish_in_the_checkpoint_batch_dropped_by_the_restart_is_published_again(tmp_path):
+def test_publish_read_by_a_one_rank_reader_before_the_restart_stays_served(tmp_path):
     """The same with the publish made in the checkpoint's own batch, right after the checkpoint,
-    and the rank that committed it closed (its batch complete) while the other was killed: the
-    restart drops it with the checkpoint at the log's last batch, and the restore still
-    re-delivers the rows it carried, so a replica ends bit-exact."""
+    and the rank that committed it closed (its batch complete) while the other was killed. A
+    reader of that rank alone (a shipper's) read the publish and committed before the restart:
+    the restart keeps it, so that position is still served (a restart that dropped it moved the
+    rank's snapshots end back below the position: the shipper's next read failed or reset, and
+    the remote replica stalled). The replica ends bit-exact."""
     r0, r1 = run_spawn(dropped_publish_case, 2, str(tmp_path / "log"), True, timeout=240)
-    assert r0["dropped"] and not r1["dropped"], (r0, r1)  # the restart dropped rank 0's publish only
+    assert r0["served"] is True, r0
     for r in (r0, r1):
+        assert r["snapshots_end"] == r0["stamp"] + 1, (r0, r1)
         assert all(r["matches"].values()), r
         assert r["behind"] == {}, r

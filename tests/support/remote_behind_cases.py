@@ -25,3 +25,44 @@ def publish_on_case(rank: int, world_size: int, root: str, publishers: Sequence[
     out = {"curr": t.curr_batch_idx}
     t.close()
     return out
+
+
+def cut_range_case(rank: int, world_size: int, root: str, url: str, job: str) -> Dict[str, Any]:
+    """Both ranks publish at the same steps; a shipper with ``max_batches=4`` ships both ranks
+    after the first publish (each rank's range ends at its snapshots end, and the ranks have
+    ended batches past the next cut), then, after the second publish, ships one range of rank 0
+    alone: a range cut at batch 8, holding no publish. Rank 0 ships it; every rank closes."""
+    from persistent_delta import Shipper
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                            async_writes=False))
+    batches = iter(make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank))
+    stamps = []
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            train_step(dmp, next(batches))
+
+    train(3)
+    stamps.append(t.next_stamp)
+    t.publish("serving")
+    train(6)
+    t.flush()
+    dist.barrier()
+    if rank == 0:
+        with Shipper(root, url, job=job, channels=["snapshots"], max_batches=4) as shipper:
+            shipper.run(idle_exit_s=1.0)
+    dist.barrier()
+    train(2)
+    stamps.append(t.next_stamp)
+    t.publish("serving")
+    train(1)
+    t.flush()
+    dist.barrier()
+    if rank == 0:
+        with Shipper(root, url, job=job, channels=["snapshots"], ranks=[0], max_batches=4) as shipper:
+            shipper.run_once()
+    dist.barrier()
+    t.close()
+    return {"stamps": stamps}

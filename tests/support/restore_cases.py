@@ -220,20 +220,26 @@ def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_ba
     SIGKILL leaves rank 1's log as it was at the checkpoint (its writer had committed nothing
     later: neither the step nor the publish) and rank 0's right after the publish (committed,
     its stamp still open: the demo's SIGKILL right after a publish). The restart drops rank 0's
-    publish (its batch is not complete on rank 1); the restore, training on and a publish
-    follow. A replica of the initial tables that applies every publish (``complete_only=True``)
-    must equal the trainer's tables: the dropped publish carried rows changed *before* the
-    checkpoint, which no other publish carries. Returns (each rank) whether its shards match,
-    and whether the restart dropped records on this rank.
+    step (its batch is not complete on rank 1) and keeps its publish (closed: the dead writer's
+    publish is complete), and rank 1's snapshots end moves up to it (rank 1 died before its
+    publish); the restore, training on and a publish follow. A replica of the initial tables
+    that applies every publish (``complete_only=True``) must equal the trainer's tables: the
+    kept publish carried rows changed *before* the checkpoint, which no other publish carries,
+    and rows of the lost step, which the restore re-delivers. Returns (each rank) whether its
+    shards match, whether the restart dropped lookups records on this rank, the snapshots end
+    after the restart and the kept publish's stamp.
 
     ``in_checkpoint_batch``: the publish is made in the checkpoint's own batch, right after the
     checkpoint (no step between), and rank 0 then closes (as a rank does at exit when a
-    collective fails): its batch is complete there and not on rank 1, so the restart drops it
-    while the checkpoint is at the log's last batch."""
+    collective fails): its batch is complete there and not on rank 1. Its publish is closed
+    then, and a reader of rank 0 alone (a shipper's) reads it and commits before the restart:
+    its position must still be served after the restart (``served``), not fall past the end."""
     import logging
     import shutil
 
     from persistent_delta import DeltaReader
+    from persistent_delta.log import position_rules
+    from persistent_delta.log.schema import SNAPSHOTS
     from persistent_delta.serve.apply import apply_poll
     from publish_rules_cases import _initial_replica, _replica_matches
 
@@ -257,6 +263,7 @@ def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_ba
         t._log.copy_compacted(killed)
     if not in_checkpoint_batch:
         train_step(dmp, batches[6])
+    stamp = t.next_stamp
     t.publish("serving")  # committed at once (async_writes=False), its stamp open until the batch ends
     if rank == 0 and not in_checkpoint_batch:  # rank 0's log as the SIGKILL leaves it: the publish committed
         t._log.copy_compacted(killed)
@@ -265,6 +272,10 @@ def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_ba
         for name in ("data.mdb", "lock.mdb"):
             os.remove(os.path.join(rank_dir, name))
         shutil.move(os.path.join(killed, "data.mdb"), os.path.join(rank_dir, "data.mdb"))
+    shipped = None
+    if rank == 0 and in_checkpoint_batch:  # a shipper reads rank 0 alone: the closed publish
+        with DeltaReader(root, channel="snapshots", ranks=[0]) as shipper:
+            shipped = shipper.poll().ranks[0].end_idx
     dist.barrier()
     seen: List[str] = []
     handler = logging.Handler()
@@ -272,6 +283,12 @@ def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_ba
     logging.getLogger("persistent_delta.trainer.restore").addHandler(handler)
     t = attach(dmp, cfg)  # the restart: drops what is not complete on every rank
     logging.getLogger("persistent_delta.trainer.restore").removeHandler(handler)
+    snapshots_end = t._log.read(lambda r: position_rules.bounds(r, SNAPSHOTS)[1])
+    served = None
+    if shipped is not None:  # its position is still served: no OffsetOutOfRangeError (reset=None)
+        with DeltaReader(root, channel="snapshots", ranks=[0]) as shipper:
+            shipper.seek(shipped)
+            served = shipper.poll().ranks[0].start_idx == shipped
     with torch.no_grad():
         for fqn, w in ckpt.items():
             t.local_tables[fqn].weights().copy_(w)
@@ -288,8 +305,65 @@ def dropped_publish_case(rank: int, world_size: int, root: str, in_checkpoint_ba
     dist.barrier()
     with DeltaReader(root, channel="snapshots") as reader:
         apply_poll(replica, reader.poll(), complete_only=True)
-    out = {"matches": _replica_matches(t, replica), "behind": behind,
-           "dropped": any("dropped" in m and "dropped 0 " not in m for m in seen)}
+    out = {"matches": _replica_matches(t, replica), "behind": behind, "stamp": stamp, "snapshots_end": snapshots_end,
+           "served": served, "dropped": any("dropped" in m and "dropped 0 " not in m for m in seen)}
+    dist.barrier()
+    t.close()
+    return out
+
+
+def behind_while_settling_case(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Two ranks publish, train to batch 8; rank 0 alone publishes in batch 8 and is killed
+    right after (its stamp open, batch 8 incomplete), rank 1 completed batch 8. The restart
+    keeps rank 0's publish and moves rank 1's snapshots end up to it; rank 1 is parked before
+    its transaction while rank 0, settled, polls the snapshots channel. Returns (rank 0) the
+    ranks behind that poll and one after the ranks settled reported, and the warnings."""
+    import warnings
+
+    from persistent_delta import DeltaReader
+    from persistent_delta.log.deltalog import DeltaLog
+    from persistent_delta.log.schema import META_SNAPSHOT_END, META_SNAPSHOT_OPEN
+
+    flags = os.path.join(os.path.dirname(root), "flags")
+    os.makedirs(flags, exist_ok=True)
+    held, go = os.path.join(flags, "held"), os.path.join(flags, "go")
+    cfg = PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                  async_writes=False)
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise,column_wise", "EXACT_SGD")
+    batches = make_batches("ec", 12, 8, seed=9, world_size=world_size, rank=rank)
+    t = attach(dmp, cfg)
+    for b in batches[:3]:
+        train_step(dmp, b)
+    t.publish("serving")
+    for b in batches[3:8]:
+        train_step(dmp, b)
+    if rank == 0:
+        before = t._log.read(lambda r: int(r.meta(META_SNAPSHOT_END, 0)))
+        t.publish("serving")  # stamped 8
+    t.close()
+    if rank == 0:  # as the SIGKILL right after the publish's commit left it: batch 8 and its stamp open
+        _rewind(os.path.join(root, "rank-0"), 8)
+        with DeltaLog(os.path.join(root, "rank-0")) as log:
+            log.write(lambda w: (w.set_meta(META_SNAPSHOT_END, before), w.set_meta(META_SNAPSHOT_OPEN, 8)))
+    dist.barrier()
+    park = ParkAfterCollective(held, go)
+    if rank == 1:
+        park.arm()
+    out: Dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t = attach(dmp, cfg)
+        if rank == 0:
+            while not os.path.exists(held):
+                time.sleep(0.01)
+            with DeltaReader(root, channel="snapshots") as reader:
+                out["during"] = dict(reader.poll().behind)
+            open(go, "w").close()
+        dist.barrier()
+        if rank == 0:
+            with DeltaReader(root, channel="snapshots") as reader:
+                out["after"] = dict(reader.poll().behind)
+    out["warnings"] = [str(w.message) for w in seen if "behind" in str(w.message)]
     dist.barrier()
     t.close()
     return out

@@ -37,6 +37,10 @@ def test_a_rank_is_behind_once_it_completed_a_batch_others_published_in():
     assert position_rules.snapshots_behind({0: (6, 9), 1: (0, 9)}) == {1: 5}  # rank 0 only published
     assert position_rules.snapshots_behind({0: (6, 6), 1: (0, 5)}) == {}  # rank 1 is still in batch 5
     assert position_rules.snapshots_behind({0: (6, 7), 1: (3, 7), 2: (1, 4)}) == {1: 5, 2: 2}
+    # a remote view: rank 0's newest range was cut at 8 by the shipper, its newest publish is below 4
+    assert position_rules.snapshots_behind({0: (8, 8), 1: (4, 9)}) == {1: 7}  # the cut read as a publish
+    assert position_rules.snapshots_behind({0: (8, 8), 1: (4, 9)}, {0: 4}) == {}
+    assert position_rules.snapshots_behind({0: (8, 8), 1: (4, 9)}, {0: 6}) == {1: 5}  # a publish at 5 it does hold
     note = position_rules.behind_note({1: 5})
     assert "rank 1 completed batch 5 without publishing" in note and "every rank at the same steps" in note
 
