@@ -38,7 +38,7 @@ from persistent_delta.serve.replay import ReplayFile, replay
 from persistent_delta.cli.report import write_report
 from persistent_delta.cli.keygen import run_keygen
 from persistent_delta.cli.ship import add_connect_arguments, connect_options, niceness, run_ship
-from persistent_delta.cli.stopping import exit_now, stopped_by
+from persistent_delta.cli.stopping import bounded, exit_now, stopped_by
 from persistent_delta.cli.top import printable, run_top
 from persistent_delta.cli.upgrade import upgrade
 from persistent_delta.checkpoint.consolidate import consolidate, remove_old_bases
@@ -589,7 +589,8 @@ def _main(argv: Optional[Sequence[str]], stdout: Optional[TextIO]) -> int:
     try:
         out = func(args)
     except CommandStoppedError as exc:  # SIGTERM/SIGINT while blocked: the stop was asked for
-        print(f"{PROG}: {printable(exc)}", file=sys.stderr)
+        msg = f"{PROG}: {printable(exc)}"
+        bounded(lambda: print(msg, file=sys.stderr, flush=True))  # (stderr may be what it was blocked on)
         return 0
     except (PersistentDeltaError, OSError) as exc:
         print(f"{PROG}: error: {printable(exc)}", file=sys.stderr)

@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Dict, NoReturn, Optional, Type
+from typing import Any, Callable, Dict, NoReturn, Optional, Type
 
 from persistent_delta.config import STOP_GRACE_S
 from persistent_delta.errors import CommandStoppedError
@@ -52,14 +52,29 @@ def exit_now(code: int) -> NoReturn:
     """End the process with ``code`` at once, after flushing stdout, stderr and the log
     handlers: for a command run as the program that a signal stopped, which has closed what it
     opened. The interpreter's teardown (over half a second once torch is loaded) would delay
-    the exit a supervisor waits for, and it has nothing left to release."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    logging.shutdown()
+    the exit a supervisor waits for, and it has nothing left to release. The flushes are
+    :func:`bounded`: a terminal or pipe that stopped reading would block them, and keep the
+    stopped command alive, for good."""
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        logging.shutdown()
+
+    bounded(flush)
     os._exit(code)
+
+
+def bounded(fn: Callable[[], None], timeout: float = STOP_GRACE_S / 2) -> None:
+    """Run ``fn`` (a write to the command's output) for at most ``timeout`` seconds, on a
+    daemon thread: after a stop signal, output that cannot be written (a terminal that stopped
+    reading) is given up, not waited for. (Two of them -- the stop message, the last flushes
+    -- after the grace period keep the exit within a second of the signal.)"""
+    thread = threading.Thread(target=fn, name="persistent-delta-stop-output", daemon=True)
+    thread.start()
+    thread.join(timeout)
 
 
 class StopOnSignals:

@@ -49,6 +49,19 @@ class Screen:
                 self.text += ANSI.sub("", chunk.decode(errors="replace"))
         raise AssertionError(f"{pattern!r} never drawn; last screen:\n{self.text[-3000:]}")
 
+    def drain_until_exit(self, proc: subprocess.Popen, timeout: float = 30.0) -> int:
+        """Read what the child still draws, as a terminal does, until it exits: a terminal that
+        stopped reading would block its last draws (a full pseudo-terminal buffer)."""
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                try:
+                    os.read(self.fd, 65536)
+                except OSError:
+                    break  # the child closed the terminal
+        return proc.wait(max(0.0, deadline - time.monotonic()))
+
 
 def test_top_draws_and_redraws_in_a_terminal(tmp_path):
     root = str(tmp_path / "job")
@@ -73,13 +86,47 @@ def test_top_draws_and_redraws_in_a_terminal(tmp_path):
         m = screen.read_until(row.format(rank=1).replace(r"(\d+)\s*│\s*(\d+)", r"(10)\s*│\s*(\d+)"))
         assert m.group(2) == "0"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert screen.drain_until_exit(proc) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(master)
         slow.close()
+
+
+def test_top_exits_on_sigterm_when_its_terminal_stopped_reading(tmp_path):
+    """A terminal that stopped reading (a paused pager, a stuck ssh session) fills the
+    pseudo-terminal's buffer and blocks top's draws, and then its last draw and its stop
+    message on stderr. SIGTERM still ends it, with status 0: after the signal, output that
+    cannot be written is given up (it used to wait on that write for good)."""
+    root = str(tmp_path / "job")
+    fill_ranks(root, lambda r, b: [("t0", torch.tensor([b, b + 1]), None)], ranks=2, batches=10)
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
+               LINES="50", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "persistent_delta", "top", root, "--interval", "0.05"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    try:
+        screen = Screen(master)
+        screen.read_until(r"RANK.*BATCH.*LOG-START")  # drawing; from now on nobody reads
+        deadline, blocked = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and not blocked:  # until a draw blocks in the tty's write
+            time.sleep(0.5)
+            with open(f"/proc/{proc.pid}/wchan") as f:
+                where = f.read()
+            blocked = where if where in ("wait_woken", "n_tty_write") else ""
+        assert blocked, "top's draws never blocked on the terminal"
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(30) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
 
 
 def test_names_and_errors_from_data_are_drawn_with_control_characters_escaped():
