@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Tuple
 
 import pytest
 import torch
@@ -63,18 +64,25 @@ class Screen:
         return proc.wait(max(0.0, deadline - time.monotonic()))
 
 
+def start_top(root: str, interval: str) -> Tuple["subprocess.Popen[bytes]", int]:
+    """``persistent-delta top ROOT`` in a fresh pseudo-terminal (160 x 50); returns the process
+    and the terminal's side to read."""
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
+               LINES="50", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "persistent_delta", "top", root, "--interval", interval],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    return proc, master
+
+
 def test_top_draws_and_redraws_in_a_terminal(tmp_path):
     root = str(tmp_path / "job")
     fill_ranks(root, lambda r, b: [("t0", torch.tensor([b, b + 1]), None)], ranks=2, batches=10)
     slow = DeltaConsumer(root, "slow")
     slow.poll(max_batches=3)
     slow.commit()
-    master, slave = pty.openpty()
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
-               LINES="50", TERM="xterm-256color")
-    proc = subprocess.Popen([sys.executable, "-m", "persistent_delta", "top", root, "--interval", "0.3"],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-    os.close(slave)
+    proc, master = start_top(root, "0.3")
     try:
         screen = Screen(master)
         row = r"│\s*{rank}\s*│\s*slow\s*│\s*lookups\s*│\s*(\d+)\s*│\s*(\d+)\s*│\s*\d+\s*│[^│]*│\s*(\w+)"
@@ -102,12 +110,7 @@ def test_top_exits_on_sigterm_when_its_terminal_stopped_reading(tmp_path):
     cannot be written is given up (it used to wait on that write for good)."""
     root = str(tmp_path / "job")
     fill_ranks(root, lambda r, b: [("t0", torch.tensor([b, b + 1]), None)], ranks=2, batches=10)
-    master, slave = pty.openpty()
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="160",
-               LINES="50", TERM="xterm-256color")
-    proc = subprocess.Popen([sys.executable, "-m", "persistent_delta", "top", root, "--interval", "0.05"],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
-    os.close(slave)
+    proc, master = start_top(root, "0.05")
     try:
         screen = Screen(master)
         screen.read_until(r"RANK.*BATCH.*LOG-START")  # drawing; from now on nobody reads

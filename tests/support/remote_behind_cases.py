@@ -44,25 +44,17 @@ def cut_range_case(rank: int, world_size: int, root: str, url: str, job: str) ->
         for _ in range(steps):
             train_step(dmp, next(batches))
 
-    train(3)
-    stamps.append(t.next_stamp)
-    t.publish("serving")
-    train(6)
-    t.flush()
-    dist.barrier()
-    if rank == 0:
-        with Shipper(root, url, job=job, channels=["snapshots"], max_batches=4) as shipper:
-            shipper.run(idle_exit_s=1.0)
-    dist.barrier()
-    train(2)
-    stamps.append(t.next_stamp)
-    t.publish("serving")
-    train(1)
-    t.flush()
-    dist.barrier()
-    if rank == 0:
-        with Shipper(root, url, job=job, channels=["snapshots"], ranks=[0], max_batches=4) as shipper:
-            shipper.run_once()
-    dist.barrier()
+    # (steps before the publish, steps after it, ranks shipped, one range each or all)
+    for before, after, ranks, once in ((3, 6, None, False), (2, 1, [0], True)):
+        train(before)
+        stamps.append(t.next_stamp)
+        t.publish("serving")
+        train(after)
+        t.flush()
+        dist.barrier()
+        if rank == 0:
+            with Shipper(root, url, job=job, channels=["snapshots"], ranks=ranks, max_batches=4) as shipper:
+                shipper.run_once() if once else shipper.run(idle_exit_s=1.0)
+        dist.barrier()
     t.close()
     return {"stamps": stamps}
