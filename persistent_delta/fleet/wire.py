@@ -39,7 +39,9 @@ It also carries the rank's batches ended, read with its snapshots end when the r
 :func:`~persistent_delta.log.position_rules.snapshots_behind` compares the other ranks' ends
 with), and a rank whose batches ended moved while it published nothing ships an empty range
 ``[end, end)`` with no parts (a *progress marker*) to say so; a marker without the field (an
-older shipper) reads as ``end``, and a reader older than it ignores both. A snapshots marker
+older shipper) reads as ``end``, and a reader older than it ignores both. A range without the
+field may end at a cut (``max_batches``), not at a publish: only the publishes it lists count
+against the other ranks (:meth:`Marker.proven_end`). A snapshots marker
 also says how far back its range misses no publish (``"covers_from"``, at or below ``start``:
 the local read's :func:`~persistent_delta.log.position_rules.snapshots_covered_from`), so a
 replica's base taken before ``start`` with nothing published in between is continued by it

@@ -161,8 +161,7 @@ def resume_at(log: DeltaLog, batch_idx: int, complete: Optional[int] = None,
     complete = batch_idx + 1 if complete is None else complete
     lo, hi, gen, raise_to = complete, batch_idx, None, None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        mine = log.read(position_rules.restart_generation)
-        published = log.read(position_rules.published_end)
+        mine, published = log.read(lambda r: (position_rules.restart_generation(r), position_rules.published_end(r)))
         hi, neg_lo, gen, newest = _max_over_ranks([batch_idx, -complete, mine + 1, published])
         lo = -neg_lo
         raise_to = newest if newest > lo else None  # the newest stamp is of a batch some rank never completed
