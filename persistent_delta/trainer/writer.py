@@ -11,7 +11,8 @@ EMBEDDING rows into reused blocks on CPU, or starts device-to-host copies), and 
 :class:`~persistent_delta.trainer.operations.PublishRequest` or
 :class:`~persistent_delta.trainer.operations.Compaction`. A single writer thread lets small steps
 gather (up to ``linger_steps`` operations, ``linger_bytes`` or ``linger_s`` seconds, unless
-someone waits for it), then, for every run of queued operations (:func:`commit_operations`):
+someone waits for it), then, for each run of queued operations of at most ``linger_bytes``
+captured bytes (a larger step alone) (:func:`commit_operations`):
 
 1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
@@ -53,7 +54,7 @@ from persistent_delta.log import position_rules
 from persistent_delta.log.codec import SIDE_KINDS
 from persistent_delta.log.deltalog import DeltaLog, WriteTxn
 from persistent_delta.log.records import AppendRecord, EncodeBuffers, encode_records, materialized, write_records
-from persistent_delta.log.rows import compute_unique_rows, unique_ids
+from persistent_delta.log.rows import compute_unique_rows, plan_unique_rows, unique_ids
 from persistent_delta.log.schema import META_CURR_BATCH
 from persistent_delta.threads import default_kept, set_for_this_thread
 from persistent_delta.trainer import publish
@@ -103,10 +104,15 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
         groups.setdefault((r.fqn, r.batch_idx), []).append(r)
     out: List[AppendRecord] = []
     for (fqn, b), recs in groups.items():
-        if len(recs) > 1 or not recs[0].unique:
-            recs = [materialized(r) for r in recs]  # rows kept as rows of a block: gathered to merge
         starts = [r.window_start for r in recs if r.window_start is not None]
         w = min(starts) if starts else None  # the merged record needs the window start of any part
+        one = recs[0]
+        if len(recs) == 1 and not one.unique and mode != UpdateMode.NONE and one.states is not None \
+                and one.states.dim() == 2:
+            out.append(_picked(one, mode, w))  # one record of a block: its kept rows are gathered on encode
+            continue
+        if len(recs) > 1 or not one.unique:
+            recs = [materialized(r) for r in recs]  # rows kept as rows of a block: gathered to merge
         if all(r.unique for r in recs):
             if len(recs) == 1:
                 out.append(recs[0])
@@ -121,6 +127,18 @@ def dedup_records(records: List[AppendRecord], mode: UpdateMode) -> List[AppendR
         rows = compute_unique_rows([r.ids for r in recs], [r.states for r in recs], mode)  # type: ignore[misc]
         out.append(AppendRecord(b, fqn, rows.ids, rows.states, window_start=w))
     return out
+
+
+def _picked(rec: AppendRecord, mode: UpdateMode, window_start: Optional[int]) -> AppendRecord:
+    """The one record of its (table, batch), deduplicated by the update mode's rule, its kept
+    rows left as rows of its 2-D states block: :func:`~persistent_delta.log.records.encode_records`
+    gathers them straight into the encoded value (one copy of the rows, no block of the
+    result's size allocated in between)."""
+    plan = plan_unique_rows([rec.ids], [rec.states], mode)  # type: ignore[list-item]
+    rows = rec.rows
+    if plan.picked is not None:
+        rows = plan.picked if rows is None else rows.index_select(0, plan.picked)
+    return AppendRecord(rec.batch_idx, rec.fqn, plan.ids, rec.states, window_start=window_start, rows=rows)
 
 
 class BackgroundWriter:
@@ -369,8 +387,7 @@ class BackgroundWriter:
                 self._linger()
                 if self._closed:
                     return
-                taken = list(self._queue)
-                self._queue.clear()
+                taken = self._take()
                 self._inflight = taken
             try:
                 self._commit(taken)
@@ -412,6 +429,21 @@ class BackgroundWriter:
             if left <= 0:
                 return
             self._cv.wait(left)
+
+    def _take(self) -> List[_Queued]:
+        """(Lock held.) The operations of the next transaction, off the queue's head: the
+        oldest, and those after it while their captured bytes stay within ``linger_bytes``.
+        Grouping shares a transaction's fixed costs among small steps; past ``linger_bytes``
+        there is nothing left to share, and a transaction of a backlog of large steps would
+        hold all their pages at once: LMDB ``malloc``\\ s a transaction's pages and frees them
+        at its commit, so a larger one page-faults more of them in and encodes past the
+        writer's reused buffers (``benchmarks/append_throughput``)."""
+        taken = [self._queue.popleft()]
+        size = taken[0].nbytes
+        while self._queue and size + self._queue[0].nbytes <= self._opts.linger_bytes:
+            size += self._queue[0].nbytes
+            taken.append(self._queue.popleft())
+        return taken
 
     def _commit(self, taken: List[_Queued]) -> None:
         t0 = time.perf_counter()

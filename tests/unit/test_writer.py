@@ -13,7 +13,7 @@ from persistent_delta.config import WriterOptions
 from persistent_delta.log.schema import ConsumerEntry, Delivery
 from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.rows import compute_unique_rows
-from persistent_delta.log.records import AppendRecord, read_unique
+from persistent_delta.log.records import AppendRecord, materialized, read_unique
 from persistent_delta.trainer.window import WindowFilter
 from persistent_delta.errors import InvalidInputError
 from persistent_delta.trainer.operations import Compaction, StepWrite
@@ -215,6 +215,32 @@ def test_large_steps_do_not_linger(tmp_path):
         time.sleep(0.01)
     assert _committed(log) == [0]
     writer.close()
+
+
+def test_a_backlog_commits_at_most_linger_bytes_a_transaction(tmp_path):
+    """A writer that fell behind takes its backlog in transactions of at most ``linger_bytes``
+    captured bytes (a larger step alone), in order, every step whole: not the whole queue in
+    one transaction holding every page of it."""
+    log = DeltaLog(str(tmp_path / "log"), update_mode="none")
+    writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_bytes=20_000, linger_s=0.0))
+    gate = threading.Event()
+    writer.submit(StepWrite(events=[HeldCopy(lambda: gate.wait(10))]))  # the writer is busy: a backlog
+    time.sleep(0.1)
+    sizes = [1000, 1000, 1000, 5000, 500, 500, 1000, 0]  # ids a step, 8 bytes each; 0: an empty step
+    for b, n in enumerate(sizes):
+        writer.submit(StepWrite(records=[AppendRecord(b, "t", torch.arange(n) + 10 * b)] if n else [],
+                                curr_batch_idx=b))
+    gate.set()
+    writer.barrier()
+    stats = writer.stats()
+    writer.close()
+    # (the held step) + [1000, 1000] + [1000] + [5000: alone, over the limit] + [500, 500, 1000, 0]
+    assert stats["commits"] == 5 and stats["operations"] == 9
+    stored = log.read(lambda r: [(b, rec.ids.tolist()) for (b, _, _), rec in
+                                 zip(r.iter_record_keys(r.table("t").table_id), r.iter_records(r.table("t").table_id))])
+    assert stored == [(b, (torch.arange(n) + 10 * b).tolist()) for b, n in enumerate(sizes) if n]
+    assert log.read(lambda r: r.meta("curr_batch_idx")) == len(sizes) - 1
+    log.close()
 
 
 def test_linger_is_bounded_in_time_and_a_barrier_does_not_wait_for_it(tmp_path):
@@ -535,3 +561,50 @@ def test_rows_gathered_into_reused_encode_buffers_store_the_same_bytes(tmp_path)
         return log.read(lambda r: [(bytes(k), bytes(v)) for k, v in r.iter_raw()])
 
     assert stored(new) == stored(old) and len(stored(new)) >= 16
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.FIRST, UpdateMode.LAST])
+def test_a_deduplicated_record_gathered_on_encode_stores_the_same_bytes(tmp_path, mode):
+    """Without the window filter (LAST, a poll-commit reader, no window), the one record of a
+    (table, batch) keeps its deduplicated rows as rows of its block, gathered once on encode:
+    the stored log is byte for byte the one that gathering the unique rows first writes. Cases:
+    repeated ids, ids already ascending and unique (nothing picked), no ids, int32 ids, a record
+    that already holds its states as rows of a larger block, and two records of one batch."""
+    from persistent_delta.log.records import encode_records, write_records
+    from persistent_delta.trainer.writer import dedup_records
+
+    g = torch.Generator().manual_seed(5)
+    block = torch.randn(50, 4, generator=g)
+    cases = [
+        AppendRecord(1, "t", torch.randint(0, 30, (40,), generator=g), torch.randn(40, 4, generator=g)),
+        AppendRecord(1, "u", torch.arange(0, 60, 3), torch.randn(20, 4, generator=g)),
+        AppendRecord(2, "t", torch.empty(0, dtype=torch.int64), torch.empty(0, 4)),
+        AppendRecord(2, "u", torch.randint(0, 30, (40,), generator=g, dtype=torch.int32), torch.randn(40, 4, generator=g)),
+        AppendRecord(3, "t", torch.randint(0, 30, (25,), generator=g), block, rows=torch.randint(0, 50, (25,), generator=g)),
+        AppendRecord(3, "u", torch.randint(0, 30, (10,), generator=g), torch.randn(10, 4, generator=g)),
+        AppendRecord(3, "u", torch.randint(0, 30, (10,), generator=g), torch.randn(10, 4, generator=g)),
+    ]
+    lazy = dedup_records(cases, mode)
+    assert sum(r.rows is not None for r in lazy) >= 3  # the path under test was taken
+
+    def materialize_first(w):  # each batch's unique rows gathered into a tensor of their own, then encoded
+        groups = {}
+        for r in cases:
+            groups.setdefault((r.fqn, r.batch_idx), []).append(materialized(r))
+        out = []
+        for (fqn, b), recs in groups.items():
+            rows = compute_unique_rows([r.ids for r in recs], [r.states for r in recs], mode)
+            out.append(AppendRecord(b, fqn, rows.ids, rows.states))
+        write_records(w, encode_records(out, mode))
+
+    logs = {}
+    for name, fn in (("lazy", lambda w: write_records(w, encode_records(lazy, mode))), ("old", materialize_first)):
+        logs[name] = DeltaLog(str(tmp_path / name), update_mode=mode.value)
+        logs[name].write(fn)
+
+    def stored(log):
+        return log.read(lambda r: [(bytes(k), bytes(v)) for k, v in r.iter_raw()])
+
+    assert stored(logs["lazy"]) == stored(logs["old"]) and len(stored(logs["old"])) >= 6
+    for log in logs.values():
+        log.close()
