@@ -258,8 +258,8 @@ class WriterOptions:
             ``linger_steps=1`` commits each step as soon as it is queued.
         linger_s: the longest a queued step waits for the group commit (see ``linger_steps``).
         linger_bytes: captured bytes that start the group commit at once (see ``linger_steps``),
-            and the most one transaction gathers: a backlog of larger steps commits one step
-            a transaction (a step's records always go in one).
+            and where one transaction stops gathering: a backlog of larger steps commits one
+            step a transaction (a step's records always go in one).
         inline_publish: ``publish()`` commits its transaction (the rows it gathered, with the
             step's records captured so far) itself, on the calling thread, after what the
             writer thread was handed before (:meth:`~persistent_delta.trainer.writer.BackgroundWriter.commit_inline`):

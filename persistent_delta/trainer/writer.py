@@ -11,8 +11,8 @@ EMBEDDING rows into reused blocks on CPU, or starts device-to-host copies), and 
 :class:`~persistent_delta.trainer.operations.PublishRequest` or
 :class:`~persistent_delta.trainer.operations.Compaction`. A single writer thread lets small steps
 gather (up to ``linger_steps`` operations, ``linger_bytes`` or ``linger_s`` seconds, unless
-someone waits for it), then, for each run of queued operations of at most ``linger_bytes``
-captured bytes (a larger step alone) (:func:`commit_operations`):
+someone waits for it), then, for each run of queued operations, taken until it holds
+``linger_bytes`` of captured bytes (:func:`commit_operations`):
 
 1. waits for pending device-to-host copies (CUDA events);
 2. in **one** LMDB write transaction (group commit): drops rows the window filter has seen,
@@ -432,15 +432,16 @@ class BackgroundWriter:
 
     def _take(self) -> List[_Queued]:
         """(Lock held.) The operations of the next transaction, off the queue's head: the
-        oldest, and those after it while their captured bytes stay within ``linger_bytes``.
-        Grouping shares a transaction's fixed costs among small steps; past ``linger_bytes``
-        there is nothing left to share, and a transaction of a backlog of large steps would
-        hold all their pages at once: LMDB ``malloc``\\ s a transaction's pages and frees them
-        at its commit, so a larger one page-faults more of them in and encodes past the
-        writer's reused buffers (``benchmarks/append_throughput``)."""
+        oldest, and the next ones while those taken hold less than ``linger_bytes`` of captured
+        bytes (so a step and the publish behind it still share one). Grouping shares a
+        transaction's fixed costs among small steps; past ``linger_bytes`` there is nothing
+        left to share, and a transaction of a backlog of large steps would hold all their
+        pages at once: LMDB ``malloc``\\ s a transaction's pages and frees them at its commit,
+        so a larger one page-faults more of them in and encodes past the writer's reused
+        buffers (``benchmarks/append_throughput``)."""
         taken = [self._queue.popleft()]
         size = taken[0].nbytes
-        while self._queue and size + self._queue[0].nbytes <= self._opts.linger_bytes:
+        while self._queue and size < self._opts.linger_bytes:
             size += self._queue[0].nbytes
             taken.append(self._queue.popleft())
         return taken

@@ -218,15 +218,15 @@ def test_large_steps_do_not_linger(tmp_path):
 
 
 def test_a_backlog_commits_at_most_linger_bytes_a_transaction(tmp_path):
-    """A writer that fell behind takes its backlog in transactions of at most ``linger_bytes``
-    captured bytes (a larger step alone), in order, every step whole: not the whole queue in
-    one transaction holding every page of it."""
+    """A writer that fell behind takes its backlog in transactions that stop gathering once
+    they hold ``linger_bytes`` of captured bytes, in order, every step whole: not the whole
+    queue in one transaction holding every page of it."""
     log = DeltaLog(str(tmp_path / "log"), update_mode="none")
     writer = BackgroundWriter(log, UpdateMode.NONE, WriterOptions(linger_bytes=20_000, linger_s=0.0))
     gate = threading.Event()
     writer.submit(StepWrite(events=[HeldCopy(lambda: gate.wait(10))]))  # the writer is busy: a backlog
     time.sleep(0.1)
-    sizes = [1000, 1000, 1000, 5000, 500, 500, 1000, 0]  # ids a step, 8 bytes each; 0: an empty step
+    sizes = [1000, 1000, 1000, 5000, 500, 5000, 0, 500]  # ids a step, 8 bytes each; 0: an empty step
     for b, n in enumerate(sizes):
         writer.submit(StepWrite(records=[AppendRecord(b, "t", torch.arange(n) + 10 * b)] if n else [],
                                 curr_batch_idx=b))
@@ -234,7 +234,8 @@ def test_a_backlog_commits_at_most_linger_bytes_a_transaction(tmp_path):
     writer.barrier()
     stats = writer.stats()
     writer.close()
-    # (the held step) + [1000, 1000] + [1000] + [5000: alone, over the limit] + [500, 500, 1000, 0]
+    # (the held step) + [1000, 1000, 1000: reaches the limit] + [5000] + [500, 5000: a large step joins
+    # a small one, as a publish joins its step] + [0, 500]
     assert stats["commits"] == 5 and stats["operations"] == 9
     stored = log.read(lambda r: [(b, rec.ids.tolist()) for (b, _, _), rec in
                                  zip(r.iter_record_keys(r.table("t").table_id), r.iter_records(r.table("t").table_id))])
