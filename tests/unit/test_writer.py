@@ -570,7 +570,8 @@ def test_a_deduplicated_record_gathered_on_encode_stores_the_same_bytes(tmp_path
     (table, batch) keeps its deduplicated rows as rows of its block, gathered once on encode:
     the stored log is byte for byte the one that gathering the unique rows first writes. Cases:
     repeated ids, ids already ascending and unique (nothing picked), no ids, int32 ids, a record
-    that already holds its states as rows of a larger block, and two records of one batch."""
+    that already holds its states as rows of a larger block, two records of one batch, and ids
+    too sparse for a direct-address table."""
     from persistent_delta.log.records import encode_records, write_records
     from persistent_delta.trainer.writer import dedup_records
 
@@ -584,9 +585,11 @@ def test_a_deduplicated_record_gathered_on_encode_stores_the_same_bytes(tmp_path
         AppendRecord(3, "t", torch.randint(0, 30, (25,), generator=g), block, rows=torch.randint(0, 50, (25,), generator=g)),
         AppendRecord(3, "u", torch.randint(0, 30, (10,), generator=g), torch.randn(10, 4, generator=g)),
         AppendRecord(3, "u", torch.randint(0, 30, (10,), generator=g), torch.randn(10, 4, generator=g)),
+        # ids too sparse for a direct-address table: the rule's sort path
+        AppendRecord(4, "t", torch.randint(0, 30, (40,), generator=g) * 10**9, torch.randn(40, 4, generator=g)),
     ]
     lazy = dedup_records(cases, mode)
-    assert sum(r.rows is not None for r in lazy) >= 3  # the path under test was taken
+    assert sum(r.rows is not None for r in lazy) >= 4  # the path under test was taken
 
     def materialize_first(w):  # each batch's unique rows gathered into a tensor of their own, then encoded
         groups = {}
