@@ -49,6 +49,7 @@ SMOKE: Dict[str, List[str]] = {
     "inference_apply": ["--quick"],
     "stream_model": ["--quick"],
     "checkpoint_increments": ["--quick", "--plot", "{tmp}/restore-curve.png"],
+    "replica_cpu": ["--quick", "--cprofile", "{tmp}/replica.prof"],
 }
 # Benchmark -> the benchmark whose smoke run runs its smoke run too.
 VIA: Dict[str, str] = {"poll_wait": "run_all"}
