@@ -98,10 +98,7 @@ def replica_main(root: str, out: str, stop: str, from_stamp: int = 0) -> int:
             poll = consumer.poll(timeout=0.2)
             polled_at = time.time()
             a0 = time.monotonic_ns()
-            for part in poll:
-                if part.fqn not in tables and part.shard is not None and part.states is not None:
-                    tables[part.fqn] = torch.zeros(part.shard.global_rows, part.shard.global_cols or part.states.shape[1],
-                                                   dtype=part.states.dtype)
+            add_tables(tables, poll)
             applied = apply_poll(tables, poll, complete_only=True)
             a1 = time.monotonic_ns()
             consumer.commit()
@@ -131,6 +128,17 @@ def replica_main(root: str, out: str, stop: str, from_stamp: int = 0) -> int:
 # changed for it: the benchmark wraps, in its own processes, the writer's commit
 # (BackgroundWriter._commit), the log's write transaction (DeltaLog.write), the reader's poll
 # step (DeltaReader._poll_once) and its file-change wait (FileWatch.wait).
+
+
+def add_tables(tables: Dict[str, Any], poll: Any) -> None:
+    """Allocate (``torch.zeros``, as a user's replica would) the full table of every part of
+    ``poll`` that ``tables`` lacks: the replica's tables, built from what the log says of them."""
+    import torch
+
+    for part in poll:
+        if part.fqn not in tables and part.shard is not None and part.states is not None:
+            tables[part.fqn] = torch.zeros(part.shard.global_rows, part.shard.global_cols or part.states.shape[1],
+                                           dtype=part.states.dtype)
 
 
 class _TracedWrite:

@@ -30,16 +30,16 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from benchmarks._common import emit, init_single_rank_pg, log, machine, pct, rmtree, workdir
+from benchmarks._common import emit, init_single_rank_pg, log, machine, median, pct, rmtree, workdir
 
 
 def _writer_cpu_s() -> float:
     """The CPU seconds of this process's tracker writer threads so far (the library names them
     ``persistent-delta-writer:<path>``); raises if there is none, rather than report 0."""
-    writers = [t for t in threading.enumerate() if t.name.startswith("persistent-delta-writer") and t.ident]
+    writers = [t.ident for t in threading.enumerate() if t.name.startswith("persistent-delta-writer") and t.ident]
     if not writers:
         raise RuntimeError("no tracker writer thread found (persistent-delta-writer:*): its name changed?")
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in writers if t.ident)
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(ident)) for ident in writers)
 
 
 def _p(xs: List[float]) -> Dict[str, float]:
@@ -87,11 +87,7 @@ def run(publishes: int, every: int, warmup: int, cprofile: Optional[str]) -> Dic
                 t0 = time.thread_time()
                 poll = consumer.poll(max_batches=every, timeout=10.0)
                 t1 = time.thread_time()
-                for part in poll:  # (not timed: a replica allocates its tables once)
-                    if part.fqn not in tables and part.shard is not None and part.states is not None:
-                        tables[part.fqn] = torch.zeros(part.shard.global_rows,
-                                                       part.shard.global_cols or part.states.shape[1],
-                                                       dtype=part.states.dtype)
+                freshness.add_tables(tables, poll)  # (not timed: a replica allocates its tables once)
                 t2 = time.thread_time()
                 applied = apply_poll(tables, poll, complete_only=True)
                 t3 = time.thread_time()
@@ -114,7 +110,7 @@ def run(publishes: int, every: int, warmup: int, cprofile: Optional[str]) -> Dic
             profile.dump_stats(cprofile)
     finally:
         rmtree(root)
-    per_publish = sorted(nbytes)[len(nbytes) // 2] if nbytes else 0
+    per_publish = int(median(nbytes)) if nbytes else 0
     gbps = freshness.memcpy_gbps(per_publish)
     parts = {"publish_call": _p(calls), "replica_poll": _p(polls), "replica_apply": _p(applies),
              "replica_commit": _p(commits)}
@@ -122,14 +118,14 @@ def run(publishes: int, every: int, warmup: int, cprofile: Optional[str]) -> Dic
                                                                 ("replica_poll", "replica_apply", "replica_commit"))
     return emit("replica_cpu", publish_every=every, publishes=len(polls), cpu_ms=parts,
                 writer_cpu_ms_per_publish=1e3 * writer_s, path_cpu_ms=path,
-                rows_per_publish=sorted(rows)[len(rows) // 2] if rows else 0, bytes_per_publish=per_publish,
+                rows_per_publish=int(median(rows)) if rows else 0, bytes_per_publish=per_publish,
                 copy_floor_ms=per_publish / max(gbps, 1e-9) / 1e6, torch_threads=torch.get_num_threads(),
                 machine=machine())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: tables of 5,000 rows, batch 64, 5 publishes")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tables of 5,000 rows, batch 64, 5 publishes after 2")
     ap.add_argument("--publishes", type=int, default=300, help="measured publishes")
     ap.add_argument("--every", type=int, default=1, help="publish every this many steps")
     ap.add_argument("--warmup", type=int, default=20, help="publishes before the measured ones")
