@@ -51,6 +51,9 @@ is a durable subscription (Pulsar), not a Kafka group: Kafka retention is by tim
 A :class:`~persistent_delta.config.RetentionBound` (off by default) expires consumers that
 fall too far behind, loudly; an expired consumer no longer holds retention back, and its next
 read below the log start raises :class:`OffsetOutOfRangeError` or applies its reset policy.
+A reader checks its position against the bounds in one transaction and reads the records in
+another: the read checks it again in its own (:func:`check_served`), so retention committed in
+between raises too, rather than leave a gap the read does not report.
 
 **Compaction** merges records of a range into one record stamped at the range start, which
 changes what a read starting strictly inside the range returns. :func:`safe_compact` therefore
@@ -242,6 +245,22 @@ def served_from(r: ReadTxn, channel: str) -> int:
     first stored stamp: a position between the two missed nothing (no publish was stamped
     there)."""
     return log_start(r) if channel == LOOKUPS else min(snapshot_start(r), bounds(r, channel)[0])
+
+
+def check_served(r: ReadTxn, position: int, channel: str) -> None:
+    """Raise unless a read at ``position`` can be served in ``r`` (:func:`served_from`). A
+    reader checks its position against the bounds in one transaction and reads the records in
+    the next; retention committed in between (the trainer's next publish or consume) would
+    leave the read the batches after the deleted ones, reported as read from ``position``.
+
+    Raises:
+        OffsetOutOfRangeError: ``position`` is below :func:`served_from` in ``r``.
+    """
+    floor = served_from(r, channel)
+    if position < floor:
+        raise OffsetOutOfRangeError(
+            f"{r.path}: a {channel} read at batch {position}: retention deleted up to batch {floor} after the position "
+            "was checked; nothing was read")
 
 
 def snapshots_covered_from(r: ReadTxn, start: int) -> int:

@@ -53,6 +53,7 @@ from persistent_delta.errors import (
     InvalidInputError,
     LogClosedError,
     NotALogError,
+    OffsetOutOfRangeError,
     UnknownConsumerError,
 )
 from persistent_delta.log.layout import (
@@ -92,6 +93,11 @@ Start = Union[str, int]
 _R = TypeVar("_R", bound="DeltaReader")
 _RECHECK_S = 0.05  # a waiting poll re-reads the logs at least this often, events or not
 _PUBLISH_S = 0.0002
+_RETENTION_RACES = 3  # reads of one poll that retention may pass between its bounds and its records
+
+
+class _RetentionPassed(Exception):
+    """A poll's read found a position deleted after its bounds were checked: read them again."""
 # what a poll reads first of a log: the channel's (start, end), where it is served from, the
 # restart generation and the batches ended (position_rules)
 _Bounds = Tuple[int, int, int, int, int]
@@ -382,6 +388,18 @@ class DeltaReader:
         return tuple(log.last_txnid() for _, log in sorted(self._logs.items()))
 
     def _poll_once(self, max_batches: Optional[int], max_bytes: Optional[int] = None) -> DeltaPoll:
+        """One read at the positions. The bounds are checked in one transaction per rank and
+        the records read in the next: when retention passed a position in between, the read
+        raises (:func:`~persistent_delta.log.position_rules.check_served`) and runs again from
+        the bounds, where the position is out of range (an error, or the reset policy)."""
+        for attempt in range(_RETENTION_RACES):
+            try:
+                return self._read_once(max_batches, max_bytes, last=attempt + 1 == _RETENTION_RACES)
+            except _RetentionPassed:
+                continue
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _read_once(self, max_batches: Optional[int], max_bytes: Optional[int], last: bool) -> DeltaPoll:
         if self.missing_ranks():
             self._open_ranks()
         where = {rank: f"rank {rank} ({log.path})" for rank, log in self._logs.items()}
@@ -399,13 +417,18 @@ class DeltaReader:
         if max_bytes is not None:
             pieces = fetch.stored_bytes(self._logs, positions, stops, self.channel)
             stops = clip_stops(positions, stops, byte_cut(pieces, max_bytes, max(stops.values(), default=0)))
-        ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take,
-                                  self.format)
-        if stops != positions and {rank: log.read(position_rules.restart_generation)
-                                   for rank, log in self._logs.items()} != generations:
-            # a restart or restore began on some rank meanwhile: this read may mix its sides
-            ranks = fetch.fetch_ranks(self._logs, positions, dict(positions), self.channel, self._tables, self._buffers.take,
+        try:
+            ranks = fetch.fetch_ranks(self._logs, positions, stops, self.channel, self._tables, self._buffers.take,
                                       self.format)
+            if stops != positions and {rank: log.read(position_rules.restart_generation)
+                                       for rank, log in self._logs.items()} != generations:
+                # a restart or restore began on some rank meanwhile: this read may mix its sides
+                ranks = fetch.fetch_ranks(self._logs, positions, dict(positions), self.channel, self._tables,
+                                          self._buffers.take, self.format)
+        except OffsetOutOfRangeError:
+            if last:
+                raise
+            raise _RetentionPassed() from None
         for rank, delta in ranks.items():
             self._positions[rank] = delta.end_idx
         return DeltaPoll(channel=self.channel, ranks=ranks,

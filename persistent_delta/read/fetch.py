@@ -87,7 +87,13 @@ def plan_range(
 ) -> RankPlan:
     """:func:`read_range` up to the copy of the rows (finish the plan inside ``r``). ``fmt``:
     the reader's row format (snapshots); :data:`~persistent_delta.log.codec.ANY_FORMAT` reads
-    native records into ``tables`` and every other format's into ``formats``."""
+    native records into ``tables`` and every other format's into ``formats``.
+
+    Raises:
+        OffsetOutOfRangeError: ``start_idx`` can no longer be served in ``r`` (retention passed
+            it after the caller checked it: :func:`~persistent_delta.log.position_rules.check_served`).
+    """
+    position_rules.check_served(r, start_idx, channel)
     mode = position_rules.update_mode(r, channel)
     if end_idx > start_idx:  # reach back to a window start only when there is something new to read
         start_idx = position_rules.read_start(r, start_idx, channel)

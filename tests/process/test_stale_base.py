@@ -23,7 +23,7 @@ from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.serve.inference import InferenceReplica
-from stale_base_cases import fresh_start_case, full, serving_job_case
+from stale_base_cases import fresh_start_case, full, retention_mid_poll_case, serving_job_case
 
 pytestmark = pytest.mark.dist
 
@@ -180,3 +180,17 @@ def test_a_base_of_the_log_before_a_start_afresh_is_refused(restarted):
         apply_poll(base, poll, complete_only=True)
         apply_poll(replica, poll, complete_only=True)
     assert _same(base, full(ranks, "final_shards"))
+
+
+def test_a_poll_that_retention_passes_mid_read_is_refused_not_applied_short(tmp_path):
+    """A replica restarted at its base, behind its consumer's committed position: the trainer's
+    next publish deletes the snapshots below that position after the poll checked its bounds
+    and before it read the records. The poll raises ``OffsetOutOfRangeError`` (what
+    ``serve.Follower`` recovers from with a newer base), rather than return the publish after
+    the deleted ones as read from the base's position, which the base's check passes and
+    leaves the deleted publishes' rows stale."""
+    root, base_dir = str(tmp_path / "log"), str(tmp_path / "base")
+    (out,) = run_spawn(retention_mid_poll_case, 1, root, base_dir, timeout=120)
+    assert out["committed"] == {0: 5} and out["base_positions"] == {0: 2}, out
+    assert "applied" not in out, (out["applied"], "applied onto the base with publishes 2-4 missing")
+    assert "at batch 2, below the log start 5" in out["refused"], out["refused"]

@@ -58,6 +58,56 @@ def serving_job_case(rank: int, world_size: int, root: str, base0: str, fresh: s
     return out
 
 
+def retention_mid_poll_case(rank: int, world_size: int, root: str, base_dir: str) -> Dict[str, Any]:
+    """A replica restarted at its base, behind its consumer's committed position, whose first
+    poll races the trainer's retention (a ``delete_on_read`` log, one rank): shard files saved
+    after the first publish, three more publishes all read and committed by the replica before
+    it "crashed"; then its consumer is moved back to the base's position and the trainer's next
+    publish -- which deletes the snapshots below the committed position -- commits after the
+    poll checked its bounds and before it read the records (the poll's fetch runs it first).
+    Returns the poll's outcome (``"refused"``: the error; ``"applied"``: its ranges), the
+    consumer's committed position and the base's."""
+    from persistent_delta.errors import OffsetOutOfRangeError
+    from persistent_delta.read import fetch
+
+    dmp = build_sharded_model(rank, world_size, "ec", "row_wise", "EXACT_ROWWISE_ADAGRAD", rows=ROWS)
+    t = attach(dmp, PersistentTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, consumers=["serving"], path=root,
+                                            delete_on_read=True))
+    consumer = DeltaConsumer(root, "serving.snapshots", channel="snapshots")
+    batches = make_batches("ec", 5, 8, seed=3, world_size=world_size, rank=rank, rows=ROWS)
+    for i, b in enumerate(batches[:4]):
+        train_step(dmp, b)
+        t.publish("serving")
+        t.flush()
+        if i == 0:
+            save_local_shards(t, base_dir)
+    consumer.poll()
+    out: Dict[str, Any] = {"committed": consumer.commit()}
+    base = load_base(base_dir)
+    out["base_positions"] = base.positions
+    for r, position in base.positions.items():
+        consumer.seek(position, rank=r)
+    real = fetch.fetch_ranks
+
+    def publish_first(*args: Any, **kwargs: Any) -> Any:
+        fetch.fetch_ranks = real
+        train_step(dmp, batches[4])
+        t.publish("serving")
+        t.flush()
+        return real(*args, **kwargs)
+
+    fetch.fetch_ranks = publish_first
+    try:
+        out["applied"] = apply_poll(base, consumer.poll(), complete_only=True).ranges
+    except OffsetOutOfRangeError as exc:
+        out["refused"] = str(exc)
+    finally:
+        fetch.fetch_ranks = real
+    consumer.close()
+    t.close()
+    return out
+
+
 def fresh_start_case(rank: int, world_size: int, root: str, old_base: str, new_base: str) -> Dict[str, Any]:
     """A job run twice on one log path: the first run publishes and saves its shard files at the
     end (``old_base``); the second starts afresh (``fresh=True``: a new log identity, batches

@@ -191,6 +191,34 @@ def test_the_retention_bound_expires_a_dead_consumer_loudly(tmp_path, caplog):
         assert not log.read(lambda r: r.consumer("ext")).expired  # a commit re-arms it
 
 
+def test_retention_that_passes_a_position_during_a_poll_is_told_not_skipped(tmp_path, monkeypatch):
+    """A poll checks its position against the channel's bounds in one read transaction and
+    reads the records in the next: retention committed between the two (here: the trainer's
+    consume, deleting below the consumer's committed position while the reader sits behind
+    it) must raise, not return the batches after the deleted ones labelled as read from the
+    position."""
+    from persistent_delta.read import fetch
+
+    root = str(tmp_path / "log")
+    log = tracker_log(root, batches=30, poller=True)
+    log.write(lambda w: w.set_consumer("ext", ConsumerEntry.new(20, LOOKUPS, Delivery.POLL_COMMIT)))
+    real = fetch.fetch_ranks
+
+    def retention_first(*args, **kwargs):  # the trainer commits between the reader's bounds and its records
+        monkeypatch.setattr(fetch, "fetch_ranks", real)
+        log.write(lambda w: consume.consume(w, "trainer", 31, UpdateMode.FIRST, compact=False, delete_on_read=True))
+        assert log.read(log_start) == 20
+        return real(*args, **kwargs)
+
+    with DeltaConsumer(root, "ext", register=False) as c:
+        c.seek(10)  # behind its committed position (a restarted reader at its base's batch)
+        monkeypatch.setattr(fetch, "fetch_ranks", retention_first)
+        with pytest.raises(OffsetOutOfRangeError, match="at batch 10, below the log start 20"):
+            c.poll()
+        assert c.position() == {0: 10}  # nothing read: the position did not move
+    log.close()
+
+
 def test_retention_bound_from_the_environment(monkeypatch):
     monkeypatch.setenv("PERSISTENT_DELTA_RETENTION_MAX_BATCHES", "50")
     assert RetentionBound.resolve() == RetentionBound(max_batches=50)
