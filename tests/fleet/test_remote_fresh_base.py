@@ -18,7 +18,6 @@ import time
 from typing import Dict, List
 
 import pytest
-import torch
 
 from fresh_base_cases import child_env, train_in_thread
 from harness import run_spawn
@@ -29,7 +28,7 @@ from persistent_delta.log.deltalog import DeltaLog
 from persistent_delta.log.schema import SNAPSHOTS
 from persistent_delta.serve import Follower
 from procs import SUPPORT
-from stale_base_cases import full
+from stale_base_cases import full, tables_diff
 
 pytestmark = pytest.mark.dist
 
@@ -64,9 +63,6 @@ def _claim(url: str, name: str, timeout: float = 30.0) -> RemoteConsumer:
             assert time.monotonic() < deadline, f"the claim on {name} never expired"
             time.sleep(0.5)
 
-
-def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_remote_replica_killed_or_added_late_starts_from_the_newest_increment_and_ends_bit_exact(tmp_path, nats_server):
@@ -110,7 +106,7 @@ def test_a_remote_replica_killed_or_added_late_starts_from_the_newest_increment_
         if "error" in result:
             raise result["error"]
         final = full(result["ranks"], "final_shards")
-        assert _same(restarted, final)
+        assert not (d := tables_diff(restarted, final)), d
         # added after the job ended: a new name, no stored position; the bases of the last increment
         deadline = time.monotonic() + 30
         with RemoteConsumer(nats_server.url, JOB, "late", channel="snapshots", wait=30) as late:
@@ -121,7 +117,7 @@ def test_a_remote_replica_killed_or_added_late_starts_from_the_newest_increment_
                 time.sleep(0.5)  # the shipper looks at the chain every second
             assert follower.tables.batches == {0: 12, 1: 12}, follower.tables.batches
             _follow(follower, done, root, time.monotonic() + 60)
-            assert _same(dict(follower.tables), final)
+            assert not (d := tables_diff(dict(follower.tables), final)), d
     finally:
         for p in procs:
             if p.poll() is None:

@@ -14,10 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import List
 
 import pytest
-import torch
 
 from fresh_base_cases import child_env, train_in_thread
 from persistent_delta import DeltaConsumer, apply_poll, load_base
@@ -25,7 +24,7 @@ from persistent_delta.checkpoint.chain import latest_chain
 from persistent_delta.errors import IncompleteBaseError, IncrementChainError, StaleBaseError
 from persistent_delta.serve.fresh_base import Follower, load_checkpoint_base
 from procs import SUPPORT
-from stale_base_cases import full
+from stale_base_cases import full, tables_diff
 
 pytestmark = pytest.mark.dist
 
@@ -89,9 +88,6 @@ def _chain_step(ckpt: str) -> int:
         return -1
 
 
-def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
 
 def test_a_replica_killed_and_started_with_no_state_ends_bit_exact(job):  # type: ignore[no-untyped-def]
     root, ckpt, base0, ranks, tables, killed_at, (old_way, started) = job
@@ -100,7 +96,7 @@ def test_a_replica_killed_and_started_with_no_state_ends_bit_exact(job):  # type
     # its consumer moved to the batch after them
     assert started == ({0: 6, 1: 6}, {0: 7, 1: 7}), started
     assert "continues from batch 1" in old_way, old_way  # the batch-0 shard files: refused
-    assert _same(tables, full(ranks, "final_shards"))
+    assert not (d := tables_diff(tables, full(ranks, "final_shards"))), d
 
 
 def test_a_replica_added_after_delete_on_read_ends_bit_exact(job):  # type: ignore[no-untyped-def]
@@ -112,7 +108,7 @@ def test_a_replica_added_after_delete_on_read_ends_bit_exact(job):  # type: igno
         done = threading.Event()
         done.set()
         _follow(follower, done, time.monotonic() + 60)
-        assert _same(dict(follower.tables), full(ranks, "final_shards"))
+        assert not (d := tables_diff(dict(follower.tables), full(ranks, "final_shards"))), d
         consumer.seek(min(registered.values()))
         with pytest.raises(StaleBaseError):  # the batch-0 shard files: refused
             apply_poll(load_base(base0), consumer.poll(timeout=1.0), complete_only=True)
@@ -130,4 +126,4 @@ def test_a_poll_past_the_checkpoint_base_is_refused_and_says_how_to_get_a_fresh_
             consumer.seek(position + 1, rank=rank)
         with pytest.raises(StaleBaseError, match="checkpoint base.*serve.Follower"):
             apply_poll(base, consumer.poll(timeout=1.0), complete_only=True)
-    assert _same(dict(base), before)
+    assert not (d := tables_diff(dict(base), before)), d

@@ -13,7 +13,6 @@ import warnings
 from typing import Any, Dict, List, Tuple
 
 import pytest
-import torch
 
 from harness import run_spawn
 from inference_cases import quantized
@@ -23,7 +22,7 @@ from persistent_delta.fleet.memory import MemoryBroker
 from persistent_delta.fleet.remote import RemoteConsumer
 from persistent_delta.fleet.ship import Shipper, upload_base
 from persistent_delta.serve.inference import InferenceReplica
-from stale_base_cases import fresh_start_case, full, retention_mid_poll_case, serving_job_case
+from stale_base_cases import fresh_start_case, full, retention_mid_poll_case, serving_job_case, tables_diff
 
 pytestmark = pytest.mark.dist
 
@@ -42,9 +41,6 @@ def restarted(tmp_path_factory) -> Tuple[str, str, str, List[Dict[str, Any]]]:
     return root, old, new, run_spawn(fresh_start_case, 2, root, old, new, timeout=240)
 
 
-def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
 
 def test_a_restarted_replica_with_its_old_base_is_refused_at_its_first_apply(job):
     """The replica restarts as the guide's loop would: it loads the shard files of batch 0 again
@@ -60,17 +56,18 @@ def test_a_restarted_replica_with_its_old_base_is_refused_at_its_first_apply(job
     with pytest.raises(StaleBaseError, match="starts at batch 7.*continues from batch 1.*save_local_shards") as err:
         apply_poll(base, poll, complete_only=True)
     assert isinstance(err.value, OrderError) and (err.value.rank, err.value.start, err.value.position) == (0, 7, 1)
-    assert _same(base, untouched) and base.positions == {0: 1, 1: 1}  # nothing applied, nothing moved
+    assert not (d := tables_diff(base, untouched)), d  # nothing applied, nothing moved
+    assert base.positions == {0: 1, 1: 1}
     # what it refused: applied anyway (a plain dict is not checked), the tables are stale
     stale = dict(base)
     apply_poll(stale, poll, complete_only=True)
-    assert not _same(stale, full(ranks, "final_shards"))
+    assert tables_diff(stale, full(ranks, "final_shards"))
     # a TorchRec inference model built on that base refuses it the same way
     replica = InferenceReplica(quantized("ec", base, "int8"), base=base)
     before = replica.all_weights()
     with pytest.raises(StaleBaseError):
         apply_poll(replica, poll, complete_only=True)
-    assert _same(replica.all_weights(), before)
+    assert not (d := tables_diff(replica.all_weights(), before)), d
 
 
 def test_a_late_replica_registered_after_delete_on_read_is_refused(job):
@@ -98,7 +95,7 @@ def test_the_documented_path_stays_quiet_and_bit_exact(job):
     assert first["base_positions"] == {0: 1, 1: 1}
     assert first["ranges"] == [{0: (0, 3), 1: (0, 3)}, {0: (3, 5), 1: (3, 5)}, {0: (5, 7), 1: (5, 7)}]
     assert first["replica_positions"] == {0: 7, 1: 7}  # moved to each applied poll's end
-    assert _same(first["replica"], full(ranks, "applied_shards"))
+    assert not (d := tables_diff(first["replica"], full(ranks, "applied_shards"))), d
     assert (first["curr_batch_idx"], first["next_stamp"]) == (8, 9)
     want = full(ranks, "final_shards")
     for _ in range(2):  # the second restart sits right at the base's position
@@ -110,7 +107,8 @@ def test_the_documented_path_stays_quiet_and_bit_exact(job):
             apply_poll(base, poll, complete_only=True)
             apply_poll(replica, poll, complete_only=True)
             consumer.commit()
-        assert _same(base, want) and base.positions == {0: 9, 1: 9}
+        assert not (d := tables_diff(base, want)), d
+        assert base.positions == {0: 9, 1: 9}
     # a consumer moved ahead over batches where nothing was published skips nothing: still quiet
     with DeltaConsumer(root, "serving.snapshots", channel="snapshots") as consumer:
         consumer.seek(10)
@@ -141,7 +139,8 @@ def test_remote_replicas_are_checked_the_same_way(job):
         tables = consumer.bootstrap()
         assert tables.batches == {0: 7, 1: 7} and tables.positions == {0: 8, 1: 8}
         apply_poll(tables, consumer.poll(timeout=1), complete_only=True)
-        assert _same(tables, full(ranks, "final_shards")) and tables.positions == {0: 9, 1: 9}
+        assert not (d := tables_diff(tables, full(ranks, "final_shards"))), d
+        assert tables.positions == {0: 9, 1: 9}
         tables = consumer.bootstrap()
         consumer.seek(9)  # past publish 8, which the base lacks
         with pytest.raises(StaleBaseError, match=r"continues from batch 8: the publishes stamped in \[8, 9\)"):
@@ -165,12 +164,13 @@ def test_a_base_of_the_log_before_a_start_afresh_is_refused(restarted):
                        r"older log.*start afresh.*save_local_shards.*load_base") as err:
         apply_poll(stale, poll, complete_only=True)
     assert isinstance(err.value, OrderError) and err.value.rank == 0
-    assert _same(stale, untouched) and stale.positions == {0: 5, 1: 5}  # nothing applied, nothing moved
+    assert not (d := tables_diff(stale, untouched)), d  # nothing applied, nothing moved
+    assert stale.positions == {0: 5, 1: 5}
     replica = InferenceReplica(quantized("ec", stale, "int8"), base=stale)
     before = replica.all_weights()
     with pytest.raises(StaleBaseError, match="older log"):
         apply_poll(replica, poll, complete_only=True)
-    assert _same(replica.all_weights(), before)
+    assert not (d := tables_diff(replica.all_weights(), before)), d
     # the documented path: the new run's base, with the consumer the new log registered
     base = load_base(new)
     assert base.logs == {r: poll.ranks[r].log for r in (0, 1)} and base.positions == {0: 1, 1: 1}
@@ -179,7 +179,7 @@ def test_a_base_of_the_log_before_a_start_afresh_is_refused(restarted):
         warnings.simplefilter("error")
         apply_poll(base, poll, complete_only=True)
         apply_poll(replica, poll, complete_only=True)
-    assert _same(base, full(ranks, "final_shards"))
+    assert not (d := tables_diff(base, full(ranks, "final_shards"))), d
 
 
 def test_a_poll_that_retention_passes_mid_read_is_refused_not_applied_short(tmp_path):

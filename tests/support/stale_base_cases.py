@@ -3,7 +3,7 @@ so spawned ranks can import it)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -145,3 +145,21 @@ def full(ranks: Any, key: str) -> Dict[str, torch.Tensor]:
             t[info["row_offset"]:info["row_offset"] + w.shape[0], info["col_offset"]:info["col_offset"] + w.shape[1]] = w
     assert not any(bool(t.isnan().any()) for t in tables.values())
     return tables
+
+
+def tables_diff(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], limit: int = 4) -> List[str]:
+    """What keeps a replica's tables ``got`` from being bit-equal to ``want`` (fqn -> a 2-D
+    table): the tables only one holds, a shape or dtype apart, and per table how many rows
+    differ with the first ``limit`` of them (row id, both values). Empty when bit-equal, so
+    ``assert not (d := tables_diff(got, want)), d`` fails naming the rows to look at."""
+    out = [f"{fqn}: only in {'the replica' if fqn in got else 'the trainer'}" for fqn in sorted(set(got) ^ set(want))]
+    for fqn in sorted(set(got) & set(want)):
+        a, b = got[fqn], want[fqn]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append(f"{fqn}: {tuple(a.shape)} {a.dtype} in the replica, {tuple(b.shape)} {b.dtype} in the trainer")
+            continue
+        rows = (a != b).reshape(a.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        if rows:
+            shown = "; ".join(f"row {r}: {a[r].tolist()} != {b[r].tolist()}" for r in rows[:limit])
+            out.append(f"{fqn}: {len(rows)} rows differ ({shown})")
+    return out
