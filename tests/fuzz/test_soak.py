@@ -11,12 +11,15 @@ tracker attached and before the first batch, so the writer's window filter is of
 more after the trainer closed (its last batch becomes visible then). A fourth process runs the
 offsets tool in a loop (``cli.main(["offsets", ROOT, "--format", "json"])``, what
 ``python -m persistent_delta`` runs, without paying the interpreter start each time); the real
-command line runs once mid-soak.
+command line runs once mid-soak. A fifth reads at the log start over and over, where retention
+deletes next (an unregistered ``DeltaReader`` moved below it and reset to it, a few batches a
+poll).
 
 Checked: every process exits 0 with no traceback; each consumer's polls tile
 ``[0, final log end)`` in order (every batch exactly once); every id a batch fed reaches each
 consumer in a poll that could hold it, and no poll holds an id its batches did not feed; the
-union per table is exactly the ids fed; every offsets output is valid JSON, with no offset moving
+union per table is exactly the ids fed; each poll at the log start holds exactly the ids its
+range fed; every offsets output is valid JSON, with no offset moving
 backwards or below the log start; the file stays bounded (retention); ``verify`` passes.
 
 Delivery is checked per id with a window: an id fed in batch ``b`` must be in a poll with
@@ -24,7 +27,9 @@ Delivery is checked per id with a window: an id fed in batch ``b`` must be in a 
 read early by a consumer behind it). Losses are raised last, as :class:`LostRowsError`, after
 every other check. (This soak found that compaction merged records across a consumer's polled
 but uncommitted position; the tracker no longer compacts while an out-of-process lookups
-consumer is registered.)
+consumer is registered. The reader at the log start catches a poll that reads its records after
+retention deleted the batches at the position it checked a transaction earlier: 6 losses in one
+run before that was fixed.)
 """
 
 from __future__ import annotations
@@ -125,6 +130,30 @@ with open(out, "w") as f:
 c.close()
 """
 
+EARLIEST = r"""
+import json, logging, os, random, sys, time
+root, out, go, done = sys.argv[1:5]
+from persistent_delta.read.consumer import DeltaReader
+
+logging.getLogger("persistent_delta").setLevel(logging.ERROR)  # each poll's reset is logged as a warning
+
+deadline = time.time() + 120
+while not os.path.exists(go):
+    assert time.time() < deadline, "no go file"
+    time.sleep(0.02)
+r = DeltaReader(root, reset="earliest")  # unregistered: it holds no retention back
+rng = random.Random(5)
+with open(out, "w") as f:
+    while not os.path.exists(done):
+        r.seek(0)  # below the log start: reset to it, the batch retention deletes next
+        p = r.poll(max_batches=rng.randint(1, 8))
+        (start, end), = p.ranges.values()
+        ids = {fqn: m.global_ids.tolist() for fqn, m in p.merged().items()}
+        f.write(json.dumps({"start": start, "end": end, "ids": ids}) + "\n")
+        time.sleep(rng.uniform(0, 0.01))
+r.close()
+"""
+
 TOOL = r"""
 import io, json, os, random, sys, time
 root, out, go, done = sys.argv[1:5]
@@ -209,6 +238,23 @@ def check_consumer(name: str, polls: List[Dict[str, Any]], fed: Dict[int, Dict[s
     return losses
 
 
+def check_earliest_reader(polls: List[Dict[str, Any]], fed: Dict[int, Dict[str, Set[int]]]) -> List[str]:
+    """Each poll of the reader that starts at the log start (where retention deletes next)
+    holds exactly the ids its range's batches fed (the window filter and compaction are off
+    while the consumers are registered): a range that retention passed between the poll's
+    bounds and its records would miss them. Returns the losses; extra ids are asserted."""
+    losses = []
+    for p in polls:
+        for fqn in TABLES:
+            want = set().union(*(fed[b][fqn] for b in range(p["start"], p["end"]) if b in fed))
+            got = set(p["ids"].get(fqn, ()))
+            assert got <= want, ("earliest", p["start"], p["end"], fqn, sorted(got - want)[:10])
+            if want - got:
+                losses.append(f"earliest reader: [{p['start']}, {p['end']}) {fqn}: ids {sorted(want - got)[:10]} "
+                              "missing")
+    return losses
+
+
 def check_offsets_outputs(lines: List[str]) -> int:
     """Every offsets output is valid JSON; per rank the log start never moves back; per
     consumer the offset never moves backwards nor below the log start. Returns the last log
@@ -245,6 +291,7 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
             procs[name] = _start(tmp_path, name, CONSUMER, root, name, str(tmp_path / f"{name}.polls"), ready, done,
                                  str(i + 1))
         procs["tool"] = _start(tmp_path, "tool", TOOL, root, str(tmp_path / "offsets.jsonl"), go, done)
+        procs["earliest"] = _start(tmp_path, "earliest", EARLIEST, root, str(tmp_path / "earliest.polls"), go, done)
         _wait_files([str(tmp_path / f"{n}.polls.started") for n in CONSUMERS], procs, tmp_path)
         t0 = time.time()
         open(go, "w").close()
@@ -288,6 +335,10 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
         # it read while the trainer was writing, not only at the end
         assert sum(p["seen_end"] < end for p in polls[name]) > 5, name
 
+    earliest = [json.loads(x) for x in open(tmp_path / "earliest.polls")]
+    losses += check_earliest_reader(earliest, fed)
+    assert sum(p["start"] > 1 for p in earliest) > 5, len(earliest)  # it read where retention had deleted below
+
     tool_runs = (tmp_path / "offsets.jsonl").read_text().splitlines()
     assert len(tool_runs) >= 5, len(tool_runs)
     log_start = check_offsets_outputs(tool_runs)
@@ -309,7 +360,8 @@ def run_soak(tmp_path: Any, seconds: float) -> Dict[str, Any]:
     buf = io.StringIO()
     assert cli_main(["verify", root, "--format", "json"], stdout=buf) == 0, buf.getvalue()
     assert json.loads(buf.getvalue())["ok"]
-    summary = {"batches": end, "polls": {n: len(p) for n, p in polls.items()}, "tool_runs": len(tool_runs),
+    summary = {"batches": end, "polls": {n: len(p) for n, p in polls.items()}, "earliest_polls": len(earliest),
+               "tool_runs": len(tool_runs),
                "early_size": early, "final_size": final, "max_size": max(s for _, s in sizes),
                "bytes_written": trainer["bytes_written"], "sizes": sizes[::10],
                "trainer_exit_s": t_exit - trainer["closed_at"], "others_exit_s": t_all - t_exit,
