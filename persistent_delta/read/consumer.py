@@ -94,13 +94,13 @@ _R = TypeVar("_R", bound="DeltaReader")
 _RECHECK_S = 0.05  # a waiting poll re-reads the logs at least this often, events or not
 _PUBLISH_S = 0.0002
 _RETENTION_RACES = 3  # reads of one poll that retention may pass between its bounds and its records
+# what a poll reads first of a log: the channel's (start, end), where it is served from, the
+# restart generation and the batches ended (position_rules)
+_Bounds = Tuple[int, int, int, int, int]
 
 
 class _RetentionPassed(Exception):
     """A poll's read found a position deleted after its bounds were checked: read them again."""
-# what a poll reads first of a log: the channel's (start, end), where it is served from, the
-# restart generation and the batches ended (position_rules)
-_Bounds = Tuple[int, int, int, int, int]
 
 
 def _world_size_of(found: Dict[int, str], options: LogOptions) -> Optional[int]:
