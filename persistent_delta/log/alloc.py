@@ -31,7 +31,6 @@ allocator, e.g. jemalloc via ``LD_PRELOAD``, ignores ``mallopt``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -42,6 +41,7 @@ from typing import List, Optional
 import torch
 
 from persistent_delta.errors import InvalidInputError
+from persistent_delta.log.libc import libc
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,10 @@ def tune_malloc() -> bool:
         if user:
             logger.info("malloc thresholds left as set by the environment (%s)", ", ".join(user))
             return False
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name or "libc.so.6")
-            mallopt = libc.mallopt
-            libc.gnu_get_libc_version  # noqa: B018 - glibc only
-        except (OSError, AttributeError):
+        c = libc()
+        if c is None or not hasattr(c, "gnu_get_libc_version"):  # glibc only
             return False
+        mallopt = c.mallopt
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
         _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

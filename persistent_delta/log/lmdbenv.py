@@ -22,7 +22,6 @@ Owns: how this process holds LMDB environments. Nothing here knows what is store
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -49,6 +48,7 @@ from persistent_delta.errors import (
     ReadOnlyLogError,
 )
 from persistent_delta.log.layout import DATA_FILE, LMDB_LOCK_FILE, WRITER_LOCK_FILE, consumer_lock_file
+from persistent_delta.log.libc import libc
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +205,25 @@ def set_modes(path: str, file_mode: int) -> None:
 
 
 def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
-    """Open ``lock_path`` and try its exclusive flock: ``(fd, None)`` when taken (our pid
-    written into it), else ``(-1, holder)`` naming the holder ("pid N", "this process")."""
+    """Open ``lock_path`` and take its exclusive flock: ``(fd, None)`` when taken (our pid
+    written into it), else ``(-1, holder)`` naming the holder ("pid N", "this process").
+
+    A holder no longer running still holds the lock while a process it forked keeps a copy of
+    the descriptor (until that one execs or exits): that is waited for, up to
+    ``_DEAD_HOLDER_S``, then said."""
+    deadline = time.monotonic() + _DEAD_HOLDER_S
+    while True:
+        fd, who, gone = _try_flock_file(lock_path, path)
+        if not gone or time.monotonic() >= deadline:
+            return fd, who
+        time.sleep(0.02)
+
+
+_DEAD_HOLDER_S = 2.0
+
+
+def _try_flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str], bool]:
+    """One try of :func:`_flock_file`: also whether the holder named is no longer running."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o660)
     except OSError as exc:
@@ -228,12 +245,28 @@ def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
             pass
         os.close(fd)
         who = f"pid {holder}" if holder else "an unknown process"
+        gone = False
         if holder == str(os.getpid()):
             who += " (this process: close the other handle first)"
-        return -1, who
+        elif holder.isdigit() and len(holder) <= 9 and not _running(int(holder)):
+            gone = True
+            who += (" (no process here has that pid now: a process it forked still holds the lock until that one "
+                    "exits or runs another program, or it runs in another pid namespace)")
+        return -1, who, gone
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd, None
+    return fd, None, False
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists in this pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def acquire_writer_lock(path: str, action: str = "open it for writing") -> int:
@@ -449,9 +482,9 @@ _PGNO = struct.Struct("<Q")
 
 def _libc(name: str, argtypes: List[Any]) -> Any:
     """libc's function ``name`` returning an int, or False where it is missing."""
-    try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
-    except (OSError, AttributeError):
+    found = libc()
+    fn = getattr(found, name, None) if found is not None else None
+    if fn is None:
         return False
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int

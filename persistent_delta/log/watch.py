@@ -11,11 +11,12 @@ something was written.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import select
 import time
 from typing import List, Optional
+
+from persistent_delta.log.libc import libc
 
 _IN_MODIFY = 0x00000002
 _IN_NONBLOCK = 0o4000
@@ -27,11 +28,10 @@ _libc: Optional[ctypes.CDLL] = None
 def _load_libc() -> Optional[ctypes.CDLL]:
     global _libc
     if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.inotify_init1  # noqa: B018 - raises AttributeError where inotify is missing
-        except (OSError, AttributeError):
+        found = libc()
+        if found is None or not hasattr(found, "inotify_init1"):  # inotify missing
             return None
+        _libc = found
     return _libc
 
 
@@ -40,14 +40,14 @@ class FileWatch:
 
     def __init__(self, paths: List[str]) -> None:
         self._fd = -1
-        libc = _load_libc()
-        if libc is None:
+        c = _load_libc()
+        if c is None:
             return
-        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        fd = c.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             return
         for p in paths:
-            if libc.inotify_add_watch(fd, os.fsencode(p), _IN_MODIFY) < 0:
+            if c.inotify_add_watch(fd, os.fsencode(p), _IN_MODIFY) < 0:
                 os.close(fd)
                 return
         self._fd = fd

@@ -205,6 +205,57 @@ time.sleep(60)
 """
 
 
+FORKING_HOLDER = """
+import os, sys, time
+from persistent_delta import DeltaConsumer
+c = DeltaConsumer(sys.argv[1], "shared")
+child = os.fork()  # a copy of every descriptor, the claim's included, as a worker forked by a replica has
+if child == 0:
+    time.sleep(float(sys.argv[2]))
+    os._exit(0)
+print("HOLDING", child, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("child_lives_s", [0.5, 30.0])
+def test_a_killed_holders_forked_child_holds_the_claim_until_it_exits(tmp_path, child_lives_s):
+    """The holder is SIGKILLed while a process it forked still runs: the claim waits a moment
+    for that one to go (the library itself forks nothing), then says the pid it names is gone."""
+    root = str(tmp_path / "log")
+    r0 = Rank(root, 0, 1)
+    r0.step()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, root, str(child_lives_s)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    child = 0
+    try:
+        word, child_pid = proc.stdout.readline().split()
+        assert word == "HOLDING"
+        child = int(child_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if child_lives_s < 1:
+            with DeltaConsumer(root, "shared") as c:  # within the wait for a dead holder's child
+                c.poll()
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(LogLockedError, match=f"pid {proc.pid} \\(no process here has that pid now: a process "
+                                                      "it forked still holds the lock"):
+                DeltaConsumer(root, "shared")
+            assert time.monotonic() - t0 >= 2.0  # it waited for the child first
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    r0.log.close()
+
+
 def test_one_active_user_per_consumer_name(tmp_path, capsys):
     root = str(tmp_path / "log")
     r0 = Rank(root, 0, 1)
