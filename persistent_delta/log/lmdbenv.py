@@ -208,8 +208,9 @@ def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
     """Open ``lock_path`` and take its exclusive flock: ``(fd, None)`` when taken (our pid
     written into it), else ``(-1, holder)`` naming the holder ("pid N", "this process").
 
-    A holder no longer running still holds the lock while a process it forked keeps a copy of
-    the descriptor (until that one execs or exits): that is waited for, up to
+    A holder no longer running still holds the lock while another process keeps a copy of its
+    descriptor (passed on to a program it started, or forked by C code: ``os.fork`` children
+    close theirs, :func:`_forget_locks_in_child`): that is waited for, up to
     ``_DEAD_HOLDER_S``, then said."""
     deadline = time.monotonic() + _DEAD_HOLDER_S
     while True:
@@ -220,6 +221,23 @@ def _flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str]]:
 
 
 _DEAD_HOLDER_S = 2.0
+_HELD: Dict[int, int] = {}  # lock descriptor -> the pid that took it (the process that holds the claim)
+
+
+def _forget_locks_in_child() -> None:
+    """After ``os.fork``: the child holds none of its parent's claims. Its copies of their
+    descriptors are closed, so that a claim goes with the process that took it (a worker forked
+    by a trainer or a replica, outliving it, kept its claim). :func:`release_lock` in the child
+    then leaves them alone."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 def _try_flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str], bool]:
@@ -250,11 +268,12 @@ def _try_flock_file(lock_path: str, path: str) -> Tuple[int, Optional[str], bool
             who += " (this process: close the other handle first)"
         elif holder.isdigit() and len(holder) <= 9 and not _running(int(holder)):
             gone = True
-            who += (" (no process here has that pid now: a process it forked still holds the lock until that one "
-                    "exits or runs another program, or it runs in another pid namespace)")
+            who += (" (no process here has that pid now: another process still holds a copy of its lock descriptor, "
+                    "one it started or passed it to, until that one exits; or it runs in another pid namespace)")
         return -1, who, gone
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[fd] = os.getpid()
     return fd, None, False
 
 
@@ -312,7 +331,10 @@ def acquire_consumer_lock(path: str, name: str, action: str) -> int:
 
 
 def release_lock(fd: int) -> None:
-    """Clear the holder's pid and release the lock (closing the descriptor drops the flock)."""
+    """Clear the holder's pid and release the lock (closing the descriptor drops the flock).
+    A no-op in a forked child: the lock is its parent's (the child's copy was closed at fork)."""
+    if _HELD.pop(fd, None) != os.getpid():
+        return
     try:
         os.ftruncate(fd, 0)
     except OSError:

@@ -21,6 +21,7 @@ from persistent_delta import DeltaConsumer, DeltaReader, LogLockedError, OffsetO
 from persistent_delta.errors import NotALogError
 from persistent_delta.cli import main
 from persistent_delta.log.deltalog import DeltaLog
+from persistent_delta.log.lmdbenv import _DEAD_HOLDER_S
 from persistent_delta.log.records import AppendRecord, delete_below
 from persistent_delta.log.schema import LOOKUPS, META_CURR_BATCH, META_TRACKER, ConsumerEntry, Delivery, TrackerMeta
 from persistent_delta.trainer.window import WindowFilter
@@ -206,28 +207,34 @@ time.sleep(60)
 
 
 FORKING_HOLDER = """
-import os, sys, time
-from persistent_delta import DeltaConsumer
-c = DeltaConsumer(sys.argv[1], "shared")
-child = os.fork()  # a copy of every descriptor, the claim's included, as a worker forked by a replica has
-if child == 0:
-    time.sleep(float(sys.argv[2]))
-    os._exit(0)
+import os, subprocess, sys, time
+from persistent_delta.log.lmdbenv import acquire_consumer_lock
+fd = acquire_consumer_lock(os.path.join(sys.argv[1], "rank-0"), "shared", "hold it")
+how, lives = sys.argv[2], sys.argv[3]
+if how == "fork":  # a worker forked by a replica or a trainer: a copy of every descriptor
+    child = os.fork()
+    if child == 0:
+        time.sleep(float(lives))
+        os._exit(0)
+else:  # the claim's descriptor passed on to a program it starts
+    child = subprocess.Popen(["sleep", lives], pass_fds=[fd]).pid
 print("HOLDING", child, flush=True)
 time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("child_lives_s", [0.5, 30.0])
-def test_a_killed_holders_forked_child_holds_the_claim_until_it_exits(tmp_path, child_lives_s):
-    """The holder is SIGKILLed while a process it forked still runs: the claim waits a moment
-    for that one to go (the library itself forks nothing), then says the pid it names is gone."""
+@pytest.mark.parametrize("how,child_lives_s", [("fork", 30.0), ("pass", 0.5), ("pass", 30.0)])
+def test_a_killed_holders_children_do_not_keep_its_claim(tmp_path, how, child_lives_s):
+    """The holder is SIGKILLed while a process it started still runs. A child of ``os.fork``
+    closed its copy of the claim's descriptor at fork: the claim is free at once. A descriptor
+    passed on keeps it: the claim waits a moment for that process to go, then says the pid it
+    names is gone (the library itself starts no process)."""
     root = str(tmp_path / "log")
     r0 = Rank(root, 0, 1)
     r0.step()
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, root, str(child_lives_s)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, root, how, str(child_lives_s)],
+                            stdout=subprocess.PIPE, text=True, env=env)
     child = 0
     try:
         word, child_pid = proc.stdout.readline().split()
@@ -235,15 +242,18 @@ def test_a_killed_holders_forked_child_holds_the_claim_until_it_exits(tmp_path, 
         child = int(child_pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        if child_lives_s < 1:
-            with DeltaConsumer(root, "shared") as c:  # within the wait for a dead holder's child
+        t0 = time.monotonic()
+        if how == "fork" or child_lives_s < 1:
+            with DeltaConsumer(root, "shared") as c:
                 c.poll()
+            if how == "fork":
+                assert time.monotonic() - t0 < _DEAD_HOLDER_S, "it waited for a forked child that let go at fork"
+                os.kill(child, 0)  # which is still running
         else:
-            t0 = time.monotonic()
-            with pytest.raises(LogLockedError, match=f"pid {proc.pid} \\(no process here has that pid now: a process "
-                                                      "it forked still holds the lock"):
+            with pytest.raises(LogLockedError, match=f"pid {proc.pid} \\(no process here has that pid now: another "
+                                                      "process still holds a copy of its lock descriptor"):
                 DeltaConsumer(root, "shared")
-            assert time.monotonic() - t0 >= 2.0  # it waited for the child first
+            assert time.monotonic() - t0 >= _DEAD_HOLDER_S  # it waited for that process first
     finally:
         if proc.poll() is None:
             proc.kill()
