@@ -10,11 +10,10 @@ something was written.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import time
-from typing import List, Optional
+from typing import List
 
 from persistent_delta.log.libc import libc
 
@@ -22,17 +21,6 @@ _IN_MODIFY = 0x00000002
 _IN_NONBLOCK = 0o4000
 _IN_CLOEXEC = 0o2000000
 _FALLBACK_STEP_S = 0.002
-_libc: Optional[ctypes.CDLL] = None
-
-
-def _load_libc() -> Optional[ctypes.CDLL]:
-    global _libc
-    if _libc is None:
-        found = libc()
-        if found is None or not hasattr(found, "inotify_init1"):  # inotify missing
-            return None
-        _libc = found
-    return _libc
 
 
 class FileWatch:
@@ -40,8 +28,8 @@ class FileWatch:
 
     def __init__(self, paths: List[str]) -> None:
         self._fd = -1
-        c = _load_libc()
-        if c is None:
+        c = libc()
+        if c is None or not hasattr(c, "inotify_init1"):  # inotify missing: wait by sleeping
             return
         fd = c.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
